@@ -1,0 +1,119 @@
+"""python benchmarks/codec_speed.py --numel 50000000
+
+Encode/decode speed of every wire format on one float32 tensor.
+
+For each format: median wall time over ``--repeats`` runs of ``encode_to_bytes`` (tensor
+-> wire bytes, what a rank sends) and ``decode_from_bytes`` (wire bytes -> float32,
+header check included), elements per second, and the time relative to ``x.clone()``
+of the same tensor measured in the same run (a memory-bandwidth yardstick: 1.0 means
+"as fast as one read + one write of the fp32 tensor"). Prints a table; ``--json PATH``
+also writes the numbers. Smoke run: ``--numel 100000 --repeats 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deepspeed_gift.formats import FORMAT_NAMES, get_format  # noqa: E402
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    def run(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _median(fn: Callable[[], object], repeats: int, timer) -> float:
+    timer(fn)  # warm-up: allocator, lazy init, kernel selection
+    return statistics.median(timer(fn) for _ in range(repeats))
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--numel", type=int, default=50_000_000, help="elements of the test tensor")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--formats", nargs="+", default=list(FORMAT_NAMES), choices=FORMAT_NAMES)
+    parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    timer = _timer(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.numel, generator=gen, device=device)
+
+    clone_s = _median(lambda: x.clone(), args.repeats, timer)
+    rows = []
+    for name in args.formats:
+        rounding = "nearest" if name == "fp32" else args.rounding
+        codec = get_format(name, rounding=rounding)
+        wire = codec.encode_to_bytes(x)
+        enc_s = _median(lambda: codec.encode_to_bytes(x), args.repeats, timer)
+        dec_s = _median(lambda: codec.decode_from_bytes(wire, x.shape), args.repeats, timer)
+        rows.append(
+            {
+                "format": name,
+                "rounding": rounding,
+                "block_size": codec.block_size,
+                "bytes_per_element": wire.numel() / args.numel,
+                "encode_ms": enc_s * 1e3,
+                "decode_ms": dec_s * 1e3,
+                "encode_gelem_s": args.numel / enc_s / 1e9,
+                "decode_gelem_s": args.numel / dec_s / 1e9,
+                "encode_vs_clone": enc_s / clone_s,
+                "decode_vs_clone": dec_s / clone_s,
+            }
+        )
+        del wire
+
+    print(
+        f"device={device} numel={args.numel} repeats={args.repeats} threads={torch.get_num_threads()} "
+        f"torch={torch.__version__} clone={clone_s * 1e3:.1f} ms"
+    )
+    head = f"{'format':<9} {'B/elem':>7} {'enc ms':>8} {'dec ms':>8} {'enc Ge/s':>9} {'dec Ge/s':>9} {'enc/clone':>9} {'dec/clone':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['format']:<9} {r['bytes_per_element']:>7.4f} {r['encode_ms']:>8.1f} {r['decode_ms']:>8.1f} "
+            f"{r['encode_gelem_s']:>9.3f} {r['decode_gelem_s']:>9.3f} {r['encode_vs_clone']:>9.2f} "
+            f"{r['decode_vs_clone']:>9.2f}"
+        )
+    if args.json is not None:
+        result = {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "numel": args.numel,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "rounding": args.rounding,
+            "clone_ms": clone_s * 1e3,
+            "formats": rows,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""deepspeed-gift: low-precision ZeRO-1/2 gradient communication in geometry-aware coordinates.
+
+Use ``deepspeed_gift.initialize`` where you called ``deepspeed.initialize``; the
+``"gift"`` block of ds_config.json says what to do (see README).
+"""
+
+__version__ = "0.1.0"
+
+from .config import GiftConfig, get_gift_config  # noqa: E402
+from .formats import FORMAT_NAMES, Codec, Payload, get_format  # noqa: E402
+from .geometry import CovarianceEMA, LowRankDiag, Whitener, fit_low_rank_diag, fit_whitener, make_whitener  # noqa: E402
+from .zero import GiftState, attach, initialize  # noqa: E402
+
+__all__ = [
+    # entry points
+    "initialize",
+    "attach",
+    "GiftState",
+    # configuration
+    "GiftConfig",
+    "get_gift_config",
+    # formats
+    "FORMAT_NAMES",
+    "Codec",
+    "Payload",
+    "get_format",
+    # geometry
+    "CovarianceEMA",
+    "LowRankDiag",
+    "Whitener",
+    "fit_low_rank_diag",
+    "fit_whitener",
+    "make_whitener",
+    "__version__",
+]

@@ -1,0 +1,228 @@
+"""Communication backends: byte exchange between data-parallel ranks. No math here.
+
+Two backends with one interface:
+
+* ``TorchComm``: ``torch.distributed`` on the data-parallel process group (gloo on CPU,
+  NCCL on GPU). Everything quantized travels as ``uint8`` (gloo rejects float8 dtypes).
+* ``MpiComm``: mpi4py (imported only when chosen), over a communicator holding the
+  same ranks as the data-parallel group. Host buffers; CUDA buffers are staged through
+  host memory unless the MPI library reports CUDA awareness.
+
+Every exchange records the bytes this rank sent to other ranks, by kind, so telemetry
+can report exactly what crossed the network.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+
+class Comm:
+    """Interface of a backend. ``rank``/``world_size`` are within the data-parallel group."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.bytes_sent: Dict[str, int] = collections.defaultdict(int)
+
+    rank: int
+    world_size: int
+
+    def all_to_all_bytes(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                         *, kind: str = "payload") -> torch.Tensor:
+        """Send ``send[sum(send_splits[:j]) : ...]`` to rank j; return what every rank sent
+        here, concatenated in rank order (``recv_splits[j]`` bytes from rank j)."""
+        raise NotImplementedError(f"{type(self).__name__}.all_to_all_bytes")
+
+    def all_reduce_sum(self, tensor: torch.Tensor, *, kind: str = "geometry") -> torch.Tensor:
+        """In-place sum over the group (float32 statistics, counters)."""
+        raise NotImplementedError(f"{type(self).__name__}.all_reduce_sum")
+
+    def all_reduce_max(self, tensor: torch.Tensor, *, kind: str = "control") -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.all_reduce_max")
+
+    def all_gather_bytes(self, blob: torch.Tensor, *, kind: str = "geometry") -> List[torch.Tensor]:
+        """Every rank contributes a 1-D uint8 tensor of any length; all get all, in rank order."""
+        raise NotImplementedError(f"{type(self).__name__}.all_gather_bytes")
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.bytes_sent[kind] += int(nbytes)
+
+    def take_bytes_sent(self) -> Dict[str, int]:
+        """Bytes sent since the last call, by kind (and reset)."""
+        out = dict(self.bytes_sent)
+        self.bytes_sent.clear()
+        return out
+
+
+class TorchComm(Comm):
+    name = "torch"
+
+    def __init__(self, group=None) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group=group)
+        self.world_size = dist.get_world_size(group=group)
+
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
+        send_splits = [int(s) for s in send_splits]
+        recv_splits = [int(s) for s in recv_splits]
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        if self.world_size == 1:
+            recv.copy_(send)
+            return recv
+        self._dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        self._count(kind, sum(send_splits) - send_splits[self.rank])
+        return recv
+
+    def all_reduce_sum(self, tensor, *, kind="geometry"):
+        if self.world_size > 1:
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self.group)
+            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
+        return tensor
+
+    def all_reduce_max(self, tensor, *, kind="control"):
+        if self.world_size > 1:
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group)
+            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
+        return tensor
+
+    def all_gather_bytes(self, blob, *, kind="geometry"):
+        if self.world_size == 1:
+            return [blob.clone()]
+        sizes = torch.tensor([blob.numel()], dtype=torch.int64, device=blob.device)
+        all_sizes = [torch.empty_like(sizes) for _ in range(self.world_size)]
+        self._dist.all_gather(all_sizes, sizes, group=self.group)
+        sizes_list = [int(s.item()) for s in all_sizes]
+        longest = max(sizes_list)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=blob.device)
+        padded[:blob.numel()].copy_(blob)
+        out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=blob.device)
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        gather(out, padded, group=self.group)
+        self._count(kind, longest * (self.world_size - 1))
+        return [out[j * longest:j * longest + n] for j, n in enumerate(sizes_list)]
+
+
+def _ring_allreduce_bytes(tensor: torch.Tensor, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce (reduce-scatter + all-gather)."""
+    return 2 * (world_size - 1) * tensor.numel() * tensor.element_size() // world_size
+
+
+class MpiComm(Comm):
+    name = "mpi"
+
+    def __init__(self, group_ranks: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
+        super().__init__()
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ValueError("gift.backend: got 'mpi' but mpi4py cannot be imported "
+                             f"({exc}); install the extra: pip install 'deepspeed-gift[mpi]', "
+                             "or use backend 'torch'") from None
+        self._MPI = MPI
+        world = MPI.COMM_WORLD
+        if group_ranks is None or len(group_ranks) == world.Get_size():
+            self.comm = world.Dup()
+        else:
+            ranks = sorted(int(r) for r in group_ranks)
+            # Every world rank must call Split; ranks outside this group get their own color.
+            color = ranks[0] if world.Get_rank() in ranks else MPI.UNDEFINED
+            self.comm = world.Split(color, world.Get_rank())
+        self.rank = self.comm.Get_rank()
+        self.world_size = self.comm.Get_size()
+        self._cuda_aware = _mpi_is_cuda_aware(MPI)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" or self._cuda_aware:
+            return t.contiguous()
+        return t.detach().to("cpu").contiguous()
+
+    def _buffer(self, t: torch.Tensor):
+        import numpy as np
+
+        if t.device.type == "cpu":
+            return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
+        return np.asarray(t)  # CUDA-aware MPI takes the device pointer via __cuda_array_interface__
+
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
+        send_splits = [int(s) for s in send_splits]
+        recv_splits = [int(s) for s in recv_splits]
+        host_send = self._host(send)
+        host_recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=host_send.device)
+        sdispl = _displacements(send_splits)
+        rdispl = _displacements(recv_splits)
+        self.comm.Alltoallv([host_send.numpy(), (send_splits, sdispl), self._MPI.BYTE],
+                            [host_recv.numpy(), (recv_splits, rdispl), self._MPI.BYTE])
+        self._count(kind, sum(send_splits) - send_splits[self.rank])
+        return host_recv.to(send.device)
+
+    def _allreduce(self, tensor, op):
+        if self.world_size == 1:
+            return tensor
+        host = self._host(tensor)
+        buf = self._buffer(host)
+        self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=op)
+        if host.data_ptr() != tensor.data_ptr():
+            tensor.copy_(host)
+        return tensor
+
+    def all_reduce_sum(self, tensor, *, kind="geometry"):
+        if tensor.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8):
+            raise TypeError(f"MpiComm.all_reduce_sum supports fp32/fp64/int tensors, got {tensor.dtype}")
+        self._allreduce(tensor, self._MPI.SUM)
+        if self.world_size > 1:
+            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
+        return tensor
+
+    def all_reduce_max(self, tensor, *, kind="control"):
+        self._allreduce(tensor, self._MPI.MAX)
+        if self.world_size > 1:
+            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
+        return tensor
+
+    def all_gather_bytes(self, blob, *, kind="geometry"):
+        host = self._host(blob)
+        sizes = self.comm.allgather(int(host.numel()))
+        out = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.comm.Allgatherv(host.numpy(), [out.numpy(), (sizes, _displacements(sizes)), self._MPI.BYTE])
+        self._count(kind, host.numel() * (self.world_size - 1))
+        offsets = _displacements(sizes)
+        return [out[o:o + n].to(blob.device) for o, n in zip(offsets, sizes)]
+
+
+def _displacements(sizes: Sequence[int]) -> List[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _mpi_is_cuda_aware(MPI) -> bool:
+    try:
+        query = getattr(MPI, "Query_cuda_support", None)
+        return bool(query()) if query is not None else False
+    except Exception:  # an MPI without the extension query: assume host buffers only
+        return False
+
+
+def make_comm(backend: str, *, group=None) -> Comm:
+    """The backend named by ``gift.backend`` over DeepSpeed's data-parallel group."""
+    if backend == "torch":
+        return TorchComm(group)
+    if backend == "mpi":
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        return MpiComm(ranks)
+    raise ValueError(f"gift.backend: got {backend!r}; allowed: 'torch', 'mpi'")
+
+
+__all__ = ["Comm", "TorchComm", "MpiComm", "make_comm"]

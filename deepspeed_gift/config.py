@@ -1,0 +1,212 @@
+"""The ``"gift"`` block of ds_config.json: one validated model.
+
+Built on DeepSpeed's own ``DeepSpeedConfigModel`` (unknown keys are rejected), in
+pydantic's strict mode so that ``"32"`` is not quietly read as ``32`` and ``1`` is not
+read as ``true``. Every error is re-raised as a ``ValueError`` whose message names the
+key path (``gift.geometry.rank``), the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Literal, Optional, Union
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+GIFT_KEY = "gift"
+
+FormatName = Literal["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
+FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32")
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+BLOCK_FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4")
+PASSTHROUGH_FORMATS = ("bf16", "fp32")
+DEFAULT_BLOCK_SIZE = {"fp8_e4m3": 128, "fp8_e5m2": 128, "int8": 128, "int4": 128, "nvfp4": 16}
+NVFP4_BLOCK = 16
+E8M0_BLOCK = 32
+
+
+class _GiftModel(DeepSpeedConfigModel):
+    model_config = ConfigDict(strict=True)
+
+
+class GeometryConfig(_GiftModel):
+    """How gradients are moved into geometry-aware coordinates before quantization."""
+
+    kind: Literal["kfac_input", "identity", "hadamard"] = "kfac_input"
+    """``kfac_input``: whitening by the layer's input covariance (GIFT); ``identity``:
+    Euclidean baseline; ``hadamard``: seeded random-sign Hadamard rotation."""
+
+    rank: int = Field(32, ge=1)
+    """Number of leading eigen-directions kept in the low-rank + diagonal fit."""
+
+    damping: float = Field(1e-3, gt=0.0)
+    """Floor of the residual diagonal ``d`` (keeps ``S`` bounded)."""
+
+    refresh_interval: int = Field(50, ge=1)
+    """Steps between re-fits of the factors."""
+
+    collect_interval: int = Field(10, ge=1)
+    """Input statistics are collected on every ``collect_interval``-th step (and on the
+    step before each refresh); collecting costs O(tokens * in^2) per layer."""
+
+    stats_decay: float = Field(0.95, ge=0.0, lt=1.0)
+    """EMA decay of the input second moment ``E[x x^T]``."""
+
+    factor_decay: float = Field(0.95, ge=0.0, lt=1.0)
+    """Smoothing across refreshes: the fit sees ``factor_decay * A_hat_prev +
+    (1 - factor_decay) * A_stats``."""
+
+    solver: Literal["structured", "cholesky"] = "structured"
+    """``structured``: O(out*in*r) whitening with exact inverse; ``cholesky``: the
+    published dense form, O(out*in^2), kept for comparison."""
+
+    method: Literal["auto", "eigh", "randomized"] = "auto"
+    """Eigen-solver for the fit: exact ``eigh`` for small layers, randomized subspace
+    iteration for large ones (``auto`` picks by width)."""
+
+
+class SelectionConfig(_GiftModel):
+    """How ``layers: "auto"`` picks the layers that take the geometry branch."""
+
+    min_gain: float = Field(0.05, ge=0.0, lt=1.0)
+    """A layer is selected when geometry lowers its measured round-trip error by at
+    least this fraction relative to Euclidean."""
+
+    max_layers: Optional[int] = Field(None, ge=1)
+    """Keep at most this many layers (highest gain per transform FLOP first)."""
+
+
+class TelemetryConfig(_GiftModel):
+    """What is measured and where it goes."""
+
+    every: int = Field(50, ge=0)
+    """Every this many steps: sampled fidelity check and saturation counts (0 = never)."""
+
+    fidelity: bool = True
+    """Compare the low-precision reduction with an exact one on sampled steps."""
+
+    jsonl: Optional[str] = None
+    """Path of a JSONL file (one record per step, rank 0); none = no file."""
+
+    monitor: bool = True
+    """Also write to DeepSpeed's monitor (tensorboard/csv/wandb) when configured."""
+
+
+class GiftConfig(_GiftModel):
+    """The ``"gift"`` block. A missing block means GIFT is off; a present block is on
+    unless it says ``"enabled": false``."""
+
+    enabled: bool = True
+    format: FormatName = "fp8_e4m3"
+    block_size: Optional[int] = Field(None, ge=0)
+    """Elements per scale; ``null`` = the format's default (fp8/int: 128, nvfp4: 16);
+    ``0`` = one scale per chunk (fp8/int only)."""
+
+    scale: Literal["fp32", "e8m0"] = "fp32"
+    """Scale encoding: fp32 per block, or power-of-two E8M0 per 32 (fp8 only)."""
+
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    backend: Literal["torch", "mpi"] = "torch"
+    geometry: GeometryConfig = Field(default_factory=GeometryConfig)
+    layers: Union[Literal["auto", "all"], List[str]] = "auto"
+    """``auto``: measured per-layer selection; ``all``: every eligible linear layer; or a
+    list of glob patterns over module names (``"*.mlp.*"``)."""
+
+    selection: SelectionConfig = Field(default_factory=SelectionConfig)
+    others: Literal["euclidean", "bf16", "fp32"] = "euclidean"
+    """What happens to gradients outside the geometry branch: quantized in Euclidean
+    coordinates with the same format, or sent at bf16/fp32."""
+
+    error_feedback: bool = False
+    start_step: int = Field(0, ge=0)
+    """Steps run on DeepSpeed's native reduction before GIFT takes over."""
+
+    seed: int = Field(0, ge=0)
+    """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""
+
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self):
+        fmt, block = self.format, self.block_size
+        if fmt in PASSTHROUGH_FORMATS and block not in (None, 0):
+            raise ValueError(f"gift.block_size: got {block}; format '{fmt}' has no scales, "
+                             "leave block_size unset (null)")
+        if fmt == "nvfp4" and block not in (None, NVFP4_BLOCK):
+            raise ValueError(f"gift.block_size: got {block}; format 'nvfp4' needs block_size {NVFP4_BLOCK}")
+        if self.scale == "e8m0":
+            if fmt not in FP8_FORMATS:
+                raise ValueError(f"gift.scale: got 'e8m0' with format '{fmt}'; E8M0 scales are for "
+                                 f"{list(FP8_FORMATS)} only")
+            if block not in (None, E8M0_BLOCK):
+                raise ValueError(f"gift.block_size: got {block}; scale 'e8m0' needs block_size {E8M0_BLOCK}")
+        if fmt in PASSTHROUGH_FORMATS and self.rounding == "stochastic":
+            raise ValueError(f"gift.rounding: got 'stochastic' with format '{fmt}'; "
+                             "stochastic rounding applies to quantized formats only")
+        if isinstance(self.layers, list):
+            if not self.layers or not all(isinstance(p, str) and p for p in self.layers):
+                raise ValueError(f"gift.layers: got {self.layers!r}; allowed: 'auto', 'all' or a "
+                                 "non-empty list of non-empty glob patterns")
+        return self
+
+    @property
+    def effective_block_size(self) -> int:
+        """The block size the codec uses (format defaults resolved)."""
+        if self.format in PASSTHROUGH_FORMATS:
+            return 0
+        if self.block_size is not None:
+            return self.block_size
+        if self.scale == "e8m0":
+            return E8M0_BLOCK
+        return DEFAULT_BLOCK_SIZE[self.format]
+
+    def fingerprint(self) -> str:
+        """Canonical JSON of every setting; ranks compare it before training starts."""
+        return json.dumps(self.model_dump(), sort_keys=True, default=str)
+
+
+def _format_error(err: dict) -> str:
+    path = ".".join([GIFT_KEY] + [str(p) for p in err["loc"]])
+    msg = err["msg"]
+    if err["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        if msg.startswith(GIFT_KEY + "."):
+            return msg
+    if err["type"] == "extra_forbidden":
+        allowed = _known_keys(_model_at(err["loc"][:-1]))
+        return f"{path}: unknown key (value {err['input']!r}); allowed keys here: {allowed}"
+    return f"{path}: got {err['input']!r}; {msg}"
+
+
+def _known_keys(model: type) -> List[str]:
+    return sorted(model.model_fields)
+
+
+def _model_at(loc: tuple) -> type:
+    """The sub-model that a pydantic error location points into."""
+    model = GiftConfig
+    for key in loc:
+        field = model.model_fields.get(str(key))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, _GiftModel)):
+            break
+        model = annotation
+    return model
+
+
+def get_gift_config(ds_config: dict) -> GiftConfig:
+    """Read the ``gift`` block of a DeepSpeed config dict (a missing block = disabled)."""
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"ds_config: expected a dict, got {type(ds_config).__name__}")
+    if GIFT_KEY not in ds_config:
+        return GiftConfig(strict=True, enabled=False)
+    block = ds_config[GIFT_KEY]
+    if not isinstance(block, dict):
+        raise ValueError(f"{GIFT_KEY}: got {block!r}; expected an object like "
+                         f"{{\"enabled\": true, \"format\": \"fp8_e4m3\"}} with keys {_known_keys(GiftConfig)}")
+    try:
+        return GiftConfig(strict=True, **block)
+    except ValidationError as exc:
+        lines = [_format_error(e) for e in exc.errors()]
+        raise ValueError("invalid gift config:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,686 @@
+"""Input-side gradient geometry: statistics, low-rank factors, whitening transforms.
+
+For a linear layer with input activations ``x`` (``in`` features) and weight gradient
+``G`` (``out x in``):
+
+* :class:`CovarianceEMA` tracks ``A = E[x x^T]`` (batch second moments smoothed by an EMA).
+* :func:`fit_low_rank_diag` approximates ``A_hat = U diag(lam) U^T + diag(d)`` (top-``rank``
+  eigenpairs plus the clamped residual diagonal).
+* A :class:`Whitener` holds a linear map ``S`` with ``S^T A_hat S = I``; ``apply`` sends
+  ``G -> Z = G S`` and ``invert`` maps back ``Z -> G = Z S^{-1}``. Both act row by row with
+  the same ``S``, so any subset of a layer's rows can be transformed on its own.
+
+Pure tensor math: no ``torch.distributed``, no DeepSpeed. Every random choice uses an
+explicitly seeded CPU generator, so identical inputs give identical bits on every rank.
+Factors are fitted in float64 (see :func:`fit_low_rank_diag`) and stored in float32;
+transforms compute in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    # statistics
+    "CovarianceEMA",
+    "second_moment",
+    # low-rank + diagonal factors
+    "LowRankDiag",
+    "fit_low_rank_diag",
+    "low_rank_to_dense",
+    "blend_low_rank",
+    "AUTO_EIGH_MAX_DIM",
+    "FIT_METHODS",
+    # whiteners
+    "Whitener",
+    "StructuredWhitener",
+    "CholeskyWhitener",
+    "HadamardWhitener",
+    "IdentityWhitener",
+    "WHITENER_KINDS",
+    "SOLVERS",
+    # entry points
+    "fit_whitener",
+    "make_whitener",
+    "whitener_from_low_rank",
+    "whitener_from_tensors",
+]
+
+# Above this input dimension "auto" switches from exact eigh (O(in^3)) to the randomized
+# range finder (O(in^2 r)); below it eigh is both exact and cheap enough.
+AUTO_EIGH_MAX_DIM = 1024
+FIT_METHODS = ("auto", "eigh", "randomized")
+SOLVERS = ("structured", "cholesky")
+
+# Factor fitting runs in float64: the residual diagonal diag(A) - diag(U lam U^T) is a
+# difference of nearly equal numbers along the dominant directions, and the eigenvalues of
+# activation covariances span many orders of magnitude.
+_FIT_DTYPE = torch.float64
+_FACTOR_DTYPE = torch.float32
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@torch.no_grad()
+def second_moment(x: Tensor) -> Tensor:
+    """Batch second moment ``x^T x / n`` in float32, for ``x`` of shape ``(..., dim)``.
+
+    All leading dimensions are flattened into ``n`` samples. The result is what
+    :meth:`CovarianceEMA.update_from_moment` expects, so the caller may average it over
+    data-parallel ranks first.
+    """
+    if x.dim() == 0:
+        raise ValueError("second_moment expects x of shape (..., dim), got a scalar")
+    dim = x.shape[-1]
+    rows = x.detach().reshape(-1, dim).to(torch.float32)
+    n = rows.shape[0]
+    if n == 0:
+        raise ValueError(f"second_moment needs at least one sample, got x of shape {tuple(x.shape)}")
+    return (rows.T @ rows).div_(n)
+
+
+class CovarianceEMA:
+    """Exponential moving average of the input second moment ``A = E[x x^T]``.
+
+    The first update sets the average directly; later ones blend
+    ``A <- decay * A + (1 - decay) * M``. The average is float32 and lives on ``device``
+    (or, when ``device`` is None, on the device of the first moment it sees).
+    """
+
+    def __init__(self, dim: int, *, decay: float, device: torch.device | str | None = None):
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"CovarianceEMA dim must be a positive int, got {dim!r}")
+        if not (0.0 <= float(decay) < 1.0):
+            raise ValueError(f"CovarianceEMA decay must be in [0, 1), got {decay!r}")
+        self.dim = dim
+        self.decay = float(decay)
+        self.device = torch.device(device) if device is not None else None
+        self.count = 0
+        self._value: Tensor | None = None
+
+    def update(self, x: Tensor) -> None:
+        """Fold in a batch of inputs ``x`` of shape ``(..., dim)`` (any float dtype)."""
+        if x.shape[-1:] != (self.dim,):
+            raise ValueError(f"CovarianceEMA expects inputs of shape (..., {self.dim}), got {tuple(x.shape)}")
+        self.update_from_moment(second_moment(x))
+
+    @torch.no_grad()
+    def update_from_moment(self, moment: Tensor) -> None:
+        """Fold in a precomputed batch moment (e.g. :func:`second_moment` averaged over ranks)."""
+        if moment.shape != (self.dim, self.dim):
+            raise ValueError(
+                f"CovarianceEMA expects a moment of shape ({self.dim}, {self.dim}), got {tuple(moment.shape)}"
+            )
+        if self.device is None:
+            self.device = moment.device
+        m = moment.detach().to(device=self.device, dtype=torch.float32)
+        if self._value is None:
+            self._value = m.clone()
+        else:
+            self._value.mul_(self.decay).add_(m, alpha=1.0 - self.decay)
+        self.count += 1
+
+    def value(self) -> Tensor:
+        """The current average ``(dim, dim)`` float32. Read-only: it is the internal buffer."""
+        if self._value is None:
+            raise RuntimeError("CovarianceEMA.value() called before any update")
+        return self._value
+
+    def state_dict(self) -> dict:
+        return {"dim": self.dim, "count": self.count, "value": self._value}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["dim"] != self.dim:
+            raise ValueError(f"CovarianceEMA state has dim {state['dim']}, this tracker has dim {self.dim}")
+        value = state["value"]
+        if value is None:
+            self._value = None
+        else:
+            if self.device is None:
+                self.device = value.device
+            self._value = value.detach().to(device=self.device, dtype=torch.float32).clone()
+        self.count = int(state["count"])
+
+
+# --------------------------------------------------------------- low-rank + diagonal fit
+
+
+@dataclass
+class LowRankDiag:
+    """``A_hat = U diag(lam) U^T + diag(d)``: ``U`` (in x r) orthonormal, ``lam >= 0``, ``d >= damping``."""
+
+    U: Tensor
+    lam: Tensor
+    d: Tensor
+
+    def __post_init__(self):
+        if self.U.dim() != 2 or self.lam.shape != (self.U.shape[1],) or self.d.shape != (self.U.shape[0],):
+            raise ValueError(
+                "LowRankDiag expects U (in, r), lam (r,), d (in,), got "
+                f"U {tuple(self.U.shape)}, lam {tuple(self.lam.shape)}, d {tuple(self.d.shape)}"
+            )
+
+    @property
+    def dim(self) -> int:
+        return self.U.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.U.shape[1]
+
+
+def low_rank_to_dense(lrd: LowRankDiag) -> Tensor:
+    """The dense ``(in, in)`` float32 matrix ``U diag(lam) U^T + diag(d)``."""
+    U = lrd.U.to(_FIT_DTYPE)
+    dense = (U * lrd.lam.to(_FIT_DTYPE)) @ U.T
+    dense.diagonal().add_(lrd.d.to(_FIT_DTYPE))
+    return dense.to(_FACTOR_DTYPE)
+
+
+def blend_low_rank(prev: LowRankDiag | None, A_new: Tensor, *, factor_decay: float) -> Tensor:
+    """Matrix to fit at a refresh when factors are smoothed across refreshes.
+
+    ``factor_decay * A_hat_prev + (1 - factor_decay) * A_new``, or ``A_new`` when there
+    is no previous fit. Returns a dense float32 matrix; pass it to :func:`fit_low_rank_diag`.
+    """
+    if not (0.0 <= float(factor_decay) <= 1.0):
+        raise ValueError(f"factor_decay must be in [0, 1], got {factor_decay!r}")
+    if prev is None:
+        return A_new.to(_FACTOR_DTYPE)
+    if prev.dim != A_new.shape[-1]:
+        raise ValueError(f"blend_low_rank: previous factors have dim {prev.dim}, new matrix {tuple(A_new.shape)}")
+    prev_dense = low_rank_to_dense(prev).to(A_new.device)
+    return prev_dense.mul_(factor_decay).add_(A_new.to(_FACTOR_DTYPE), alpha=1.0 - factor_decay)
+
+
+def _check_rank(rank: int, dim: int) -> None:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    if rank > dim:
+        raise ValueError(f"rank {rank} exceeds the layer input dimension {dim}")
+
+
+def _top_eigh(A: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    evals, evecs = torch.linalg.eigh(A)
+    # eigh sorts ascending; keep the largest `rank`, largest first.
+    return evals.flip(0)[:rank], evecs.flip(1)[:, :rank]
+
+
+def _top_randomized(A: Tensor, rank: int, *, seed: int, oversample: int, iters: int) -> tuple[Tensor, Tensor]:
+    dim = A.shape[0]
+    k = min(rank + oversample, dim)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    omega = torch.randn(dim, k, generator=gen, dtype=A.dtype).to(A.device)
+    Q, _ = torch.linalg.qr(A @ omega)
+    for _ in range(iters):
+        # re-orthonormalize every power step, otherwise the small directions drown in rounding.
+        Q, _ = torch.linalg.qr(A @ Q)
+    T = Q.T @ (A @ Q)
+    T = 0.5 * (T + T.T)
+    evals, W = _top_eigh(T, rank)
+    return evals, Q @ W
+
+
+@torch.no_grad()
+def fit_low_rank_diag(
+    A: Tensor,
+    *,
+    rank: int,
+    damping: float,
+    method: str = "auto",
+    seed: int = 0,
+    oversample: int = 8,
+    iters: int = 2,
+) -> LowRankDiag:
+    """Top-``rank`` eigenpairs of ``A`` plus the residual diagonal, clamped at ``damping``.
+
+    ``method``: ``"eigh"`` (exact, O(in^3)), ``"randomized"`` (range finder with
+    ``oversample`` extra columns and ``iters`` power steps, O(in^2 (rank + oversample))),
+    ``"auto"`` (eigh up to :data:`AUTO_EIGH_MAX_DIM`, randomized above). The fit runs in
+    float64 on ``A``'s device and returns float32 factors there. Eigenvalues are clamped
+    at 0. Deterministic: the randomized test matrix comes from a CPU generator seeded
+    with ``seed``.
+    """
+    if A.dim() != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"fit_low_rank_diag expects a square matrix, got shape {tuple(A.shape)}")
+    dim = A.shape[0]
+    _check_rank(rank, dim)
+    if not (math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a positive finite number, got {damping!r}")
+    if method not in FIT_METHODS:
+        raise ValueError(f"method {method!r} not in allowed values {list(FIT_METHODS)}")
+    if oversample < 0 or iters < 0:
+        raise ValueError(f"oversample and iters must be >= 0, got oversample={oversample}, iters={iters}")
+    if not bool(torch.isfinite(A).all()):
+        raise ValueError("fit_low_rank_diag: A contains non-finite values")
+
+    A64 = A.detach().to(_FIT_DTYPE)
+    A64 = 0.5 * (A64 + A64.T)
+    if method == "auto":
+        method = "eigh" if dim <= AUTO_EIGH_MAX_DIM else "randomized"
+    if rank == 0:
+        lam = A64.new_zeros(0)
+        U = A64.new_zeros(dim, 0)
+    elif method == "eigh":
+        lam, U = _top_eigh(A64, rank)
+    else:
+        lam, U = _top_randomized(A64, rank, seed=seed, oversample=oversample, iters=iters)
+    lam = lam.clamp(min=0.0)
+    d = (A64.diagonal() - (U * U) @ lam).clamp(min=damping)
+    return LowRankDiag(U=U.to(_FACTOR_DTYPE), lam=lam.to(_FACTOR_DTYPE), d=d.to(_FACTOR_DTYPE))
+
+
+# ---------------------------------------------------------------------------- whiteners
+
+
+class Whitener:
+    """A fixed invertible linear map ``S`` applied to gradient rows.
+
+    ``apply(G) = G S`` and ``invert(Z) = Z S^{-1}`` for ``G`` of shape ``(..., dim)``; every
+    row uses the same ``S``, so a subset of rows transforms exactly like the same rows of
+    the whole. Compute is float32 (bf16/fp16 inputs are upcast); outputs are new float32
+    tensors on the input's device. ``to_tensors`` / ``from_tensors`` carry the factors
+    (all float32) so one rank can broadcast them and every rank holds bit-identical maps;
+    ``tensor_shapes(dim, rank)`` tells receivers what to allocate.
+    """
+
+    kind: str = ""
+
+    def __init__(self, dim: int, *, version: int = 0):
+        self.dim = int(dim)
+        self.version = int(version)
+
+    # -- subclass hooks
+    def _apply_rows(self, g: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _apply_rows")
+
+    def _invert_rows(self, z: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _invert_rows")
+
+    def to_tensors(self) -> list[Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement to_tensors")
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor], *, version: int = 0) -> Whitener:
+        raise NotImplementedError(f"{cls.__name__} does not implement from_tensors")
+
+    @classmethod
+    def tensor_shapes(cls, dim: int, rank: int = 0) -> list[tuple[int, ...]]:
+        raise NotImplementedError(f"{cls.__name__} does not implement tensor_shapes")
+
+    # -- public API
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def apply(self, G: Tensor) -> Tensor:
+        """``Z = G S`` row-wise; float32 result of ``G``'s shape."""
+        return self._rowwise(G, self._apply_rows)
+
+    def invert(self, Z: Tensor) -> Tensor:
+        """``G = Z S^{-1}`` row-wise; float32 result of ``Z``'s shape."""
+        return self._rowwise(Z, self._invert_rows)
+
+    def metadata_nbytes(self) -> int:
+        """Bytes of :meth:`to_tensors`, i.e. what a factor broadcast puts on the wire."""
+        return sum(t.numel() * t.element_size() for t in self.to_tensors())
+
+    def to(self, device: torch.device | str) -> Whitener:
+        """A copy with the factors on ``device`` (apply moves them per call otherwise)."""
+        return self._rebuild([t.to(device) for t in self.to_tensors()])
+
+    def dense_matrix(self) -> Tensor:
+        """``S`` as a dense ``(dim, dim)`` matrix (``apply`` of the identity). Tests/diagnostics only."""
+        return self.apply(torch.eye(self.dim, device=self._device()))
+
+    def dense_inverse(self) -> Tensor:
+        """``S^{-1}`` as a dense ``(dim, dim)`` matrix. Tests/diagnostics only."""
+        return self.invert(torch.eye(self.dim, device=self._device()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim}, rank={self.rank}, version={self.version})"
+
+    # -- helpers
+    def _rebuild(self, tensors: list[Tensor]) -> Whitener:
+        return type(self).from_tensors(tensors, version=self.version)
+
+    def _device(self) -> torch.device:
+        tensors = self.to_tensors()
+        return tensors[0].device if tensors else torch.device("cpu")
+
+    def _rowwise(self, X: Tensor, fn) -> Tensor:
+        if X.dim() == 0 or X.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__} expects rows of length {self.dim}, got shape {tuple(X.shape)}")
+        if not X.is_floating_point():
+            raise ValueError(f"{type(self).__name__} expects a floating-point tensor, got {X.dtype}")
+        rows = X.reshape(-1, self.dim).to(torch.float32)
+        return fn(rows).reshape(X.shape)
+
+
+def _check_tensor_count(cls, tensors: Sequence[Tensor], n: int) -> None:
+    if len(tensors) != n:
+        raise ValueError(f"{cls.__name__}.from_tensors expects {n} tensors, got {len(tensors)}")
+
+
+class StructuredWhitener(Whitener):
+    """``S = D^{-1/2} (I + V diag(shrink - 1) V^T)``, ``S^{-1} = (I + V diag(expand) V^T) D^{1/2}``.
+
+    From ``B = D^{-1/2} U diag(lam)^{1/2} = V diag(s) P^T``: ``shrink = (1+s^2)^{-1/2}`` and
+    ``expand = (1+s^2)^{1/2} - 1``. Then ``D^{-1/2} A_hat D^{-1/2} = I + V diag(s^2) V^T`` and
+    ``S^T A_hat S = I``. Apply and invert cost O(rows * in * r); no ``in x in`` matrix
+    is ever formed, neither here nor when the factors are built.
+    Wire tensors: ``[d_inv_sqrt (in,), d_sqrt (in,), V (in, r), shrink (r,), expand (r,)]``.
+    """
+
+    kind = "structured"
+
+    def __init__(
+        self, *, d_inv_sqrt: Tensor, d_sqrt: Tensor, V: Tensor, shrink: Tensor, expand: Tensor, version: int = 0
+    ):
+        if V.dim() != 2:
+            raise ValueError(f"StructuredWhitener expects V of shape (in, r), got {tuple(V.shape)}")
+        dim, r = V.shape
+        shapes = [tuple(t.shape) for t in (d_inv_sqrt, d_sqrt, V, shrink, expand)]
+        if shapes != self.tensor_shapes(dim, r):
+            raise ValueError(
+                "StructuredWhitener expects d_inv_sqrt (in,), d_sqrt (in,), V (in, r), shrink (r,), expand (r,), "
+                f"got {shapes}"
+            )
+        super().__init__(dim, version=version)
+        self.d_inv_sqrt, self.d_sqrt, self.V, self.shrink, self.expand = (
+            t.to(_FACTOR_DTYPE) for t in (d_inv_sqrt, d_sqrt, V, shrink, expand)
+        )
+
+    @classmethod
+    @torch.no_grad()
+    def from_low_rank(cls, lrd: LowRankDiag, *, version: int = 0) -> StructuredWhitener:
+        d = lrd.d.to(_FIT_DTYPE)
+        if not bool((d > 0).all()):
+            raise ValueError("StructuredWhitener needs a strictly positive diagonal d (fit with damping > 0)")
+        d_inv_sqrt = d.rsqrt()
+        if lrd.rank == 0:
+            V = d.new_zeros(lrd.dim, 0)
+            s2 = d.new_zeros(0)
+        else:
+            B = lrd.U.to(_FIT_DTYPE) * lrd.lam.to(_FIT_DTYPE).clamp(min=0).sqrt() * d_inv_sqrt[:, None]
+            V, s, _ = torch.linalg.svd(B, full_matrices=False)
+            s2 = s * s
+        root = torch.sqrt(1.0 + s2)
+        # s^2 / (1 + root) is (1+s^2)^{1/2} - 1 without cancellation for small s.
+        return cls(d_inv_sqrt=d_inv_sqrt, d_sqrt=d.sqrt(), V=V, shrink=1.0 / root, expand=s2 / (1.0 + root), version=version)
+
+    @property
+    def rank(self) -> int:
+        return self.V.shape[1]
+
+    def _apply_rows(self, g: Tensor) -> Tensor:
+        dev = g.device
+        V = self.V.to(dev)
+        gp = g * self.d_inv_sqrt.to(dev)
+        coef = gp @ V
+        # Z = P + coef * shrink V^T with P = gp - coef V^T the part of gp off span(V). When the
+        # top directions dominate, P is a small difference of large numbers; the second
+        # projection removes the rounding that P keeps along V, which invert would multiply
+        # by up to (1+s^2)^{1/2}. One pass would give round-trip error ~ eps * max(s).
+        P = torch.addmm(gp, coef, V.T, alpha=-1.0)
+        coef.mul_(self.shrink.to(dev)).sub_(P @ V)
+        return torch.addmm(P, coef, V.T)
+
+    def _invert_rows(self, z: Tensor) -> Tensor:
+        dev = z.device
+        V = self.V.to(dev)
+        return torch.addmm(z, (z @ V).mul_(self.expand.to(dev)), V.T).mul_(self.d_sqrt.to(dev))
+
+    def to_tensors(self) -> list[Tensor]:
+        return [self.d_inv_sqrt, self.d_sqrt, self.V, self.shrink, self.expand]
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor], *, version: int = 0) -> StructuredWhitener:
+        _check_tensor_count(cls, tensors, 5)
+        d_inv_sqrt, d_sqrt, V, shrink, expand = tensors
+        return cls(d_inv_sqrt=d_inv_sqrt, d_sqrt=d_sqrt, V=V, shrink=shrink, expand=expand, version=version)
+
+    @classmethod
+    def tensor_shapes(cls, dim: int, rank: int = 0) -> list[tuple[int, ...]]:
+        return [(dim,), (dim,), (dim, rank), (rank,), (rank,)]
+
+
+class CholeskyWhitener(Whitener):
+    """The published form: ``A_hat = L L^T``, ``S = L^{-T}``; dense, O(rows * in^2) per call.
+
+    Kept for comparison with :class:`StructuredWhitener`. Wire tensors: ``[L (in, in)]``.
+    """
+
+    kind = "cholesky"
+
+    def __init__(self, *, L: Tensor, version: int = 0):
+        if L.dim() != 2 or L.shape[0] != L.shape[1]:
+            raise ValueError(f"CholeskyWhitener expects a square lower-triangular L, got shape {tuple(L.shape)}")
+        super().__init__(L.shape[0], version=version)
+        self.L = L.to(_FACTOR_DTYPE)
+
+    @classmethod
+    @torch.no_grad()
+    def from_low_rank(cls, lrd: LowRankDiag, *, version: int = 0) -> CholeskyWhitener:
+        U = lrd.U.to(_FIT_DTYPE)
+        A_hat = (U * lrd.lam.to(_FIT_DTYPE)) @ U.T
+        A_hat.diagonal().add_(lrd.d.to(_FIT_DTYPE))
+        return cls(L=torch.linalg.cholesky(A_hat), version=version)
+
+    def _apply_rows(self, g: Tensor) -> Tensor:
+        L = self.L.to(g.device)
+        # Z L^T = G with L^T upper triangular.
+        return torch.linalg.solve_triangular(L.T, g, upper=True, left=False)
+
+    def _invert_rows(self, z: Tensor) -> Tensor:
+        return z @ self.L.to(z.device).T
+
+    def to_tensors(self) -> list[Tensor]:
+        return [self.L]
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor], *, version: int = 0) -> CholeskyWhitener:
+        _check_tensor_count(cls, tensors, 1)
+        return cls(L=tensors[0], version=version)
+
+    @classmethod
+    def tensor_shapes(cls, dim: int, rank: int = 0) -> list[tuple[int, ...]]:
+        return [(dim, dim)]
+
+
+def _fwht(x: Tensor) -> Tensor:
+    """Unnormalized Walsh-Hadamard transform (Sylvester order) along the last dim, a power of two."""
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        x = x.reshape(*lead, n // (2 * h), 2, h)
+        lo, hi = x[..., 0, :], x[..., 1, :]
+        x = torch.stack((lo + hi, lo - hi), dim=-2)
+        h *= 2
+    return x.reshape(*lead, n)
+
+
+def _hadamard_segments(dim: int, block: int | None) -> list[tuple[int, int, int]]:
+    """``(start, size, count)`` runs of power-of-two blocks that tile ``[0, dim)``.
+
+    With ``block`` the bulk is ``dim // block`` blocks of that size; what is left (or all
+    of ``dim`` when ``block`` is None) is split by its binary digits, largest first.
+    """
+    segments = []
+    start = 0
+    if block is not None:
+        count = dim // block
+        if count:
+            segments.append((0, block, count))
+            start = block * count
+    rest = dim - start
+    size = 1 << max(rest.bit_length() - 1, 0)
+    while rest:
+        if rest & size:
+            segments.append((start, size, 1))
+            start += size
+            rest -= size
+        size >>= 1
+    return segments
+
+
+class HadamardWhitener(Whitener):
+    """Random-sign block Hadamard rotation ``S = diag(signs) H``, orthonormal, ``S^{-1} = S^T``.
+
+    ``H`` is block diagonal with normalized Walsh-Hadamard blocks tiling ``dim`` (see
+    :func:`_hadamard_segments`: power-of-two blocks, so any ``dim`` works). Signs come from
+    a CPU generator seeded with ``seed``, so every rank builds the same map without
+    communication. Applied with a fast transform, O(rows * in * log block).
+    Wire tensors: ``[signs (in,)]``; the block layout is not on the wire (pass ``block``).
+    """
+
+    kind = "hadamard"
+
+    def __init__(self, dim: int, *, seed: int, block: int | None = None, device=None, version: int = 0):
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(int(seed))
+        signs = torch.randint(0, 2, (int(dim),), generator=gen).mul_(2).sub_(1).to(_FACTOR_DTYPE)
+        self._setup(signs.to(device) if device is not None else signs, block, version)
+
+    def _setup(self, signs: Tensor, block: int | None, version: int) -> None:
+        if signs.dim() != 1 or signs.numel() < 1:
+            raise ValueError(f"HadamardWhitener expects a non-empty 1-D signs tensor, got shape {tuple(signs.shape)}")
+        if block is not None and (not isinstance(block, int) or block < 1 or block & (block - 1)):
+            raise ValueError(f"HadamardWhitener block must be a power of two or None, got {block!r}")
+        Whitener.__init__(self, signs.numel(), version=version)
+        self.signs = signs.to(_FACTOR_DTYPE)
+        self.block = block
+        self.segments = _hadamard_segments(self.dim, block)
+
+    def _transform(self, x: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        rows = x.shape[0]
+        for start, size, count in self.segments:
+            stop = start + size * count
+            seg = x[:, start:stop].reshape(rows, count, size)
+            out[:, start:stop] = _fwht(seg).reshape(rows, size * count).mul_(1.0 / math.sqrt(size))
+        return out
+
+    def _apply_rows(self, g: Tensor) -> Tensor:
+        return self._transform(g * self.signs.to(g.device))
+
+    def _invert_rows(self, z: Tensor) -> Tensor:
+        return self._transform(z).mul_(self.signs.to(z.device))
+
+    def to_tensors(self) -> list[Tensor]:
+        return [self.signs]
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor], *, block: int | None = None, version: int = 0) -> HadamardWhitener:
+        _check_tensor_count(cls, tensors, 1)
+        obj = cls.__new__(cls)
+        obj._setup(tensors[0], block, version)
+        return obj
+
+    def _rebuild(self, tensors: list[Tensor]) -> Whitener:
+        return type(self).from_tensors(tensors, block=self.block, version=self.version)
+
+    @classmethod
+    def tensor_shapes(cls, dim: int, rank: int = 0) -> list[tuple[int, ...]]:
+        return [(dim,)]
+
+
+class IdentityWhitener(Whitener):
+    """``S = I``: the Euclidean baseline. ``apply``/``invert`` return float32 copies."""
+
+    kind = "identity"
+
+    def _apply_rows(self, g: Tensor) -> Tensor:
+        return g.clone()
+
+    def _invert_rows(self, z: Tensor) -> Tensor:
+        return z.clone()
+
+    def to_tensors(self) -> list[Tensor]:
+        return []
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor], *, dim: int | None = None, version: int = 0) -> IdentityWhitener:
+        _check_tensor_count(cls, tensors, 0)
+        if dim is None:
+            raise ValueError("IdentityWhitener.from_tensors needs dim= (it carries no tensors)")
+        return cls(dim, version=version)
+
+    def _rebuild(self, tensors: list[Tensor]) -> Whitener:
+        return self
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @classmethod
+    def tensor_shapes(cls, dim: int, rank: int = 0) -> list[tuple[int, ...]]:
+        return []
+
+
+WHITENER_KINDS: dict[str, type[Whitener]] = {
+    "structured": StructuredWhitener,
+    "cholesky": CholeskyWhitener,
+    "hadamard": HadamardWhitener,
+    "identity": IdentityWhitener,
+}
+
+
+# -------------------------------------------------------------------------- entry points
+
+
+def whitener_from_low_rank(lrd: LowRankDiag, solver: str = "structured", *, version: int = 0) -> Whitener:
+    """Whitener for ``A_hat`` given by ``lrd``; ``solver`` in :data:`SOLVERS`."""
+    if solver == "structured":
+        return StructuredWhitener.from_low_rank(lrd, version=version)
+    if solver == "cholesky":
+        return CholeskyWhitener.from_low_rank(lrd, version=version)
+    raise ValueError(f"solver {solver!r} not in allowed values {list(SOLVERS)}")
+
+
+def fit_whitener(
+    A: Tensor,
+    *,
+    rank: int,
+    damping: float,
+    solver: str = "structured",
+    method: str = "auto",
+    seed: int = 0,
+    version: int = 0,
+) -> Whitener:
+    """:func:`fit_low_rank_diag` then :func:`whitener_from_low_rank`."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} not in allowed values {list(SOLVERS)}")
+    lrd = fit_low_rank_diag(A, rank=rank, damping=damping, method=method, seed=seed)
+    return whitener_from_low_rank(lrd, solver, version=version)
+
+
+def make_whitener(
+    kind: str, dim: int, *, seed: int = 0, block: int | None = None, device=None, version: int = 0
+) -> Whitener:
+    """Data-independent whiteners: ``"hadamard"`` (seeded random-sign rotation) or ``"identity"``."""
+    if kind == "hadamard":
+        return HadamardWhitener(dim, seed=seed, block=block, device=device, version=version)
+    if kind == "identity":
+        return IdentityWhitener(dim, version=version)
+    raise ValueError(f"whitener kind {kind!r} not in allowed values ['hadamard', 'identity']")
+
+
+def whitener_from_tensors(
+    kind: str, tensors: Sequence[Tensor], *, dim: int | None = None, block: int | None = None, version: int = 0
+) -> Whitener:
+    """Rebuild a broadcast whitener on a receiving rank (``dim`` for identity, ``block`` for hadamard)."""
+    if kind not in WHITENER_KINDS:
+        raise ValueError(f"whitener kind {kind!r} not in allowed values {list(WHITENER_KINDS)}")
+    if kind == "identity":
+        return IdentityWhitener.from_tensors(tensors, dim=dim, version=version)
+    if kind == "hadamard":
+        return HadamardWhitener.from_tensors(tensors, block=block, version=version)
+    return WHITENER_KINDS[kind].from_tensors(tensors, version=version)

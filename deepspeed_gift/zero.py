@@ -1,0 +1,293 @@
+"""Attaches GIFT to DeepSpeed's ZeRO stage 1/2 optimizer. The only module that touches
+DeepSpeed internals.
+
+DeepSpeed 0.19 reduces ZeRO-1/2 gradients bucket by bucket in
+``DeepSpeedZeroOptimizer.average_tensor(tensor, communication_data_type)``: stage 2 during
+backward, stage 1 at the gradient-accumulation boundary. Each element of the flat bucket
+belongs to one owner partition (``param_to_partition_ids``, ``grad_start_offset``), and
+after the call the owner's slices of ``tensor`` must hold the averaged gradient (plus, with
+fp32 gradient accumulation of a bf16 model, the same added into the compact fp32
+partition buffer). GIFT replaces that method on the optimizer instance; everything
+around it (accumulation, overflow check, clipping, the step) stays DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from . import formats
+from .comm import make_comm
+from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
+from .layers import GeometryManager
+from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice
+
+logger = logging.getLogger("deepspeed_gift")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_engine(engine, cfg: GiftConfig):
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    stage = engine.zero_optimization_stage()
+    _require(stage in (1, 2), f"gift.enabled: GIFT replaces the ZeRO stage 1/2 gradient reduce-scatter; "
+             f"zero_optimization.stage is {stage}. Use stage 1 or 2, or set gift.enabled to false")
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        hint = ""
+        if type(opt).__name__ == "BF16_Optimizer":
+            hint = (" (DeepSpeed picks BF16_Optimizer for bf16 + ZeRO stage 1 + fp32 gradient accumulation; "
+                    "use stage 2, or set data_types.grad_accum_dtype to \"bf16\")")
+        raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}{hint}")
+    _require(opt.contiguous_gradients, "gift.enabled: needs zero_optimization.contiguous_gradients true "
+             "(the default); it is false in this config")
+    _require(not opt.cpu_offload, "gift.enabled: ZeRO offload_optimizer is not supported with GIFT; "
+             "remove zero_optimization.offload_optimizer or set gift.enabled to false")
+    _require(not getattr(opt, "has_moe_layers", False), "gift.enabled: MoE expert parallelism is not supported")
+    _require(not getattr(opt, "zenflow", False), "gift.enabled: ZenFlow is not supported")
+    return opt
+
+
+def _main_codec(cfg: GiftConfig):
+    if cfg.format in PASSTHROUGH_FORMATS:
+        return formats.get_format(cfg.format)
+    return formats.get_format(cfg.format, block_size=cfg.effective_block_size, scale=cfg.scale,
+                              rounding=cfg.rounding, seed=cfg.seed)
+
+
+def _fingerprint_check(comm, cfg: GiftConfig) -> None:
+    """All ranks must run the same gift config and package version; name what differs."""
+    from . import __version__
+
+    mine = json.dumps({"version": __version__, "gift": json.loads(cfg.fingerprint())}, sort_keys=True)
+    blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
+    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind="control")]
+    ref = everyone[0]
+    for r, other in enumerate(everyone):
+        if other == ref:
+            continue
+        if other["version"] != ref["version"]:
+            raise ValueError(f"deepspeed_gift version differs between ranks: rank 0 has {ref['version']}, "
+                             f"rank {r} has {other['version']}")
+        diff = _first_difference(ref["gift"], other["gift"], "gift")
+        raise ValueError(f"{diff[0]} differs between ranks: rank 0 has {diff[1]!r}, rank {r} has {diff[2]!r}")
+
+
+def _first_difference(a, b, path):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+    return (path, a, b)
+
+
+class GiftState:
+    """Everything GIFT keeps for one engine: config, comm, codecs, geometry, counters."""
+
+    def __init__(self, engine, cfg: GiftConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.opt = opt = _check_engine(engine, cfg)
+        self.comm = make_comm(cfg.backend, group=opt.dp_process_group)
+        _fingerprint_check(self.comm, cfg)
+        device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
+        self.main_codec = _main_codec(cfg)
+        self.high_codec = formats.get_format(cfg.others) if cfg.others in ("bf16", "fp32") else None
+        generator = torch.Generator(device=device)
+        generator.manual_seed(cfg.seed * 1_000_003 + self.comm.rank + 1)
+        self.reducer = GiftReducer(self.comm, self.main_codec, self.high_codec or self.main_codec,
+                                   generator=generator, error_feedback=cfg.error_feedback)
+        self.geometry = GeometryManager(cfg, engine.module, self.comm, main_codec=self.main_codec)
+        self.param_names: Dict[int, str] = {}
+        for name, module in self.geometry.modules.items():
+            self.param_names[opt.get_param_id(module.weight)] = name
+        self.native_average_tensor = opt.average_tensor
+        self.step_totals: Dict[str, float] = {}
+        self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
+        self.records: List[dict] = []
+        self._jsonl = None
+        if cfg.telemetry.jsonl and self.comm.rank == 0:
+            self._jsonl = open(cfg.telemetry.jsonl, "a", buffering=1)
+
+    # ---- step bookkeeping -----------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return self.engine.global_steps - self.cfg.start_step
+
+    def on_forward(self) -> None:
+        self.geometry.begin_step(self.k)
+
+    def on_optimizer_step(self, k: int) -> None:
+        self.geometry.end_step(k)
+        self._flush_telemetry(k)
+
+    def sampling(self, k: int) -> bool:
+        every = self.cfg.telemetry.every
+        return bool(self.cfg.telemetry.fidelity and every and k >= 0 and k % every == 0)
+
+    # ---- the reduction --------------------------------------------------------------
+    def mode_of(self, param_id: int):
+        name = self.param_names.get(param_id)
+        if name is not None and self.geometry.in_branch(name):
+            w = self.geometry.whitener_for(name)
+            return (GEO, w) if w is not None else (MAIN, None)
+        return (HIGH if self.high_codec is not None else MAIN), None
+
+    def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
+        k = self.k
+        if k < 0:
+            return self.native_average_tensor(tensor, communication_data_type)
+        opt = self.opt
+        bucket = opt.ipg_buckets[communication_data_type]
+        slices, outputs, whiteners, versions = [], [], {}, {}
+        offset = 0
+        for group_idx, param_idx, param_id in bucket.params:
+            param = opt.bit16_groups[group_idx][param_idx]
+            numel = param.numel()
+            mode, whitener = self.mode_of(param_id)
+            row_len = param.shape[-1] if (mode == GEO and param.dim() == 2) else 0
+            if whitener is not None:
+                whiteners[param_id] = whitener
+                versions[param_id] = whitener.version
+            name = self.param_names.get(param_id)
+            if name is not None and self.geometry.wants_capture(name):
+                self.geometry.capture(name, tensor.narrow(0, offset, numel).view(param.shape))
+            starts = sorted((int(opt.grad_start_offset[group_idx][pid][param_id]), pid)
+                            for pid in opt.param_to_partition_ids[group_idx][param_id])
+            for j, (start, pid) in enumerate(starts):
+                end = starts[j + 1][0] if j + 1 < len(starts) else numel
+                slices.append(ParamSlice(pid, offset + start, end - start, start, param_id, row_len, mode))
+                outputs.append(opt._get_compact_grad_partition_slice(group_idx, pid, param_id, end - start))
+            offset += numel
+        if offset != tensor.numel():
+            raise RuntimeError(f"deepspeed_gift: bucket holds {tensor.numel()} elements but its parameters "
+                               f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
+        divisor = self.comm.world_size / float(opt.sequence_parallel_size) if opt.gradient_average else 1.0
+        with _reduction_stream(opt, communication_data_type):
+            stats = self.reducer.reduce(tensor, slices, whiteners, versions, divisor=divisor, step=k,
+                                        outputs=outputs, sample=self.sampling(k))
+        for key, value in stats.items():
+            self.step_totals[key] = self.step_totals.get(key, 0) + value
+
+    # ---- telemetry ------------------------------------------------------------------
+    def _flush_telemetry(self, k: int) -> None:
+        t = self.step_totals
+        self.step_totals = {}
+        if not t:
+            return
+        geometry_bytes = self.geometry.take_geometry_bytes()
+        sent = t.get("bytes_main", 0) + t.get("bytes_high", 0) + t.get("bytes_header", 0)
+        elements = t.get("elements_sent", 0)
+        self.run_totals["bytes"] += sent + geometry_bytes
+        self.run_totals["elements"] += elements
+        record = {
+            "step": k + self.cfg.start_step,
+            "bytes_payload": int(t.get("bytes_main", 0) + t.get("bytes_high", 0)),
+            "bytes_header": int(t.get("bytes_header", 0)),
+            "bytes_geometry": int(geometry_bytes),
+            "elements_sent": int(elements),
+            "bytes_per_elem": (sent + geometry_bytes) / elements if elements else 0.0,
+            "bytes_per_elem_run": (self.run_totals["bytes"] / self.run_totals["elements"]
+                                   if self.run_totals["elements"] else 0.0),
+            "transform_s": t.get("transform_s", 0.0),
+            "codec_s": t.get("codec_s", 0.0),
+            "comm_s": t.get("comm_s", 0.0),
+            "geometry_version": self.geometry.version,
+            "geometry_layers": len(self.geometry.active & set(self.geometry.whiteners))
+            if self.cfg.geometry.kind != "identity" else 0,
+        }
+        record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
+        if t.get("fidelity_ref_sq"):
+            record["fidelity_rel_err"] = (t["fidelity_err_sq"] / t["fidelity_ref_sq"]) ** 0.5
+        for key in ("saturated", "underflow", "nonfinite"):
+            if key in t:
+                record[key] = int(t[key])
+        self.records.append(record)
+        if len(self.records) > 1000:
+            del self.records[:-1000]
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        monitor = getattr(self.engine, "monitor", None)
+        if self.cfg.telemetry.monitor and monitor is not None and getattr(monitor, "enabled", False) \
+                and self.comm.rank == 0:
+            events = [(f"Gift/{key}", float(v), self.engine.global_samples) for key, v in record.items()
+                      if key != "step"]
+            monitor.write_events(events)
+
+
+class _reduction_stream:
+    """Runs the reduction on DeepSpeed's reduction stream when it overlaps communication,
+    with the same waits as its own average_tensor (no-op on CPU)."""
+
+    def __init__(self, opt, comm_dtype):
+        from deepspeed.accelerator import get_accelerator
+
+        self.acc = get_accelerator()
+        self.ctx = None
+        if opt.overlap_comm and not self.acc.resolves_data_dependency():
+            stream = opt.reduction_stream
+            bucket = opt.ipg_buckets[comm_dtype]
+            for producer in (bucket.copy_streams or {self.acc.current_stream()}):
+                stream.wait_stream(producer)
+            self.acc.current_stream().wait_stream(stream)
+            self.ctx = self.acc.stream(stream)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        return False
+
+
+def attach(engine) -> Optional[GiftState]:
+    """Attach GIFT to an engine built by ``deepspeed.initialize`` (reads its ``gift`` block).
+    Returns the state, or None when the block is missing or disabled (DeepSpeed untouched)."""
+    cfg = get_gift_config(engine._config._param_dict)
+    if not cfg.enabled:
+        return None
+    if getattr(engine, "gift", None) is not None:
+        raise RuntimeError("deepspeed_gift.attach: GIFT is already attached to this engine")
+    state = GiftState(engine, cfg)
+    engine.gift = state
+    state.opt.average_tensor = state.average_tensor
+
+    def on_forward(module, inputs):
+        state.on_forward()
+
+    state._forward_hook = engine.module.register_forward_pre_hook(on_forward)
+    native_step = engine.step
+
+    def step(*args, **kwargs):
+        before = engine.global_steps
+        result = native_step(*args, **kwargs)
+        if engine.global_steps != before:
+            state.on_optimizer_step(before - cfg.start_step)
+        return result
+
+    engine.step = step
+    return state
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with GIFT attached when the config's ``gift`` block is enabled.
+    Same arguments and return value."""
+    import deepspeed
+
+    config = kwargs.get("config", kwargs.get("config_params"))
+    if isinstance(config, dict):
+        get_gift_config(config)  # fail on a bad block before building the engine
+    result = deepspeed.initialize(*args, **kwargs)
+    attach(result[0])
+    return result
+

@@ -1,0 +1,27 @@
+"""deepspeed-gift: low-precision ZeRO-1/2 gradient communication in geometry-aware coordinates.
+
+Install: ``pip install -e ".[dev]"`` (see README for the CPU-only set-up script).
+torch is a plain requirement here, never pinned: GPU users keep the CUDA build they
+have; ``scripts/setup.sh`` installs the CPU build first on machines without a GPU.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="deepspeed-gift",
+    version="0.1.0",
+    description="GIFT: geometry-informed low-precision gradient communication for DeepSpeed ZeRO-1/2",
+    packages=find_packages(include=["deepspeed_gift", "deepspeed_gift.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.18,<0.20",
+        "pydantic>=2",
+        "numpy",
+    ],
+    extras_require={
+        "mpi": ["mpi4py>=3.1", "openmpi"],
+        "train": ["transformers>=4.40", "matplotlib", "tqdm"],
+        "dev": ["pytest>=7", "pytest-timeout"],
+    },
+)

@@ -1,0 +1,108 @@
+"""Rank bodies for the distributed tests: a tiny HF Llama trained through DeepSpeed
+(natively or with GIFT) on real text (byte tokens of the Python standard library)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def corpus_bytes(limit: int = 200_000) -> bytes:
+    """Real text with nothing to download: sources of a few standard-library modules."""
+    out = b""
+    for name in ("json.decoder", "argparse", "functools", "textwrap", "dataclasses"):
+        with open(importlib.util.find_spec(name).origin, "rb") as f:
+            out += f.read()
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def batches(rank: int, steps: int, micro: int, seq: int, seed: int = 0):
+    import torch
+
+    data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    gen = torch.Generator().manual_seed(seed * 9973 + rank)
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - seq - 1, (micro,), generator=gen)
+        yield torch.stack([data[s:s + seq] for s in starts.tolist()])
+
+
+def ds_config(spec: dict) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": spec.get("micro", 2),
+        "gradient_accumulation_steps": spec.get("ga", 1),
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "Adam", "params": {"lr": spec.get("lr", 3e-3), "torch_adam": True}},
+        "zero_optimization": {"stage": spec.get("stage", 2),
+                              "reduce_bucket_size": spec.get("bucket", 20000),
+                              "allgather_bucket_size": 10**6,
+                              "overlap_comm": spec.get("overlap", False),
+                              "contiguous_gradients": True},
+        "gradient_clipping": spec.get("clip", 0.0),
+        "wall_clock_breakdown": False,
+    }
+    if spec.get("dtype") == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        if spec.get("grad_accum_dtype"):
+            cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
+    if spec.get("dtype") == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": spec.get("scale_power", 8), "loss_scale_window": 2}
+    if spec.get("gift") is not None:
+        cfg["gift"] = copy.deepcopy(spec["gift"])
+    cfg.update(spec.get("extra", {}))
+    return cfg
+
+
+def build_engine(spec: dict):
+    import sys
+
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (the module, patched below)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import deepspeed_gift
+
+    # Skip compiling DeepSpeed's CPU shm all-reduce op (~100 s); gloo does the work.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(spec.get("seed", 0))
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **spec.get("model", {})}))
+    init = deepspeed_gift.initialize if spec.get("gift") is not None else deepspeed.initialize
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec))
+    return engine
+
+
+def train_many(rank: int, world_size: int, specs: list) -> list:
+    """Several runs in one set of processes (spawning and importing cost more than a run)."""
+    return [train(rank, world_size, spec) for spec in specs]
+
+
+def train(rank: int, world_size: int, spec: dict) -> dict:
+    import torch
+
+    engine = build_engine(spec)
+    losses = []
+    micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
+    for tokens in batches(rank, spec.get("steps", 4) * ga, micro, seq, spec.get("data_seed", 0)):
+        out = engine(input_ids=tokens, labels=tokens)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss.detach()))
+    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    gift = getattr(engine, "gift", None)
+    result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0)}
+    if gift is not None:
+        g = gift.geometry
+        result.update(records=list(gift.records), version=g.version, active=sorted(g.active),
+                      gains=dict(g.gains),
+                      whitener_digest={n: [t.double().sum().item() for t in w.to_tensors()]
+                                       for n, w in sorted(g.whiteners.items())})
+    if hasattr(engine.optimizer, "cur_scale"):
+        result["loss_scale"] = float(engine.optimizer.cur_scale)
+    torch.distributed.barrier()
+    return result
