@@ -118,6 +118,11 @@ class Payload:
 
 # ----------------------------------------------------------------------------- helpers
 
+# On CPU the element-wise work runs over tiles of about this many elements, so the
+# temporaries stay in cache instead of being fresh multi-100 MB allocations (each one
+# page-faulted in). On other devices one tile covers the whole tensor.
+_CPU_TILE = 1 << 18
+
 
 def _as_size(shape: Shape) -> torch.Size:
     if isinstance(shape, int):
@@ -128,27 +133,54 @@ def _as_size(shape: Shape) -> torch.Size:
 def _flat_input(x: Tensor) -> Tensor:
     if not isinstance(x, Tensor):
         raise ValueError(f"encode expects a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
+    if not x.is_floating_point() or x.dtype.itemsize == 1:
         raise ValueError(f"encode expects a floating-point tensor (fp32/bf16/fp16), got {x.dtype}")
     return x.reshape(-1)
 
 
-def _padded_blocks(flat: Tensor, block: int) -> Tuple[Tensor, bool]:
-    """(n_blocks, block) float32 view of ``flat``, zero padded; flag: buffer is a fresh copy."""
+def _tile_rows(n_rows: int, row_len: int, device: torch.device) -> int:
+    if device.type != "cpu":
+        return max(n_rows, 1)
+    step = max(1, _CPU_TILE // row_len)
+    if step % 2 and row_len % 2:
+        step += 1  # every tile but the last holds an even count (4-bit packing)
+    return step
+
+
+def _load_rows(flat: Tensor, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
+    """Rows r0:r1 of ``flat`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
+
+    Full fp32 rows come back as a view of the input (read only); otherwise they are
+    copied (converted, padded) into the work tile and both results are that tile.
+    """
     n = flat.numel()
-    n_blocks = -(-n // block)
-    if n_blocks * block == n and flat.dtype == torch.float32:
-        return flat.view(n_blocks, block), False
-    out = torch.empty(n_blocks * block, dtype=torch.float32, device=flat.device)
-    out[:n].copy_(flat)
-    out[n:].zero_()
-    return out.view(n_blocks, block), True
+    k = r1 - r0
+    e0, e1 = r0 * row_len, min(r1 * row_len, n)
+    tile = work[: k * row_len].view(k, row_len)
+    if e1 - e0 == k * row_len and flat.dtype == torch.float32:
+        return flat[e0:e1].view(k, row_len), tile
+    flat_tile = tile.view(-1)
+    flat_tile[: e1 - e0].copy_(flat[e0:e1])
+    flat_tile[e1 - e0 :].zero_()
+    return tile, tile
 
 
 def _block_amax(blocks: Tensor) -> Tensor:
-    """max |x| per row; nan if the row holds a nan, inf if it holds an inf."""
+    """max |x| per row (float32); nan if the row holds a nan, inf if it holds an inf."""
     lo, hi = torch.aminmax(blocks, dim=1)
-    return torch.maximum(hi, lo.neg_())
+    return torch.maximum(hi, lo.neg_()).float()
+
+
+def _rows_amax(flat: Tensor, row_len: int) -> Tensor:
+    """_block_amax of ``flat`` cut into rows of ``row_len`` (last row short), without a padded copy."""
+    n = flat.numel()
+    full = n // row_len
+    parts = []
+    if full:
+        parts.append(_block_amax(flat[: full * row_len].view(full, row_len)))
+    if n % row_len:
+        parts.append(_block_amax(flat[full * row_len :].view(1, -1)))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _fp32_scales(amax: Tensor, qmax: float) -> Tensor:
@@ -165,6 +197,15 @@ def _fp32_scales(amax: Tensor, qmax: float) -> Tensor:
 def _safe_divisor(scale: Tensor) -> Tensor:
     # an all-zero block has scale 0; dividing by 1 keeps its zeros (0/0 would be nan)
     return scale.masked_fill(scale == 0, 1.0)
+
+
+def _mul_rows_(values: Tensor, row_scale: Tensor, row_len: int) -> None:
+    """values (flat, rows of ``row_len``, last row possibly short) *= row_scale per row."""
+    full = values.numel() // row_len
+    if full:
+        values[: full * row_len].view(full, row_len).mul_(row_scale[:full, None])
+    if values.numel() % row_len:
+        values[full * row_len :].mul_(row_scale[full])
 
 
 def _stochastic_round_bits(y: Tensor, mant_bits: int, min_normal: float, gen: torch.Generator) -> Tensor:
@@ -190,22 +231,31 @@ def _stochastic_round_bits(y: Tensor, mant_bits: int, min_normal: float, gen: to
     return y
 
 
-def _pack_nibbles(codes: Tensor, n: int, out: Tensor) -> None:
-    """Pack uint8 nibbles ``codes[:n]`` two per byte into ``out`` (element 2i low)."""
-    pairs = (n + 1) // 2
-    if codes.numel() < 2 * pairs:
-        codes = torch.cat([codes, codes.new_zeros(2 * pairs - codes.numel())])
-    codes = codes[: 2 * pairs].view(pairs, 2)
-    hi = codes[:, 1].bitwise_left_shift(4)
-    torch.bitwise_or(codes[:, 0], hi, out=out)
+def _pack_nibbles(codes: Tensor, out: Tensor) -> None:
+    """Pack uint8 nibbles two per byte into ``out`` (element 2i in the low nibble)."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    torch.bitwise_or(pairs[:, 0], pairs[:, 1].bitwise_left_shift(4), out=out)
 
 
-def _unpack_nibbles(data: Tensor, lut16: Tensor, out: Tensor) -> None:
-    """Decode bytes into ``out`` (2 * len(data) floats) through a 16-entry value table."""
-    lo = lut16.repeat(16)  # value of the low nibble of byte b: lut16[b & 15]
-    hi = lut16.repeat_interleave(16)  # value of the high nibble: lut16[b >> 4]
-    lut256 = torch.stack([lo, hi], dim=1)
-    torch.index_select(lut256, 0, data.to(torch.int32), out=out.view(-1, 2))
+def _nibble_table(values16) -> Tensor:
+    """(256, 2) float32 table: byte b -> (value of its low nibble, value of its high nibble)."""
+    lut = torch.tensor(values16, dtype=torch.float32)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=1)
+
+
+def _unpack_nibbles(data: Tensor, table: Tensor, out: Tensor) -> None:
+    """Decode packed bytes into ``out`` (len(out) <= 2 * len(data)) through ``table``."""
+    pairs = out.numel() // 2
+    if pairs:
+        torch.index_select(table, 0, data[:pairs].to(torch.int32), out=out[: 2 * pairs].view(pairs, 2))
+    if out.numel() % 2:
+        out[-1:].copy_(table[data[pairs:].to(torch.int64), 0])
+
+
+def _nibbles(data: Tensor, numel: int) -> Tensor:
+    return torch.stack([data & 0x0F, data >> 4], dim=1).view(-1)[:numel]
 
 
 def _e8m0_to_fp32(codes: Tensor) -> Tensor:
@@ -219,7 +269,7 @@ def _view_dtype(buf: Tensor, dtype: torch.dtype) -> Tensor:
     """View a uint8 slice as ``dtype``; copy first when the address is misaligned."""
     if dtype == torch.uint8:
         return buf
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size > 1 and (buf.data_ptr() % size or buf.storage_offset() % size):
         buf = buf.clone()
     return buf.view(dtype)
@@ -238,8 +288,8 @@ def _register(cls: Type["Codec"]) -> Type["Codec"]:
 class Codec:
     """Base class: header, byte layout and (de)serialization; subclasses do the math.
 
-    Subclasses set the class attributes below and implement ``_encode_into`` and
-    ``_decode_flat``.
+    Subclasses set the class attributes below and implement ``_check_options``,
+    ``_encode_into``, ``_decode_flat`` and ``_at_max``.
     """
 
     name: ClassVar[str] = ""
@@ -273,10 +323,8 @@ class Codec:
 
     def _check_scale(self, scale: str, allowed: Tuple[str, ...]) -> None:
         if scale not in allowed:
-            raise ValueError(
-                f"format {self.name!r} takes scale in {list(allowed)}, got {scale!r}"
-                + (" (scale='e8m0' is only for fp8_e4m3 / fp8_e5m2)" if scale == "e8m0" else "")
-            )
+            hint = " (scale='e8m0' is only for fp8_e4m3 / fp8_e5m2)" if scale == "e8m0" else ""
+            raise ValueError(f"format {self.name!r} takes scale in {list(allowed)}, got {scale!r}{hint}")
 
     def __repr__(self) -> str:
         return (
@@ -291,7 +339,7 @@ class Codec:
         return _SCALE_DTYPES.get(self.scale_kind)
 
     def num_blocks(self, numel: int) -> int:
-        """Number of scales for ``numel`` elements (0 for an empty tensor)."""
+        """Number of block scales for ``numel`` elements (0 for an empty tensor)."""
         if self.scale_kind == "none" or numel == 0:
             return 0
         if self.block_size == 0:
@@ -304,11 +352,10 @@ class Codec:
         return numel * self.bytes_per_element
 
     def _offsets(self, numel: int) -> Tuple[int, int, int, int]:
-        """Byte offsets: (global scale, scales, data, end)."""
+        """Byte offsets: (global scale, block scales, data, end)."""
         g = HEADER_BYTES
         s = g + (4 if self.has_global_scale else 0)
-        n_scales = self.num_blocks(numel)
-        d = s + (n_scales * _SCALE_DTYPES[self.scale_kind].itemsize if n_scales else 0)
+        d = s + self.num_blocks(numel) * (self.scale_dtype.itemsize if self.scale_dtype else 0)
         return g, s, d, d + self._data_bytes(numel)
 
     def nbytes(self, numel: int) -> int:
@@ -325,16 +372,12 @@ class Codec:
 
     def _views(self, buf: Tensor, numel: int, shape: torch.Size) -> Payload:
         g, s, d, end = self._offsets(numel)
-        n_scales = self.num_blocks(numel)
         glob = _view_dtype(buf[g:s], torch.float32) if self.has_global_scale else None
-        scales = _view_dtype(buf[s:d], self.scale_dtype) if n_scales else None
-        if self.scale_kind != "none" and scales is None:
-            scales = torch.empty(0, dtype=self.scale_dtype, device=buf.device)
-        data = _view_dtype(buf[d:end], self.data_dtype)
+        scales = _view_dtype(buf[s:d], self.scale_dtype) if self.scale_dtype is not None else None
         return Payload(
             format=self.name,
             shape=shape,
-            data=data,
+            data=_view_dtype(buf[d:end], self.data_dtype),
             scales=scales,
             global_scale=glob,
             block_size=self.block_size,
@@ -359,7 +402,11 @@ class Codec:
     # -- public API --------------------------------------------------------------
 
     def encode(self, x: Tensor, *, generator: Optional[torch.Generator] = None) -> Payload:
-        """Quantize ``x`` (any float dtype, any shape) into a payload backed by its wire bytes."""
+        """Quantize ``x`` (any float dtype, any shape) into a payload backed by its wire bytes.
+
+        Stochastic rounding draws from ``generator`` if given, else from a generator
+        owned by the codec, seeded with ``seed`` once per device (same run -> same bytes).
+        """
         flat = _flat_input(x)
         numel = flat.numel()
         buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=x.device)
@@ -378,7 +425,7 @@ class Codec:
         return self._decode_flat(p, numel).view(p.shape)
 
     def payload_to_bytes(self, p: Payload) -> Tensor:
-        """The 1-D uint8 wire buffer (header + scales + data) of ``p``."""
+        """The 1-D uint8 wire buffer (header + scales + data) of ``p`` (no copy after encode)."""
         self._check_payload(p)
         if p.wire is not None and p.wire.numel() == self.nbytes(p.numel):
             return p.wire
@@ -391,7 +438,8 @@ class Codec:
     def bytes_to_payload(self, buf: Tensor, shape: Shape, *, check_header: bool = True) -> Payload:
         """Payload viewing ``buf`` (1-D uint8, may be a slice of a bigger buffer).
 
-        The header is validated against this codec and ``shape`` (ValueError naming the
+        Scales/data are views of ``buf`` where alignment allows, copies otherwise. The
+        header is validated against this codec and ``shape`` (ValueError naming each
         field that differs). On CUDA that reads 16 bytes to the host, i.e. a sync;
         ``check_header=False`` skips it when the caller has validated already.
         """
@@ -431,9 +479,8 @@ class Codec:
         if fmt_id != _FORMAT_IDS[self.name]:
             problems.append(f"format is {names.get(fmt_id, f'<unknown id {fmt_id}>')!r}, expected {self.name!r}")
         if scale_id != _SCALE_IDS[self.scale_kind]:
-            problems.append(
-                f"scale is {kinds.get(scale_id, f'<unknown id {scale_id}>')!r}, expected {self.scale_kind!r}"
-            )
+            got = kinds.get(scale_id, f"<unknown id {scale_id}>")
+            problems.append(f"scale is {got!r}, expected {self.scale_kind!r}")
         if block != self.block_size:
             problems.append(f"block size is {block}, expected {self.block_size}")
         if hdr_numel != numel:
@@ -453,10 +500,6 @@ class Codec:
 
     # -- subclass hooks ----------------------------------------------------------
 
-    def _block_view(self, flat: Tensor) -> Tuple[Tensor, bool]:
-        block = self.block_size or flat.numel()
-        return _padded_blocks(flat, block)
-
     def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _encode_into")
 
@@ -464,45 +507,98 @@ class Codec:
         raise NotImplementedError(f"{type(self).__name__} must implement _decode_flat")
 
     def _at_max(self, p: Payload) -> Tensor:
-        """bool per element: the element's code has the format's largest magnitude."""
+        """bool per element: its code has the format's largest magnitude."""
         raise NotImplementedError(f"{type(self).__name__} must implement _at_max")
 
-    def _scaled_decode(self, p: Payload, numel: int, fill, scale: Tensor) -> Tensor:
-        """Shared tail: write unscaled values with ``fill(out)``, zero the padding, scale per block."""
-        block = self.block_size or numel
-        n_blocks = scale.numel()
-        length = n_blocks * block
-        if self.elements_per_byte == 2:
-            length = max(length, 2 * p.data.numel())  # an odd block size leaves half a byte over
-        out = torch.empty(length, dtype=torch.float32, device=p.device)
-        fill(out)
-        out[numel : n_blocks * block].zero_()
-        out[: n_blocks * block].view(n_blocks, block).mul_(scale[:, None])
-        return out[:numel]
 
-
-def _check_block(name: str, block_size: Optional[int], default: int, allow_zero: bool) -> int:
+def _check_block(name: str, block_size: Optional[int], default: int) -> int:
     if block_size is None:
         return default
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise ValueError(f"block_size for format {name!r} must be an int, got {block_size!r}")
-    low = 0 if allow_zero else 1
-    if not low <= block_size <= _MAX_BLOCK:
+    if not 0 <= block_size <= _MAX_BLOCK:
         raise ValueError(
-            f"block_size for format {name!r} must be in [{low}, {_MAX_BLOCK}]"
-            + (" (0 = one scale per tensor)" if allow_zero else "")
-            + f", got {block_size}"
+            f"block_size for format {name!r} must be in [0, {_MAX_BLOCK}] (0 = one scale per tensor), "
+            f"got {block_size}"
         )
     return block_size
 
 
-class _Fp8Codec(Codec):
+class _ScaledCodec(Codec):
+    """Block-scaled formats: the input is cut into rows (one block each) processed in tiles.
+
+    Subclasses implement ``_prepare`` (scales that need the whole tensor), ``_tile_divisor``
+    (per-tile scales in block mode), ``_store`` (quantize a scaled tile into the payload),
+    ``_row_scales`` and ``_fill`` (decode).
+    """
+
+    def _row_len(self, numel: int) -> int:
+        # one scale per tensor: rows are only a tiling unit, all share the one scale
+        return self.block_size or min(numel, _CPU_TILE)
+
+    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
+        numel = flat.numel()
+        if numel == 0:
+            if p.global_scale is not None:
+                p.global_scale.zero_()
+            return
+        row_len = self._row_len(numel)
+        n_rows = -(-numel // row_len)
+        row_divisor = self._prepare(flat, row_len, n_rows, p)
+        step = _tile_rows(n_rows, row_len, flat.device)
+        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
+        for r0 in range(0, n_rows, step):
+            r1 = min(r0 + step, n_rows)
+            x, y = _load_rows(flat, row_len, r0, r1, work)
+            div = row_divisor[r0:r1] if row_divisor is not None else self._tile_divisor(x, p, r0, r1)
+            torch.div(x, div[:, None], out=y)
+            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+            self._store(y.view(-1)[: e1 - e0], p, e0, e1, gen)
+
+    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
+        row_len = self._row_len(numel)
+        n_rows = -(-numel // row_len)
+        row_scale = self._row_scales(p, n_rows)
+        step = _tile_rows(n_rows, row_len, p.device)
+        out = torch.empty(numel, dtype=torch.float32, device=p.device)
+        for r0 in range(0, n_rows, step):
+            r1 = min(r0 + step, n_rows)
+            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+            tile = out[e0:e1]
+            self._fill(tile, p, e0, e1)
+            _mul_rows_(tile, row_scale[r0:r1], row_len)
+        return out
+
+    def _per_tensor_divisor(self, flat: Tensor, row_len: int, n_rows: int, p: Payload, qmax: float) -> Tensor:
+        amax = _rows_amax(flat, row_len).max().reshape(1)
+        scale = _fp32_scales(amax, qmax)
+        p.scales.copy_(scale)
+        return _safe_divisor(scale).expand(n_rows)
+
+    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
+        raise NotImplementedError
+
+    def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
+        raise NotImplementedError
+
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
+        raise NotImplementedError
+
+    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
+        raise NotImplementedError
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        raise NotImplementedError
+
+
+class _Fp8Codec(_ScaledCodec):
     """FP8 elements, one fp32 scale per block (or per tensor), or E8M0 scales per 32."""
 
     fmax: ClassVar[float]
     mant_bits: ClassVar[int]
     min_normal: ClassVar[float]
     max_code: ClassVar[int]  # uint8 code of +fmax
+    fill_factor: ClassVar[float] = 1.0  # _fill yields value / fill_factor
 
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
         self._check_scale(scale, ("fp32", "e8m0"))
@@ -510,12 +606,11 @@ class _Fp8Codec(Codec):
             if block_size not in (None, 32):
                 raise ValueError(f"{self.name} with scale='e8m0' needs block_size 32, got {block_size}")
             return 32, "e8m0"
-        return _check_block(self.name, block_size, self.default_block_size, allow_zero=True), "fp32"
+        return _check_block(self.name, block_size, self.default_block_size), "fp32"
 
     def _e8m0_codes(self, amax: Tensor) -> Tensor:
         """Smallest power-of-two scale with amax / scale <= fmax, as E8M0 bytes (bias 127)."""
-        t = amax / self.fmax
-        mant, exp = torch.frexp(t)
+        mant, exp = torch.frexp(amax / self.fmax)
         e = exp - (mant == 0.5).to(exp.dtype)  # ceil(log2 t): exact powers of two keep their exponent
         e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp_(-127, 127)
         over = amax / torch.ldexp(torch.ones_like(amax), e) > self.fmax
@@ -523,33 +618,35 @@ class _Fp8Codec(Codec):
         codes = (e + 127).to(torch.uint8)
         return codes.masked_fill_(~torch.isfinite(amax), 255)
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        numel = flat.numel()
-        if numel == 0:
-            return
-        blocks, owned = self._block_view(flat)
-        amax = _block_amax(blocks)
+    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
+        if self.block_size:
+            return None
+        return self._per_tensor_divisor(flat, row_len, n_rows, p, self.fmax)
+
+    def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
+        amax = _block_amax(x)
         if self.scale_kind == "e8m0":
             codes = self._e8m0_codes(amax)
-            p.scales.copy_(codes)
-            divisor = _e8m0_to_fp32(codes)
-        else:
-            scale = _fp32_scales(amax, self.fmax)
-            p.scales.copy_(scale)
-            divisor = _safe_divisor(scale)
-        y = torch.div(blocks, divisor[:, None], out=blocks if owned else None)
-        y = y.view(-1)
+            p.scales[r0:r1].copy_(codes)
+            return _e8m0_to_fp32(codes)
+        scale = _fp32_scales(amax, self.fmax)
+        p.scales[r0:r1].copy_(scale)
+        return _safe_divisor(scale)
+
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
         if gen is not None:
             _stochastic_round_bits(y, self.mant_bits, self.min_normal, gen)
         # |y| <= fmax by construction of the scale, so the cast never overflows
-        p.data.copy_(y[:numel])
+        p.data[e0:e1].copy_(y)
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
+    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
         if self.scale_kind == "e8m0":
-            scale = _e8m0_to_fp32(p.scales)
-        else:
-            scale = p.scales
-        return self._scaled_decode(p, numel, lambda out: out[:numel].copy_(p.data), scale)
+            return _e8m0_to_fp32(p.scales)
+        scale = p.scales * self.fill_factor  # exact (power of two), cannot overflow: scale <= fp32 max / fmax
+        return scale.expand(n_rows) if self.block_size == 0 else scale
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        out.copy_(p.data[e0:e1])
 
     def _at_max(self, p: Payload) -> Tensor:
         return (p.data.view(torch.uint8) & 0x7F) == self.max_code
@@ -566,6 +663,20 @@ class Fp8E4M3Codec(_Fp8Codec):
     mant_bits = 3
     min_normal = 2.0**-6
     max_code = 0x7E
+    # _fill writes value / 256 (see there); fp32 scales absorb the 256
+    fill_factor = 256.0
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        # torch's fp8 -> fp32 cast is slow on CPU; moving the bits into an fp16 pattern is
+        # exact: e4m3 and fp16 differ only in exponent bias (7 vs 15), so the fp16 value is
+        # the e4m3 value / 2**8, subnormals included. Code 0x7F/0xFF (nan) would read as
+        # 480; the encoder only emits it in blocks whose scale is non-finite.
+        w = p.data[e0:e1].view(torch.int8).to(torch.int16)  # sign-extended
+        sign = w & -(2**15)
+        w.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign)
+        out.copy_(w.view(torch.float16))
+        if self.scale_kind == "e8m0":
+            out.mul_(256.0)  # E8M0 scales go up to 2**127, too big to absorb the factor
 
 
 @_register
@@ -580,28 +691,42 @@ class Fp8E5M2Codec(_Fp8Codec):
     min_normal = 2.0**-14
     max_code = 0x7B
 
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        # e5m2 is the top byte of fp16 (same exponent), so the cast is a shift
+        w = p.data[e0:e1].view(torch.int8).to(torch.int16).bitwise_left_shift_(8)
+        out.copy_(w.view(torch.float16))
 
-class _IntCodec(Codec):
+
+class _IntCodec(_ScaledCodec):
     """Symmetric integers in [-qmax, qmax], one fp32 scale per block (or per tensor)."""
 
     qmax: ClassVar[int]
 
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
         self._check_scale(scale, ("fp32",))
-        return _check_block(self.name, block_size, self.default_block_size, allow_zero=True), "fp32"
+        return _check_block(self.name, block_size, self.default_block_size), "fp32"
 
-    def _quantize(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> Tensor:
-        """Scaled, rounded values (float32, integral, padded to whole blocks)."""
-        blocks, owned = self._block_view(flat)
-        scale = _fp32_scales(_block_amax(blocks), float(self.qmax))
-        p.scales.copy_(scale)
-        y = torch.div(blocks, _safe_divisor(scale)[:, None], out=blocks if owned else None).view(-1)
+    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
+        if self.block_size:
+            return None
+        return self._per_tensor_divisor(flat, row_len, n_rows, p, float(self.qmax))
+
+    def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
+        scale = _fp32_scales(_block_amax(x), float(self.qmax))
+        p.scales[r0:r1].copy_(scale)
+        return _safe_divisor(scale)
+
+    def _round(self, y: Tensor, gen: Optional[torch.Generator]) -> Tensor:
         if gen is None:
-            return y.round_()  # round half to even
+            return y.round_()  # half to even
         lower = torch.floor(y)
         y.sub_(lower)  # fractional part in [0, 1), exact
         up = torch.rand(y.shape, dtype=torch.float32, device=y.device, generator=gen) < y
-        return lower.add_(up)
+        return y.copy_(lower).add_(up)
+
+    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
+        return p.scales.expand(n_rows) if self.block_size == 0 else p.scales
+
 
 @_register
 class Int8Codec(_IntCodec):
@@ -610,19 +735,18 @@ class Int8Codec(_IntCodec):
     data_dtype = torch.int8
     qmax = 127
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        numel = flat.numel()
-        if numel:
-            p.data.copy_(self._quantize(flat, p, gen)[:numel])
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
+        p.data[e0:e1].copy_(self._round(y, gen))
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
-        return self._scaled_decode(p, numel, lambda out: out[:numel].copy_(p.data), p.scales)
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        out.copy_(p.data[e0:e1])
 
     def _at_max(self, p: Payload) -> Tensor:
         return p.data.abs() == self.qmax
 
 
-_INT4_LUT = [float(v) for v in range(8)] + [float(v) for v in range(-8, 0)]
+_INT4_VALUES = [float(v) for v in range(8)] + [float(v) for v in range(-8, 0)]
+_INT4_TABLE = _nibble_table(_INT4_VALUES)
 
 
 @_register
@@ -635,46 +759,41 @@ class Int4Codec(_IntCodec):
     elements_per_byte = 2
     qmax = 7
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        numel = flat.numel()
-        if numel:
-            q = self._quantize(flat, p, gen)
-            codes = q.to(torch.int8).view(torch.uint8).bitwise_and_(0x0F)
-            _pack_nibbles(codes, numel, p.data)
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
+        codes = self._round(y, gen).to(torch.int8).view(torch.uint8).bitwise_and_(0x0F)
+        _pack_nibbles(codes, p.data[e0 // 2 : (e1 + 1) // 2])
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
-        lut = torch.tensor(_INT4_LUT, dtype=torch.float32, device=p.device)
-        fill = lambda out: _unpack_nibbles(p.data, lut, out[: 2 * p.data.numel()])  # noqa: E731
-        return self._scaled_decode(p, numel, fill, p.scales)
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        _unpack_nibbles(p.data[e0 // 2 : (e1 + 1) // 2], _INT4_TABLE.to(p.device), out)
 
     def _at_max(self, p: Payload) -> Tensor:
-        nib = torch.stack([p.data & 0x0F, p.data >> 4], dim=1).view(-1)[: p.numel]
+        nib = _nibbles(p.data, p.numel)
         return (nib == 7) | (nib == 9)  # +7, -7
 
 
 # E2M1 magnitudes by code 0..7; bit 3 is the sign
 _FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-# midpoints between neighbours and whether a tie goes up (to the even code) or down
-_FP4_THRESHOLDS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
+_FP4_TABLE = _nibble_table(_FP4_VALUES + [-v for v in _FP4_VALUES])
+# midpoints between neighbours; at a tie the even code wins: ">=" where it is the upper one
+_FP4_MIDPOINTS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
 
 
 def _fp4_codes(a: Tensor) -> Tensor:
-    """E2M1 magnitude code (uint8 0..7) of |v| = ``a``, nearest with ties to even.
+    """E2M1 magnitude codes (uint8 0..7) of ``a`` >= 0: nearest, ties to even.
 
-    Counting the midpoints below ``a`` is the code; at a midpoint the comparison is
-    ``>=`` where the upper neighbour has the even code, ``>`` where the lower one has.
-    Values above 6 saturate to code 7; nan gives 0 (nan blocks are flagged by the scale).
+    The code is the number of midpoints below ``a``. Values above 6 saturate to code 7;
+    nan compares false everywhere and gives 0 (nan blocks are flagged by their scale).
     """
     codes = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
     mask = torch.empty(a.shape, dtype=torch.bool, device=a.device)
-    for threshold, tie_up in _FP4_THRESHOLDS:
-        (torch.ge if tie_up else torch.gt)(a, threshold, out=mask)
+    for midpoint, tie_up in _FP4_MIDPOINTS:
+        (torch.ge if tie_up else torch.gt)(a, midpoint, out=mask)
         codes.add_(mask)
     return codes
 
 
 @_register
-class NvFp4Codec(Codec):
+class NvFp4Codec(_ScaledCodec):
     """E2M1 elements, E4M3 scale per 16, fp32 global scale per encoded tensor."""
 
     name = "nvfp4"
@@ -689,47 +808,39 @@ class NvFp4Codec(Codec):
             raise ValueError(f"nvfp4 needs block_size 16, got {block_size}")
         return 16, "e4m3"
 
-    def _decode_scales(self, p: Payload) -> Tensor:
+    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
         return p.scales.float().mul_(p.global_scale)
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        numel = flat.numel()
-        if numel == 0:
-            p.global_scale.zero_()
-            return
-        blocks, owned = self._block_view(flat)
-        amax = _block_amax(blocks)
+    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Tensor:
+        amax = _rows_amax(flat, row_len)
         finite = torch.isfinite(amax)
         tensor_amax = torch.where(finite, amax, 0.0).amax().reshape(1)
         g = _fp32_scales(tensor_amax, _FP4_MAX * _E4M3_MAX)
         p.global_scale.copy_(g)
-        # block scale: smallest E4M3 value >= amax / (6 g), so no finite element clips
+        # block scale: smallest E4M3 value >= amax / (6 g), so finite elements do not clip
         target = amax / (g * _FP4_MAX)
         s8 = target.to(torch.float8_e4m3fn)
         codes = s8.view(torch.uint8)
         codes.add_((s8.float() < target) & (codes < 0x7E))
         codes.masked_fill_(~finite, 0x7F)  # nan scale marks a non-finite block
         p.scales.view(torch.uint8).copy_(codes)
-        d = self._decode_scales(p)
-        v = torch.div(blocks, d[:, None], out=blocks if owned else None).view(-1)
-        sign = torch.signbit(v)
-        v.abs_()
-        if gen is not None:
-            v.clamp_(max=_FP4_MAX)
-            _stochastic_round_bits(v, 1, 1.0, gen)
-        codes = _fp4_codes(v)
-        del v
-        codes.bitwise_or_(sign.to(torch.uint8).bitwise_left_shift_(3))
-        _pack_nibbles(codes, numel, p.data)
+        return _safe_divisor(self._row_scales(p, n_rows))
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
-        lut = torch.tensor(_FP4_VALUES + [-v for v in _FP4_VALUES], dtype=torch.float32, device=p.device)
-        fill = lambda out: _unpack_nibbles(p.data, lut, out[: 2 * p.data.numel()])  # noqa: E731
-        return self._scaled_decode(p, numel, fill, self._decode_scales(p))
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
+        sign = torch.signbit(y)
+        y.abs_()
+        if gen is not None:
+            y.clamp_(max=_FP4_MAX)
+            _stochastic_round_bits(y, 1, 1.0, gen)
+        codes = _fp4_codes(y)
+        codes.bitwise_or_(sign.view(torch.uint8).bitwise_left_shift(3))
+        _pack_nibbles(codes, p.data[e0 // 2 : (e1 + 1) // 2])
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        _unpack_nibbles(p.data[e0 // 2 : (e1 + 1) // 2], _FP4_TABLE.to(p.device), out)
 
     def _at_max(self, p: Payload) -> Tensor:
-        nib = torch.stack([p.data & 0x0F, p.data >> 4], dim=1).view(-1)[: p.numel]
-        return (nib & 7) == 7
+        return (_nibbles(p.data, p.numel) & 7) == 7
 
 
 class _PassthroughCodec(Codec):
@@ -761,13 +872,15 @@ class Bf16Codec(_PassthroughCodec):
         if gen is None:
             p.data.copy_(flat)
             return
-        y = flat.to(torch.float32, copy=True)
-        bits = y.view(torch.int32)
-        # nan/inf keep an all-ones exponent: inf stays inf, nan stays nan or becomes inf
-        finite = torch.isfinite(y)
-        noise = torch.randint(0, 1 << 16, y.shape, dtype=torch.int32, device=y.device, generator=gen)
-        bits.add_(noise.mul_(finite)).bitwise_and_(~0xFFFF)
-        p.data.copy_(y)  # exact: the low 16 bits are zero
+        numel = flat.numel()
+        step = _tile_rows(numel, 1, flat.device)
+        for e0 in range(0, numel, step):
+            y = flat[e0 : e0 + step].to(torch.float32, copy=True)
+            # inf/nan are left alone (a carry could turn a large finite into inf, as RNE can)
+            noise = torch.randint(0, 1 << 16, y.shape, dtype=torch.int32, device=y.device, generator=gen)
+            noise.mul_(torch.isfinite(y))
+            y.view(torch.int32).add_(noise).bitwise_and_(~0xFFFF)
+            p.data[e0 : e0 + step].copy_(y)  # exact: the low 16 bits are zero
 
 
 @_register

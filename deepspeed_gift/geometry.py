@@ -244,9 +244,9 @@ def fit_low_rank_diag(
     ``method``: ``"eigh"`` (exact, O(in^3)), ``"randomized"`` (range finder with
     ``oversample`` extra columns and ``iters`` power steps, O(in^2 (rank + oversample))),
     ``"auto"`` (eigh up to :data:`AUTO_EIGH_MAX_DIM`, randomized above). The fit runs in
-    float64 on ``A``'s device and returns float32 factors there. Eigenvalues are clamped
-    at 0. Deterministic: the randomized test matrix comes from a CPU generator seeded
-    with ``seed``.
+    float64 on ``A``'s device and returns float32 factors there (on GPUs with slow float64
+    this costs more, but fits happen once per refresh). Eigenvalues are clamped at 0.
+    Deterministic: the randomized test matrix comes from a CPU generator seeded with ``seed``.
     """
     if A.dim() != 2 or A.shape[0] != A.shape[1]:
         raise ValueError(f"fit_low_rank_diag expects a square matrix, got shape {tuple(A.shape)}")
@@ -294,6 +294,8 @@ class Whitener:
     kind: str = ""
 
     def __init__(self, dim: int, *, version: int = 0):
+        if isinstance(dim, bool) or int(dim) != dim or dim < 1:
+            raise ValueError(f"{type(self).__name__} dim must be a positive int, got {dim!r}")
         self.dim = int(dim)
         self.version = int(version)
 
@@ -414,7 +416,9 @@ class StructuredWhitener(Whitener):
             s2 = s * s
         root = torch.sqrt(1.0 + s2)
         # s^2 / (1 + root) is (1+s^2)^{1/2} - 1 without cancellation for small s.
-        return cls(d_inv_sqrt=d_inv_sqrt, d_sqrt=d.sqrt(), V=V, shrink=1.0 / root, expand=s2 / (1.0 + root), version=version)
+        return cls(
+            d_inv_sqrt=d_inv_sqrt, d_sqrt=d.sqrt(), V=V, shrink=1.0 / root, expand=s2 / (1.0 + root), version=version
+        )
 
     @property
     def rank(self) -> int:

@@ -10,17 +10,16 @@ Lifecycle, with ``k = global_step - start_step``:
   sum (modules that read the same input tensor, like q/k/v, share one statistic);
 * end of step k: the step's statistic enters a local EMA (the average of local EMAs over
   ranks is the EMA of averaged statistics, so nothing is exchanged here);
-* end of a refresh step (``k % refresh_interval == 0``): the statistics are averaged over
-  the data-parallel group - through a randomized sketch ``A Q`` for wide layers (bytes
-  O(in * (rank + oversample)) per round instead of O(in^2)) - each layer is fitted by the
-  rank it is assigned to, the factors are shared so every rank holds bit-identical
-  whiteners, ``layers: "auto"`` re-profiles, and the version increases by one.
+* end of a refresh step (``k % refresh_interval == 0``): each statistic is averaged at the
+  rank assigned to fit it - in full for narrow layers, as a one-round Nystrom sketch
+  (O(in * (rank + oversample)) bytes instead of O(in^2)) for wide ones - that rank fits
+  it, the factors are shared so every rank holds bit-identical whiteners,
+  ``layers: "auto"`` re-profiles, and the version increases by one.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import io
 import logging
 from typing import Dict, List, Optional
 
@@ -32,8 +31,11 @@ from . import geometry as geo
 logger = logging.getLogger("deepspeed_gift")
 
 SKETCH_OVERSAMPLE = 8
-SKETCH_POWER_ITERS = 2
-PROFILE_MAX_ROWS = 256  # rows of a layer's local gradient kept for the auto profile
+PROFILE_MAX_ROWS = 256
+# Statistics and eigenvectors travel as bf16: a 2^-8 relative perturbation of A_hat is far
+# below what a low-rank + diagonal fit already discards, and it halves the metadata. The
+# fitter rounds its factors the same way, so every rank still holds the same bits.
+GEOMETRY_WIRE_DTYPE = torch.bfloat16  # rows of a layer's local gradient kept for the auto profile
 
 
 class GeometryManager:
@@ -177,131 +179,135 @@ class GeometryManager:
             w.version = self.version
 
     def _refit(self) -> None:
-        keys = sorted(k for k in self._stats)
+        """Average the statistics at each layer's fitter, fit there, share the factors.
+
+        Each rank sends every statistic only to the rank that fits it (not an all-reduce:
+        half the bytes of a ring). A narrow layer sends its full ``A``; a wide one a
+        Nystrom sketch ``A @ Omega`` (in x (rank + oversample)) plus ``diag(A)``, with
+        ``Omega`` warm-started from the previous factors so one round tracks the EMA."""
+        keys = sorted(self._stats)
         if not keys:
             return
-        fitted = {}
-        dense_keys = [k for k in keys if self._dense_exchange(self._stats[k].dim)]
-        sketch_keys = [k for k in keys if k not in dense_keys]
-        fitted.update(self._fit_dense(dense_keys))
-        fitted.update(self._fit_sketched(sketch_keys))
-        shared = self._share(fitted)
-        for key, lrd in shared.items():
-            self._lowrank[key] = lrd
+        world, me = self.comm.world_size, self.comm.rank
+        fitter = self._assign(keys)
+        omegas = {k: self._omega(k) for k in keys if not self._dense_exchange(self._stats[k].dim)}
+        parts = [[] for _ in range(world)]
+        for k in keys:
+            A = self._stats[k].value()
+            if k in omegas:
+                contrib = torch.cat([(A @ omegas[k]).reshape(-1), torch.diagonal(A)])
+            else:
+                contrib = A.reshape(-1)
+            parts[fitter[k]].append(contrib.to(GEOMETRY_WIRE_DTYPE))
+        device = self._stats[keys[0]].value().device
+        sends = [torch.cat(p) if p else torch.empty(0, dtype=GEOMETRY_WIRE_DTYPE, device=device) for p in parts]
+        width = torch.finfo(GEOMETRY_WIRE_DTYPE).bits // 8
+        recv_len = sum(self._contrib_numel(k, omegas) for k in keys if fitter[k] == me)
+        total = sends[me].float()
+        sends[me] = sends[me][:0]
+        before = sum(self.comm.bytes_sent.values())
+        recv = self.comm.all_to_all_bytes(torch.cat([t.view(torch.uint8) for t in sends]),
+                                          [t.numel() * width for t in sends],
+                                          [0 if r == me else recv_len * width for r in range(world)],
+                                          kind="geometry")
+        if world > 1 and recv_len:
+            total += recv.view(GEOMETRY_WIRE_DTYPE).view(world - 1, recv_len).float().sum(0)
+        total /= world
+        fitted, pos = {}, 0
+        for k in keys:
+            if fitter[k] != me:
+                continue
+            n = self._contrib_numel(k, omegas)
+            flat = total[pos:pos + n]
+            pos += n
+            lrd = self._fit_one(k, flat, omegas.get(k))
+            if lrd is not None:
+                fitted[k] = geo.LowRankDiag(U=lrd.U.to(GEOMETRY_WIRE_DTYPE).float(), lam=lrd.lam, d=lrd.d)
+        shared = self._share(fitted, keys)
+        self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
+        self._lowrank.update(shared)
         for name in self.names:
             key = self._stats_key.get(name, name)
             if key in shared:
                 self.whiteners[name] = self._whitener_for(key)
 
-    def _whitener_for(self, key: str) -> geo.Whitener:
-        cache = getattr(self, "_whitener_cache", None)
-        if cache is None or cache[0] != self.version:
-            self._whitener_cache = cache = (self.version, {})
-        if key not in cache[1]:
-            cache[1][key] = geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
-        return cache[1][key]
+    def _assign(self, keys: List[str]) -> Dict[str, int]:
+        """Greedy balance of fit cost (~ in^2) over ranks; identical on every rank."""
+        load = [0.0] * self.comm.world_size
+        out = {}
+        for k in sorted(keys, key=lambda k: (-self._stats[k].dim, k)):
+            r = min(range(len(load)), key=lambda j: (load[j], j))
+            out[k] = r
+            load[r] += float(self._stats[k].dim) ** 2
+        self.owner_of.update(out)
+        return out
 
     def _dense_exchange(self, dim: int) -> bool:
         width = min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
-        return dim * width * (SKETCH_POWER_ITERS + 2) >= dim * dim
+        return dim * dim <= dim * (width + 1)
 
-    def _fitter_of(self, key: str) -> int:
-        return self.owner_of.get(key, 0)
+    def _contrib_numel(self, key: str, omegas) -> int:
+        dim = self._stats[key].dim
+        return dim * omegas[key].shape[1] + dim if key in omegas else dim * dim
 
-    def _fit_dense(self, keys: List[str]) -> Dict[str, geo.LowRankDiag]:
-        if not keys:
-            return {}
-        flat = torch.cat([self._stats[k].value().reshape(-1) for k in keys])
-        before = sum(self.comm.bytes_sent.values())
-        self.comm.all_reduce_sum(flat, kind="geometry")
-        self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
-        flat.div_(self.comm.world_size)
-        out, pos = {}, 0
-        for k in keys:
-            dim = self._stats[k].dim
-            A = flat[pos:pos + dim * dim].view(dim, dim)
-            pos += dim * dim
-            if self._fitter_of(k) != self.comm.rank:
-                continue
-            prev = self._lowrank.get(k)
+    def _omega(self, key: str) -> torch.Tensor:
+        """Orthonormal test matrix: the previous eigenvectors plus seeded random columns."""
+        dim = self._stats[key].dim
+        width = min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
+        device = self._stats[key].value().device
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.version * 131 + self.names.index(key))
+        cols = torch.randn(dim, width, generator=gen, dtype=torch.float64)
+        prev = self._lowrank.get(key)
+        if prev is not None:
+            cols[:, :prev.rank] = prev.U.double().cpu()
+        return torch.linalg.qr(cols).Q.float().to(device)
+
+    def _fit_one(self, key: str, flat: torch.Tensor, omega: Optional[torch.Tensor]) -> Optional[geo.LowRankDiag]:
+        dim = self._stats[key].dim
+        if not bool(torch.isfinite(flat).all()):
+            logger.warning("gift: non-finite input statistics for layer '%s'; keeping its previous whitener", key)
+            return None
+        prev = self._lowrank.get(key)
+        fd = self.gcfg.factor_decay
+        if omega is None:
+            A = flat.view(dim, dim)
             if prev is not None:
-                A = geo.blend_low_rank(prev, A, factor_decay=self.gcfg.factor_decay)
-            out[k] = geo.fit_low_rank_diag(A, rank=self.gcfg.rank, damping=self.gcfg.damping,
-                                           method=self.gcfg.method, seed=self.cfg.seed)
-        return out
+                A = geo.blend_low_rank(prev, A, factor_decay=fd)
+            return geo.fit_low_rank_diag(A, rank=self.gcfg.rank, damping=self.gcfg.damping,
+                                         method=self.gcfg.method, seed=self.cfg.seed)
+        Y = flat[:dim * omega.shape[1]].view(dim, omega.shape[1])
+        diag = flat[dim * omega.shape[1]:]
+        if prev is not None:
+            Y = fd * _low_rank_matmul(prev, omega) + (1.0 - fd) * Y
+            diag = fd * _low_rank_diagonal(prev) + (1.0 - fd) * diag
+        return nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self.gcfg.damping)
 
-    def _fit_sketched(self, keys: List[str]) -> Dict[str, geo.LowRankDiag]:
-        """Randomized subspace iteration on the group average of the local EMAs, one
-        all-reduce of all layers' ``A Q`` per round; the fitter then finishes each layer."""
-        if not keys:
-            return {}
-        world = self.comm.world_size
-        width = {k: min(self._stats[k].dim, self.gcfg.rank + SKETCH_OVERSAMPLE) for k in keys}
+    def _whitener_for(self, key: str) -> geo.Whitener:
+        return geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
 
-        def matmul_all(qs: Dict[str, torch.Tensor], with_diag: bool = False):
-            parts = [self._stats[k].value() @ qs[k] for k in keys]
-            if with_diag:
-                parts += [torch.diagonal(self._stats[k].value()) for k in keys]
-            flat = torch.cat([p.reshape(-1) for p in parts])
-            before = sum(self.comm.bytes_sent.values())
-            self.comm.all_reduce_sum(flat, kind="geometry")
-            self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
-            flat.div_(world)
-            out, pos = {}, 0
-            for k in keys:
-                n = qs[k].numel()
-                y = flat[pos:pos + n].view_as(qs[k])
-                pos += n
-                prev = self._lowrank.get(k)
-                if prev is not None:
-                    fd = self.gcfg.factor_decay
-                    y = fd * _low_rank_matmul(prev, qs[k]) + (1.0 - fd) * y
-                out[k] = y
-            diags = {}
-            if with_diag:
-                for k in keys:
-                    dim = self._stats[k].dim
-                    d = flat[pos:pos + dim]
-                    pos += dim
-                    prev = self._lowrank.get(k)
-                    if prev is not None:
-                        fd = self.gcfg.factor_decay
-                        d = fd * _low_rank_diagonal(prev) + (1.0 - fd) * d
-                    diags[k] = d
-            return out, diags
-
-        qs = {}
-        for i, k in enumerate(keys):
-            gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.version * 131 + i)
-            qs[k] = torch.randn(self._stats[k].dim, width[k], generator=gen).to(self._stats[k].value().device)
-        ys, _ = matmul_all(qs)
-        for _ in range(SKETCH_POWER_ITERS):
-            qs = {k: torch.linalg.qr(ys[k]).Q for k in keys}
-            ys, _ = matmul_all(qs)
-        qs = {k: torch.linalg.qr(ys[k]).Q for k in keys}
-        aqs, diags = matmul_all(qs, with_diag=True)
-        out = {}
-        for k in keys:
-            if self._fitter_of(k) != self.comm.rank:
-                continue
-            out[k] = _low_rank_diag_from_sketch(qs[k], aqs[k], diags[k], rank=self.gcfg.rank,
-                                                   damping=self.gcfg.damping)
-        return out
-
-    def _share(self, mine: Dict[str, geo.LowRankDiag]) -> Dict[str, geo.LowRankDiag]:
-        """Every rank sends the factors it fitted; all end up with the same bits."""
-        buf = io.BytesIO()
-        torch.save({k: (v.U.cpu(), v.lam.cpu(), v.d.cpu()) for k, v in mine.items()}, buf)
-        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        before = sum(self.comm.bytes_sent.values())
-        blobs = self.comm.all_gather_bytes(blob, kind="geometry")
-        self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
+    def _share(self, mine: Dict[str, geo.LowRankDiag], keys: List[str]) -> Dict[str, geo.LowRankDiag]:
+        """Every fitter sends its factors (per layer: fp32 ``[index, lam, d]`` then ``U`` in
+        the wire dtype); all ranks rebuild them from the same bits."""
+        rank = self.gcfg.rank
+        chunks = []
+        for k, lrd in sorted(mine.items()):
+            head = torch.cat([torch.tensor([float(keys.index(k))]), lrd.lam.float().cpu(), lrd.d.float().cpu()])
+            chunks += [head.view(torch.uint8), lrd.U.to(GEOMETRY_WIRE_DTYPE).cpu().reshape(-1).view(torch.uint8)]
+        blob = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        device = self._stats[keys[0]].value().device
+        width = torch.finfo(GEOMETRY_WIRE_DTYPE).bits // 8
         shared = {}
-        for b in blobs:
-            part = torch.load(io.BytesIO(b.cpu().numpy().tobytes()), weights_only=True)
-            for k, (U, lam, d) in part.items():
-                device = self._stats[k].value().device if k in self._stats else U.device
-                shared[k] = geo.LowRankDiag(U=U.to(device), lam=lam.to(device), d=d.to(device))
+        for b in self.comm.all_gather_bytes(blob.to(device), kind="geometry"):
+            raw = b.cpu().clone()
+            pos = 0
+            while pos < raw.numel():
+                k = keys[int(raw[pos:pos + 4].view(torch.float32))]
+                dim = self._stats[k].dim
+                head = raw[pos + 4:pos + 4 * (1 + rank + dim)].view(torch.float32)
+                pos += 4 * (1 + rank + dim)
+                U = raw[pos:pos + width * dim * rank].view(GEOMETRY_WIRE_DTYPE).float().view(dim, rank)
+                pos += width * dim * rank
+                shared[k] = geo.LowRankDiag(U=U.to(device), lam=head[:rank].to(device), d=head[rank:].to(device))
         return shared
 
     # ---- auto selection -------------------------------------------------------------
@@ -372,15 +378,26 @@ def _low_rank_diagonal(lrd: geo.LowRankDiag) -> torch.Tensor:
     return lrd.U.square() @ lrd.lam + lrd.d
 
 
-def _low_rank_diag_from_sketch(Q: torch.Tensor, AQ: torch.Tensor, diag: torch.Tensor, *, rank: int,
-                               damping: float) -> geo.LowRankDiag:
-    """Rayleigh-Ritz on an orthonormal basis ``Q`` with ``AQ = A @ Q``: top-``rank``
-    eigenpairs of ``A`` within span(Q), plus the clamped residual diagonal."""
-    T = (Q.T.double() @ AQ.double())
-    T = 0.5 * (T + T.T)
-    evals, evecs = torch.linalg.eigh(T)
-    top = torch.argsort(evals, descending=True)[:rank]
-    lam = evals[top].clamp_min(0.0)
-    U = Q.double() @ evecs[:, top]
+def nystrom_low_rank_diag(omega: torch.Tensor, Y: torch.Tensor, diag: torch.Tensor, *, rank: int,
+                          damping: float) -> geo.LowRankDiag:
+    """Top-``rank`` eigenpairs of a PSD ``A`` from one sketch ``Y = A @ omega`` (omega
+    orthonormal), by the shifted Nystrom approximation ``Y (omega^T Y)^-1 Y^T``, plus the
+    clamped residual diagonal. Falls back to Rayleigh-Ritz when the core is not positive
+    definite."""
+    O, Y64 = omega.double(), Y.double()
+    shift = 1e-10 * float(Y64.norm()) + 1e-300
+    Ys = Y64 + shift * O
+    core = O.T @ Ys
+    core = 0.5 * (core + core.T)
+    L, info = torch.linalg.cholesky_ex(core)
+    if int(info) == 0:
+        B = torch.linalg.solve_triangular(L, Ys.T, upper=False).T
+        U, S, _ = torch.linalg.svd(B, full_matrices=False)
+        lam = (S.square() - shift).clamp_min(0.0)[:rank]
+        U = U[:, :rank]
+    else:
+        evals, evecs = torch.linalg.eigh(core)
+        top = torch.argsort(evals, descending=True)[:rank]
+        lam, U = evals[top].clamp_min(0.0), O @ evecs[:, top]
     d = (diag.double() - U.square() @ lam).clamp_min(damping)
-    return geo.LowRankDiag(U=U.float(), lam=lam.float(), d=d.float())
+    return geo.LowRankDiag(U=U.float().contiguous(), lam=lam.float(), d=d.float())

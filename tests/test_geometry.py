@@ -8,7 +8,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed_gift.geometry import (
     AUTO_EIGH_MAX_DIM,
-    CholeskyWhitener,
     CovarianceEMA,
     HadamardWhitener,
     IdentityWhitener,

@@ -98,6 +98,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0)}
     if gift is not None:
         g = gift.geometry
+        result["backend"] = gift.comm.name
         result.update(records=list(gift.records), version=g.version, active=sorted(g.active),
                       gains=dict(g.gains),
                       whitener_digest={n: [t.double().sum().item() for t in w.to_tensors()]
