@@ -103,6 +103,9 @@ class BucketPlan:
                     owner.main_numel += numel
         digest = hashlib.blake2b(repr((self.slices, sorted(versions.items()))).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
+        # Element positions of the main payloads depend only on which slices are HIGH: an
+        # error-feedback residual survives re-selection and refreshes under this key.
+        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH) for s in self.slices)
 
 
 class GiftReducer:
@@ -116,7 +119,8 @@ class GiftReducer:
         self.generator = generator
         self.error_feedback = error_feedback
         self._plans: Dict[tuple, BucketPlan] = {}
-        self.residuals: Dict[Tuple[int, int], torch.Tensor] = {}  # (plan hash, dst) -> fp32 main residual
+        # (layout key, dst) -> (fp32 residual of the main payload, pieces, whiteners it is expressed in)
+        self.residuals: Dict[Tuple[tuple, int], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
         self.last: Dict[str, float] = {}
 
     # ---- planning -------------------------------------------------------------------
@@ -162,6 +166,15 @@ class GiftReducer:
                 view.copy_(whiteners[p.param_key].invert(view))
             pos += p.numel
 
+    @staticmethod
+    def _apply_rows(buf: torch.Tensor, pieces: List[Piece], whiteners) -> None:
+        pos = 0
+        for p in pieces:
+            if p.rows:
+                view = buf.narrow(0, pos, p.numel).view(p.rows, p.numel // p.rows)
+                view.copy_(whiteners[p.param_key].apply(view))
+            pos += p.numel
+
     def _control_header(self, plan: BucketPlan, step: int, device) -> torch.Tensor:
         head = torch.tensor([plan.hash, step], dtype=torch.int64)
         return head.view(torch.uint8).to(device)
@@ -203,11 +216,15 @@ class GiftReducer:
             parts = [self._control_header(plan, step, tensor.device)]
             if main is not None:
                 if self.error_feedback:
-                    main = self._add_residual(plan, dst, main)
+                    main = self._add_residual(plan, dst, main, whiteners)
                 payload = self.main_codec.encode(main, generator=self.generator)
+                parts.append(self.main_codec.payload_to_bytes(payload))  # before main is reused below
                 if self.error_feedback:
-                    self.residuals[(plan.hash, dst)] = main - self.main_codec.decode(payload)
-                parts.append(self.main_codec.payload_to_bytes(payload))
+                    residual = main.sub_(self.main_codec.decode(payload))
+                    if bool(torch.isfinite(residual).all()):
+                        self.residuals[(plan.layout_key, dst)] = (residual, owner.main, dict(whiteners))
+                    else:  # an overflowing step (DeepSpeed skips it): its error must not leak into the next
+                        self.residuals.pop((plan.layout_key, dst), None)
                 stats["bytes_main"] += parts[-1].numel()
             if high is not None:
                 parts.append(self.high_codec.encode_to_bytes(high))
@@ -266,9 +283,23 @@ class GiftReducer:
         self.last = stats
         return stats
 
-    def _add_residual(self, plan: BucketPlan, dst: int, main: torch.Tensor) -> torch.Tensor:
-        residual = self.residuals.get((plan.hash, dst))
-        return main if residual is None else main.add_(residual)
+    def _add_residual(self, plan: BucketPlan, dst: int, main: torch.Tensor, whiteners) -> torch.Tensor:
+        """Add last step's quantization error, first moved into this step's coordinates when
+        a refresh or re-selection changed the whiteners of some rows."""
+        entry = self.residuals.get((plan.layout_key, dst))
+        if entry is None:
+            return main
+        residual, pieces, used = entry
+        new_pieces = plan.owners[dst].main
+        if pieces != new_pieces or any(used.get(p.param_key) is not whiteners.get(p.param_key)
+                                       for p in new_pieces + pieces if p.rows):
+            self._invert_rows(residual, pieces, used)
+            self._apply_rows(residual, new_pieces, whiteners)
+        return main.add_(residual)
+
+    def residual_nbytes(self) -> int:
+        """Memory held by error feedback (fp32 residuals of every payload this rank sends)."""
+        return sum(r.numel() * r.element_size() for r, _, _ in self.residuals.values())
 
     @staticmethod
     def _scatter(tensor, total, pieces, plan, outputs) -> None:

@@ -204,6 +204,8 @@ class GiftState:
             if self.cfg.geometry.kind != "identity" else 0,
         }
         record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
+        if self.cfg.error_feedback:
+            record["error_feedback_bytes"] = self.reducer.residual_nbytes()
         if t.get("fidelity_ref_sq"):
             record["fidelity_rel_err"] = (t["fidelity_err_sq"] / t["fidelity_ref_sq"]) ** 0.5
         for key in ("saturated", "underflow", "nonfinite"):

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.workers import train  # noqa: E402
+from launch.common import train  # noqa: E402
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     gift = result.get("records") is not None
     out = {"rank": rank, "world_size": world, "losses": result["losses"], "gift": gift,
-           "records": result.get("records", []), "version": result.get("version"),
+           "records": result.get("records", []), "backend": result.get("backend"), "version": result.get("version"),
            "whitener_digest": result.get("whitener_digest"),
            "param_sum": float(sum(p.double().sum() for p in result["params"].values()))}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .dist import free_port
+from launch.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -61,7 +61,9 @@ def test_mpirun_with_mpi_backend(tmp_path):
     spec["gift"]["backend"] = "mpi"
     cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", "--mca", "btl_tcp_if_include", "lo",
            sys.executable, "tests/launched.py", "--spec", json.dumps(spec), "--out", str(tmp_path)]
-    _check(_run(cmd, str(tmp_path), 2), 2)
+    results = _run(cmd, str(tmp_path), 2)
+    _check(results, 2)
+    assert all(r["backend"] == "mpi" for r in results)
 
 
 def test_deepspeed_launcher_with_hostfile(tmp_path):

@@ -4,8 +4,8 @@ DeepSpeed's own reduction of the same model, data and seed."""
 import pytest
 import torch
 
-from .dist import run_ranks
-from .workers import train_many
+from launch.spawn import run_ranks
+from launch.common import train_many
 
 # W=2 with fp32 gradients: DeepSpeed divides by 2 (exact) then sums; GIFT sums in fp32 then
 # divides by 2 (exact): the same bits. Adam can still amplify a last-bit difference from a

@@ -1,5 +1,6 @@
-"""Rank bodies for the distributed tests: a tiny HF Llama trained through DeepSpeed
-(natively or with GIFT) on real text (byte tokens of the Python standard library)."""
+"""Shared by the launch scripts and the tests: a small HF Llama trained through DeepSpeed
+(natively or with GIFT) on real text that needs no download (byte tokens of the Python
+standard library's sources)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import importlib.util
 
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+SMALL_LLAMA = dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+PRESETS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}
 
 
 def corpus_bytes(limit: int = 200_000) -> bytes:
@@ -71,7 +75,8 @@ def build_engine(spec: dict):
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(spec.get("seed", 0))
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **spec.get("model", {})}))
+    preset = PRESETS[spec.get("preset", "tiny")]
+    model = LlamaForCausalLM(LlamaConfig(**{**preset, **spec.get("model", {})}))
     init = deepspeed_gift.initialize if spec.get("gift") is not None else deepspeed.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec))
     return engine
@@ -86,16 +91,21 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     import torch
 
     engine = build_engine(spec)
-    losses = []
+    import time
+
+    losses, step_times = [], []
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
-    for tokens in batches(rank, spec.get("steps", 4) * ga, micro, seq, spec.get("data_seed", 0)):
+    for tokens in batches(engine.global_rank, spec.get("steps", 4) * ga, micro, seq, spec.get("data_seed", 0)):
+        t0 = time.perf_counter()
         out = engine(input_ids=tokens, labels=tokens)
         engine.backward(out.loss)
         engine.step()
+        step_times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     gift = getattr(engine, "gift", None)
-    result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0)}
+    result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0),
+              "step_times": step_times}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name

@@ -1,4 +1,4 @@
-"""Spawning real ranks for tests: each rank is a fresh process on gloo (CPU).
+"""Spawning real ranks on one machine: each rank is a fresh process on gloo (CPU).
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
 ``world_size`` spawned processes with the torch.distributed environment set, and returns
@@ -35,6 +35,10 @@ def _entry(rank, world_size, port, outdir, fn, args):
     torch.set_num_threads(1)
     try:
         result = ("ok", fn(rank, world_size, *args))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException as exc:  # report every failure to the parent, with its traceback
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
