@@ -21,7 +21,9 @@ with zeros internally (padding never travels and never changes a scale).
 Non-finite inputs (never silently made finite, DeepSpeed's overflow check needs them):
 
 - fp8 / int8 / int4 with fp32 scales: a block holding inf or nan gets an inf/nan
-  scale and decodes to nan in all its elements; other blocks are unaffected.
+  scale and decodes to nan in all its elements; other blocks are unaffected. With
+  ``block_size=0`` the block is the whole tensor. Decoding relies on that scale: an
+  fp8 nan code under a finite scale (never produced by ``encode``) would read as 480.
 - fp8 with E8M0 scales: the block's scale byte is 0xFF (nan); the block decodes nan.
 - nvfp4: the block's E4M3 scale is nan and the block decodes nan; the fp32 global
   scale is computed from the finite blocks only, so other blocks are unaffected.
@@ -31,24 +33,27 @@ Non-finite inputs (never silently made finite, DeepSpeed's overflow check needs 
 
 Range limits (the fp32 scales cover fp32's range; what remains):
 
-- fp8/int with fp32 scales: scale = amax / format_max. Blocks with amax below
-  ~format_max * 2**-126 (about 5e-36 for e4m3) get a subnormal scale and lose
-  relative precision; no finite value ever decodes to a non-finite one.
-- fp8 with E8M0 scales: exponents are clamped to [-127, 127]; blocks with amax
-  below about 2**-127 * format_max lose precision.
-- nvfp4: block scale = E4M3 (smallest value >= block_amax / (6 * g)), global
-  g = tensor_amax / (6 * 448). A block whose amax is below ~2**-9 / 448 (2.2e-6) of
-  the tensor's amax still gets the smallest E4M3 scale, so its elements mostly
-  underflow to 0; below ~2**-6 / 448 (3.5e-5) of the amax the E4M3 scale is
-  subnormal and coarse. ``quantization_stats`` reports the underflow count.
+- fp8/int with fp32 scales: scale = amax / format_max (nudged up an ulp if needed so
+  nothing scales past the format max). Blocks with amax below ~format_max * 2**-126
+  (about 5e-36 for e4m3) get a subnormal scale and lose relative precision; no finite
+  value ever decodes to a non-finite one.
+- fp8 with E8M0 scales: scale = 2**ceil(log2(amax / format_max)), exponent clamped to
+  [-127, 127]; blocks with amax below about 2**-127 * format_max lose precision.
+- nvfp4: global g = tensor_amax / (6 * 448) (finite blocks only); block scale = the
+  smallest E4M3 value >= block_amax / (6 g), so no finite element clips. With
+  r = block_amax / tensor_amax: r >= 2**-6 / 448 (3.5e-5) gets a normal E4M3 scale;
+  below that the scale is subnormal and coarser; below 2**-9 / 448 (4.4e-6) the block
+  gets the smallest scale and its elements under ~2**-11 / 2688 (1.8e-7) of the tensor
+  amax decode to 0. ``quantization_stats`` reports the underflow count.
 
 Stochastic rounding picks one of the two neighbouring representable values with
-probability proportional to the distance. For fp8/nvfp4/bf16 the choice is made by
-adding a uniform random integer to the fp32 bits below the target precision and
-truncating (exactly unbiased for values in the normal range of the target format; in
-the subnormal range the value is first shifted by the smallest normal, which rounds
-away fp32 bits more than 2**-21 of a step below the grid). For int8/int4 it compares a
-uniform draw with the fractional part (bias below 2**-24 of a step).
+probability proportional to the distance. For fp8/nvfp4/bf16 a uniform random integer
+is added to the fp32 bits below the target precision, then they are truncated: exactly
+unbiased in the target's normal range. Values in the target's subnormal range are first
+shifted up by its smallest normal (same spacing there), which rounds away fp32 bits
+finer than 2**-(23 - m) of a step (m mantissa bits: 2**-20 for e4m3), a bias of at most
+half that. For int8/int4 a uniform draw is compared with the fractional part (bias
+below 2**-24 of a step).
 """
 
 from __future__ import annotations
@@ -118,10 +123,11 @@ class Payload:
 
 # ----------------------------------------------------------------------------- helpers
 
-# On CPU the element-wise work runs over tiles of about this many elements, so the
+# On CPU the element-wise work runs over tiles of about this many elements (4 MB of
+# fp32, cache-resident), so the
 # temporaries stay in cache instead of being fresh multi-100 MB allocations (each one
 # page-faulted in). On other devices one tile covers the whole tensor.
-_CPU_TILE = 1 << 18
+_CPU_TILE = 1 << 20
 
 
 def _as_size(shape: Shape) -> torch.Size:
@@ -583,19 +589,19 @@ class _ScaledCodec(Codec):
         return _safe_divisor(scale).expand(n_rows)
 
     def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _prepare")
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _tile_divisor")
 
     def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _store")
 
     def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _row_scales")
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _fill")
 
 
 class _Fp8Codec(_ScaledCodec):
@@ -924,9 +930,10 @@ class Bf16Codec(_PassthroughCodec):
         step = _tile_rows(numel, 1, flat.device)
         for e0 in range(0, numel, step):
             y = flat[e0 : e0 + step].to(torch.float32, copy=True)
-            # inf/nan are left alone (a carry could turn a large finite into inf, as RNE can)
+            # inf (low bits 0) truncates back to itself; nan keeps an all-ones exponent
+            # (stays nan, or inf if its payload sat in the low 16 bits); the largest finite
+            # values may carry into inf, as round-to-nearest can
             noise = torch.randint(0, 1 << 16, y.shape, dtype=torch.int32, device=y.device, generator=gen)
-            noise.mul_(torch.isfinite(y))
             y.view(torch.int32).add_(noise).bitwise_and_(~0xFFFF)
             p.data[e0 : e0 + step].copy_(y)  # exact: the low 16 bits are zero
 

@@ -5,6 +5,7 @@ standard library's sources)."""
 from __future__ import annotations
 
 import copy
+import os
 import importlib.util
 
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -57,6 +58,9 @@ def ds_config(spec: dict) -> dict:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": spec.get("scale_power", 8), "loss_scale_window": 2}
     if spec.get("gift") is not None:
         cfg["gift"] = copy.deepcopy(spec["gift"])
+        per_rank = spec.get("gift_on_rank", {}).get(str(int(os.environ.get("RANK", "0"))))
+        if per_rank:  # tests of rank disagreement
+            cfg["gift"].update(per_rank)
     cfg.update(spec.get("extra", {}))
     return cfg
 
@@ -80,6 +84,15 @@ def build_engine(spec: dict):
     init = deepspeed_gift.initialize if spec.get("gift") is not None else deepspeed.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec))
     return engine
+
+
+def initialize_error(rank: int, world_size: int, spec: dict) -> str:
+    """Build the engine and return the error it raised ("" if none): for config tests."""
+    try:
+        build_engine(spec)
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 def train_many(rank: int, world_size: int, specs: list) -> list:

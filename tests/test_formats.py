@@ -561,6 +561,31 @@ def test_e8m0_nonfinite_scale_byte_is_nan():
     assert p.scales.tolist()[0] == 127 - 8  # 2**ceil(log2(1 / 448)) = 2**-8
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_e8m0_scale_is_smallest_power_of_two(name):
+    codec = get_format(name, scale="e8m0")
+    fmax = torch.finfo(codec.data_dtype).max
+    # last: amax / fmax rounds (as an fp32 subnormal) to exactly 2**-127 but amax is above
+    # fmax * 2**-127, so the exponent must go up one
+    edge = float(np.nextafter(F32(fmax * 2.0**-127), F32(np.inf)))
+    amaxes = [fmax, fmax * 2.0**10, fmax * 2.0**-20, fmax * 1.001, fmax * 0.999, 0.0, 3e38, 1e-40, 1e-30, edge]
+    x = torch.zeros(32 * len(amaxes))
+    x[::32] = torch.tensor(amaxes)
+    expected = []
+    for amax in amaxes:
+        e = -127
+        while amax / 2.0**e > fmax:
+            e += 1
+        expected.append(e + 127)
+    assert expected[:5] == [127, 137, 107, 128, 127] and expected[-1] == 1
+    p = codec.encode(x)
+    assert p.scales.tolist() == expected
+    y = codec.decode(p)
+    assert torch.equal(y[:96], x[:96])  # fmax * 2**k is on the grid of scale 2**k
+    nz = x != 0
+    assert ((y[nz] - x[nz]).abs() <= 0.125 * x[nz].abs()).all() and (y[~nz] == 0).all()
+
+
 def test_nvfp4_global_scale_ignores_nonfinite_blocks():
     codec = get_format("nvfp4")
     x = torch.ones(48)
@@ -638,8 +663,7 @@ def test_stochastic_rounding_unbiased(cfg):
     codec = get_format(name, **kw, rounding="stochastic", seed=11)
     y = _roundtrip(codec, x)
     y = y[: block.numel() * copies].view(copies, -1)
-    scale = 1.0 if name != "fp8_e4m3" or kw.get("scale") != "e8m0" else 1.0  # amax == fmax -> scale 1
-    mean = y.double().mean(0) / scale
+    mean = y.double().mean(0)  # every block's amax is the format max: scale 1
     lo, hi = _grid_neighbours(name, kw, block)
     var = ((hi - block).double() * (block - lo).double()).clamp_min(0)
     on_grid = var == 0

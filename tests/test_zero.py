@@ -79,3 +79,44 @@ def test_world_size_one_runs_and_sends_nothing():
     assert len(gift["records"]) == 2
     assert all(r["elements_sent"] == 0 and r["bytes_payload"] == 0 for r in gift["records"])
     assert torch.isfinite(torch.tensor(gift["losses"])).all()
+
+
+def _errors(world, specs):
+    from launch.common import initialize_error
+
+    return [run_ranks(initialize_error, world, spec) for spec in specs]
+
+
+def test_unsupported_setups_fail_at_initialize_with_a_message():
+    fp8 = {"format": "fp8_e4m3"}
+    cases = [
+        (dict(stage=3, gift=fp8), "zero_optimization.stage is 3"),
+        (dict(stage=0, gift=fp8), "zero_optimization.stage is 0"),
+        (dict(stage=1, dtype="bf16", grad_accum_dtype="fp32", gift=fp8), "BF16_Optimizer"),
+        (dict(stage=2, gift={"geometry": {"rank": 100}}), "gift.geometry.rank: got 100"),
+        (dict(stage=2, gift={"layers": ["*.mlp.nothing"]}), "gift.layers"),
+        (dict(stage=2, gift={"format": "nvfp4", "block_size": 32}), "gift.block_size"),
+        (dict(stage=2, gift={"geometry": {"rank": 8}}, gift_on_rank={"1": {"geometry": {"rank": 4}}}),
+         "gift.geometry.rank differs between ranks: rank 0 has 8, rank 1 has 4"),
+    ]
+    results = _errors(2, [spec for spec, _ in cases])
+    for (spec, expected), per_rank in zip(cases, results):
+        assert all(expected in message for message in per_rank), (expected, per_rank)
+
+
+def test_start_step_runs_native_first_and_telemetry_goes_to_jsonl(tmp_path):
+    path = str(tmp_path / "gift.jsonl")
+    base = dict(stage=2, steps=4, bucket=30000)
+    gift = {"format": "fp8_e4m3", "start_step": 2, "layers": "all", "geometry": {"rank": 8},
+            "telemetry": {"every": 1, "jsonl": path}}
+    native, late = run_ranks(train_many, 2, [base, dict(base, gift=gift)])[0]
+    assert late["losses"][:3] == native["losses"][:3]  # steps 0, 1 native; step 2's loss precedes its reduction
+    assert late["losses"][3] != native["losses"][3]
+    import json
+
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [2, 3]
+    assert all(1.03 < (r["bytes_payload"] + r["bytes_header"]) / r["elements_sent"] < 1.05 for r in records)
+    assert records[0]["bytes_geometry"] > 0 and records[1]["bytes_geometry"] == 0  # refresh at GIFT step 0 only
+    assert all(0 < r["fidelity_rel_err"] < 0.0625 for r in records)
