@@ -90,14 +90,17 @@ def main(argv: List[str] | None = None) -> int:
 
     print(
         f"device={device} numel={args.numel} repeats={args.repeats} threads={torch.get_num_threads()} "
-        f"torch={torch.__version__} clone={clone_s * 1e3:.1f} ms"
+        f"torch={torch.__version__} clone={clone_s * 1e3:.3f} ms"
     )
-    head = f"{'format':<9} {'B/elem':>7} {'enc ms':>8} {'dec ms':>8} {'enc Ge/s':>9} {'dec Ge/s':>9} {'enc/clone':>9} {'dec/clone':>9}"
+    head = (
+        f"{'format':<9} {'B/elem':>7} {'enc ms':>8} {'dec ms':>8} {'enc Ge/s':>9} {'dec Ge/s':>9} "
+        f"{'enc/clone':>9} {'dec/clone':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['format']:<9} {r['bytes_per_element']:>7.4f} {r['encode_ms']:>8.1f} {r['decode_ms']:>8.1f} "
+            f"{r['format']:<9} {r['bytes_per_element']:>7.4f} {r['encode_ms']:>8.2f} {r['decode_ms']:>8.2f} "
             f"{r['encode_gelem_s']:>9.3f} {r['decode_gelem_s']:>9.3f} {r['encode_vs_clone']:>9.2f} "
             f"{r['decode_vs_clone']:>9.2f}"
         )

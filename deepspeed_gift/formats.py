@@ -123,8 +123,7 @@ class Payload:
 
 # ----------------------------------------------------------------------------- helpers
 
-# On CPU the element-wise work runs over tiles of about this many elements (4 MB of
-# fp32, cache-resident), so the
+# On CPU the element-wise work runs over tiles of this many elements (4 MB of fp32), so
 # temporaries stay in cache instead of being fresh multi-100 MB allocations (each one
 # page-faulted in). On other devices one tile covers the whole tensor.
 _CPU_TILE = 1 << 20
@@ -196,13 +195,19 @@ def _rows_amax(flat: Tensor, row_len: int) -> Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def _div_scalar(a: Tensor, value: float) -> Tensor:
+    # CUDA turns division by a Python scalar into a product with its rounded reciprocal;
+    # a 0-d tensor divisor keeps the correctly rounded quotient, equal on every device
+    return a / torch.full((), value, dtype=a.dtype, device=a.device)
+
+
 def _fp32_scales(amax: Tensor, qmax: float) -> Tensor:
     """amax / qmax, nudged up one ulp where needed so that fl(amax / scale) <= qmax.
 
     Only matters when amax / qmax is subnormal (rounded with few bits) or lands on a
     rounding edge; it guarantees that no finite element is scaled past the format max.
     """
-    scale = amax / qmax
+    scale = _div_scalar(amax, qmax)
     over = amax / scale > qmax  # false for nan, inf and 0/0
     return torch.where(over, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
 
@@ -376,6 +381,10 @@ class Codec:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         return self._offsets(numel)[3]
+
+    def scale_nbytes(self, numel: int) -> int:
+        """Bytes of scales (block scales and any global scale) in ``nbytes(numel)``."""
+        return self.nbytes(numel) - HEADER_BYTES - self._data_bytes(numel)
 
     def _header_tensor(self, numel: int) -> Tensor:
         raw = _HEADER.pack(
@@ -623,7 +632,7 @@ class _Fp8Codec(_ScaledCodec):
 
     def _e8m0_codes(self, amax: Tensor) -> Tensor:
         """Smallest power-of-two scale with amax / scale <= fmax, as E8M0 bytes (bias 127)."""
-        mant, exp = torch.frexp(amax / self.fmax)
+        mant, exp = torch.frexp(_div_scalar(amax, self.fmax))
         e = exp - (mant == 0.5).to(exp.dtype)  # ceil(log2 t): exact powers of two keep their exponent
         e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp_(-127, 127)
         over = amax / torch.ldexp(torch.ones_like(amax), e) > self.fmax
@@ -733,9 +742,10 @@ class _IntCodec(_ScaledCodec):
         if gen is None:
             return y.round_()  # half to even
         lower = torch.floor(y)
-        y.sub_(lower)  # fractional part in [0, 1), exact
-        up = torch.rand(y.shape, dtype=torch.float32, device=y.device, generator=gen) < y
-        return y.copy_(lower).add_(up)
+        y.sub_(lower).mul_(2.0**24)  # fractional part in [0, 1) in units of 2**-24, exact
+        # P(r < f) = ceil(f) / 2**24 for r uniform on {0 .. 2**24 - 1}: exact on the 2**-24 grid
+        draw = torch.randint(0, 1 << 24, y.shape, dtype=torch.int32, device=y.device, generator=gen)
+        return lower.add_(draw < y)
 
     def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
         return p.scales.expand(n_rows) if self.block_size == 0 else p.scales

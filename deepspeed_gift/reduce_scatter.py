@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .formats import quantization_stats
+
 CONTROL_HEADER_BYTES = 16
 GEO, MAIN, HIGH = "geo", "main", "high"
 
@@ -219,6 +221,11 @@ class GiftReducer:
                     main = self._add_residual(plan, dst, main, whiteners)
                 payload = self.main_codec.encode(main, generator=self.generator)
                 parts.append(self.main_codec.payload_to_bytes(payload))  # before main is reused below
+                if sample:
+                    q = quantization_stats(main, payload, self.main_codec)
+                    for key in ("underflow", "saturated", "nonfinite"):
+                        stats[key] = stats.get(key, 0) + q[key]
+                    stats["quantized"] = stats.get("quantized", 0) + q["numel"]
                 if self.error_feedback:
                     residual = main.sub_(self.main_codec.decode(payload))
                     if bool(torch.isfinite(residual).all()):
@@ -226,6 +233,7 @@ class GiftReducer:
                     else:  # an overflowing step (DeepSpeed skips it): its error must not leak into the next
                         self.residuals.pop((plan.layout_key, dst), None)
                 stats["bytes_main"] += parts[-1].numel()
+                stats["bytes_scales"] = stats.get("bytes_scales", 0) + self.main_codec.scale_nbytes(owner.main_numel)
             if high is not None:
                 parts.append(self.high_codec.encode_to_bytes(high))
                 stats["bytes_high"] += parts[-1].numel()

@@ -190,6 +190,7 @@ class GiftState:
         record = {
             "step": k + self.cfg.start_step,
             "bytes_payload": int(t.get("bytes_main", 0) + t.get("bytes_high", 0)),
+            "bytes_scales": int(t.get("bytes_scales", 0)),
             "bytes_header": int(t.get("bytes_header", 0)),
             "bytes_geometry": int(geometry_bytes),
             "elements_sent": int(elements),
@@ -208,9 +209,11 @@ class GiftState:
             record["error_feedback_bytes"] = self.reducer.residual_nbytes()
         if t.get("fidelity_ref_sq"):
             record["fidelity_rel_err"] = (t["fidelity_err_sq"] / t["fidelity_ref_sq"]) ** 0.5
-        for key in ("saturated", "underflow", "nonfinite"):
+        for key in ("saturated", "underflow", "nonfinite", "quantized"):
             if key in t:
                 record[key] = int(t[key])
+        if t.get("quantized"):
+            record["underflow_rate"] = t["underflow"] / t["quantized"]
         self.records.append(record)
         if len(self.records) > 1000:
             del self.records[:-1000]
@@ -252,6 +255,17 @@ class _reduction_stream:
         return False
 
 
+def _log_like_deepspeed() -> None:
+    """Route this package's log records (layer selection, refreshes) where DeepSpeed's go."""
+    from deepspeed.utils import logger as ds_logger
+
+    if not logger.handlers:
+        for handler in ds_logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(ds_logger.level)
+        logger.propagate = False
+
+
 def attach(engine) -> Optional[GiftState]:
     """Attach GIFT to an engine built by ``deepspeed.initialize`` (reads its ``gift`` block).
     Returns the state, or None when the block is missing or disabled (DeepSpeed untouched)."""
@@ -260,6 +274,7 @@ def attach(engine) -> Optional[GiftState]:
         return None
     if getattr(engine, "gift", None) is not None:
         raise RuntimeError("deepspeed_gift.attach: GIFT is already attached to this engine")
+    _log_like_deepspeed()
     state = GiftState(engine, cfg)
     engine.gift = state
     state.opt.average_tensor = state.average_tensor

@@ -120,3 +120,33 @@ def test_start_step_runs_native_first_and_telemetry_goes_to_jsonl(tmp_path):
     assert all(1.03 < (r["bytes_payload"] + r["bytes_header"]) / r["elements_sent"] < 1.05 for r in records)
     assert records[0]["bytes_geometry"] > 0 and records[1]["bytes_geometry"] == 0  # refresh at GIFT step 0 only
     assert all(0 < r["fidelity_rel_err"] < 0.0625 for r in records)
+    assert all(r["nonfinite"] == 0 and 0 <= r["underflow_rate"] < 0.5 and r["quantized"] > 0 for r in records)
+
+
+def test_every_format_trains_with_bounded_error_and_reaches_the_monitor(tmp_path):
+    # One bound per format: the reduced gradient's relative L2 error vs an exact reduction.
+    # fp8/int8: 3-7 mantissa bits -> ~1e-2; 4-bit formats: ~1e-1; bf16: 2^-9; fp32: only the
+    # Hadamard round trip (fp32 rounding).
+    bounds = {"fp8_e4m3": 0.06, "fp8_e5m2": 0.12, "int8": 0.02, "nvfp4": 0.3, "int4": 0.3, "bf16": 4e-3, "fp32": 1e-6}
+    base = dict(stage=1, steps=3, bucket=40000)
+    specs = []
+    for fmt in bounds:
+        gift = {"format": fmt, "layers": "all", "geometry": {"kind": "hadamard"}, "telemetry": {"every": 1}}
+        if fmt == "nvfp4":
+            gift.update(error_feedback=True, geometry={"kind": "kfac_input", "rank": 8})
+        specs.append(dict(base, gift=gift))
+    specs[0]["extra"] = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "gift"}}
+    results = run_ranks(train_many, 2, specs)[0]
+    for fmt, r in zip(bounds, results):
+        errs = [rec["fidelity_rel_err"] for rec in r["records"]]
+        assert len(errs) == 3 and max(errs) <= bounds[fmt], (fmt, errs)
+        assert r["losses"][-1] < r["losses"][0], (fmt, r["losses"])
+        assert all(rec["nonfinite"] == 0 for rec in r["records"] if "nonfinite" in rec)
+    nvfp4 = results[list(bounds).index("nvfp4")]
+    assert all(rec["error_feedback_bytes"] > 0 for rec in nvfp4["records"])
+    assert all(0.55 < (rec["bytes_payload"] + rec["bytes_header"]) / rec["elements_sent"] < 0.6
+               for rec in nvfp4["records"])
+    import os
+
+    written = os.listdir(os.path.join(str(tmp_path), "gift"))
+    assert "Gift_fidelity_rel_err.csv" in written and "Gift_bytes_per_elem.csv" in written
