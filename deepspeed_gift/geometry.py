@@ -277,6 +277,40 @@ def fit_low_rank_diag(
     return LowRankDiag(U=U.to(_FACTOR_DTYPE), lam=lam.to(_FACTOR_DTYPE), d=d.to(_FACTOR_DTYPE))
 
 
+def low_rank_matmul(lrd: LowRankDiag, Q: Tensor) -> Tensor:
+    """``A_hat @ Q`` without forming ``A_hat``."""
+    return lrd.U @ (lrd.lam[:, None] * (lrd.U.T @ Q)) + lrd.d[:, None] * Q
+
+
+def low_rank_diagonal(lrd: LowRankDiag) -> Tensor:
+    return lrd.U.square() @ lrd.lam + lrd.d
+
+
+def nystrom_low_rank_diag(omega: Tensor, Y: Tensor, diag: Tensor, *, rank: int,
+                          damping: float) -> LowRankDiag:
+    """Top-``rank`` eigenpairs of a PSD ``A`` from one sketch ``Y = A @ omega`` (omega
+    orthonormal), by the shifted Nystrom approximation ``Y (omega^T Y)^-1 Y^T``, plus the
+    clamped residual diagonal. Falls back to Rayleigh-Ritz when the core is not positive
+    definite."""
+    O, Y64 = omega.double(), Y.double()
+    shift = 1e-10 * float(Y64.norm()) + 1e-300
+    Ys = Y64 + shift * O
+    core = O.T @ Ys
+    core = 0.5 * (core + core.T)
+    L, info = torch.linalg.cholesky_ex(core)
+    if int(info) == 0:
+        B = torch.linalg.solve_triangular(L, Ys.T, upper=False).T
+        U, S, _ = torch.linalg.svd(B, full_matrices=False)
+        lam = (S.square() - shift).clamp_min(0.0)[:rank]
+        U = U[:, :rank]
+    else:
+        evals, evecs = torch.linalg.eigh(core)
+        top = torch.argsort(evals, descending=True)[:rank]
+        lam, U = evals[top].clamp_min(0.0), O @ evecs[:, top]
+    d = (diag.double() - U.square() @ lam).clamp_min(damping)
+    return LowRankDiag(U=U.float().contiguous(), lam=lam.float(), d=d.float())
+
+
 # ---------------------------------------------------------------------------- whiteners
 
 

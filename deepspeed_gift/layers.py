@@ -191,6 +191,7 @@ class GeometryManager:
         world, me = self.comm.world_size, self.comm.rank
         fitter = self._assign(keys)
         omegas = {k: self._omega(k) for k in keys if not self._dense_exchange(self._stats[k].dim)}
+        self._power_step(omegas)
         parts = [[] for _ in range(world)]
         for k in keys:
             A = self._stats[k].value()
@@ -262,6 +263,24 @@ class GeometryManager:
             cols[:, :prev.rank] = prev.U.double().cpu()
         return torch.linalg.qr(cols).Q.float().to(device)
 
+    def _power_step(self, omegas: Dict[str, torch.Tensor]) -> None:
+        """Layers without previous factors start from a random test matrix, which one
+        Nystrom pass sees poorly (eigenvalues underestimated by 10-40%); one power step
+        ``Omega <- orth(A_avg @ Omega)``, all-reduced so every rank holds it, fixes that.
+        Later refreshes warm-start from the previous eigenvectors instead."""
+        cold = [k for k in sorted(omegas) if k not in self._lowrank]
+        if not cold:
+            return
+        flat = torch.cat([(self._stats[k].value() @ omegas[k]).reshape(-1) for k in cold])
+        before = sum(self.comm.bytes_sent.values())
+        self.comm.all_reduce_sum(flat, kind="geometry")
+        self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
+        pos = 0
+        for k in cold:
+            n = omegas[k].numel()
+            omegas[k] = torch.linalg.qr(flat[pos:pos + n].view_as(omegas[k]).double()).Q.float()
+            pos += n
+
     def _fit_one(self, key: str, flat: torch.Tensor, omega: Optional[torch.Tensor]) -> Optional[geo.LowRankDiag]:
         dim = self._stats[key].dim
         if not bool(torch.isfinite(flat).all()):
@@ -278,9 +297,9 @@ class GeometryManager:
         Y = flat[:dim * omega.shape[1]].view(dim, omega.shape[1])
         diag = flat[dim * omega.shape[1]:]
         if prev is not None:
-            Y = fd * _low_rank_matmul(prev, omega) + (1.0 - fd) * Y
-            diag = fd * _low_rank_diagonal(prev) + (1.0 - fd) * diag
-        return nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self.gcfg.damping)
+            Y = fd * geo.low_rank_matmul(prev, omega) + (1.0 - fd) * Y
+            diag = fd * geo.low_rank_diagonal(prev) + (1.0 - fd) * diag
+        return geo.nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self.gcfg.damping)
 
     def _whitener_for(self, key: str) -> geo.Whitener:
         return geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
@@ -368,36 +387,3 @@ class GeometryManager:
         n, self.geometry_bytes = self.geometry_bytes, 0
         return n
 
-
-def _low_rank_matmul(lrd: geo.LowRankDiag, Q: torch.Tensor) -> torch.Tensor:
-    """``A_hat @ Q`` without forming ``A_hat``."""
-    return lrd.U @ (lrd.lam[:, None] * (lrd.U.T @ Q)) + lrd.d[:, None] * Q
-
-
-def _low_rank_diagonal(lrd: geo.LowRankDiag) -> torch.Tensor:
-    return lrd.U.square() @ lrd.lam + lrd.d
-
-
-def nystrom_low_rank_diag(omega: torch.Tensor, Y: torch.Tensor, diag: torch.Tensor, *, rank: int,
-                          damping: float) -> geo.LowRankDiag:
-    """Top-``rank`` eigenpairs of a PSD ``A`` from one sketch ``Y = A @ omega`` (omega
-    orthonormal), by the shifted Nystrom approximation ``Y (omega^T Y)^-1 Y^T``, plus the
-    clamped residual diagonal. Falls back to Rayleigh-Ritz when the core is not positive
-    definite."""
-    O, Y64 = omega.double(), Y.double()
-    shift = 1e-10 * float(Y64.norm()) + 1e-300
-    Ys = Y64 + shift * O
-    core = O.T @ Ys
-    core = 0.5 * (core + core.T)
-    L, info = torch.linalg.cholesky_ex(core)
-    if int(info) == 0:
-        B = torch.linalg.solve_triangular(L, Ys.T, upper=False).T
-        U, S, _ = torch.linalg.svd(B, full_matrices=False)
-        lam = (S.square() - shift).clamp_min(0.0)[:rank]
-        U = U[:, :rank]
-    else:
-        evals, evecs = torch.linalg.eigh(core)
-        top = torch.argsort(evals, descending=True)[:rank]
-        lam, U = evals[top].clamp_min(0.0), O @ evecs[:, top]
-    d = (diag.double() - U.square() @ lam).clamp_min(damping)
-    return geo.LowRankDiag(U=U.float().contiguous(), lam=lam.float(), d=d.float())

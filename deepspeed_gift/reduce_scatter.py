@@ -160,21 +160,14 @@ class GiftReducer:
         return out
 
     @staticmethod
-    def _invert_rows(buf: torch.Tensor, pieces: List[Piece], whiteners) -> None:
+    def _transform_rows(buf: torch.Tensor, pieces: List[Piece], whiteners, *, inverse: bool) -> None:
+        """In place, on a packed buffer: whole-row pieces into (or back from) whitened coordinates."""
         pos = 0
         for p in pieces:
             if p.rows:
                 view = buf.narrow(0, pos, p.numel).view(p.rows, p.numel // p.rows)
-                view.copy_(whiteners[p.param_key].invert(view))
-            pos += p.numel
-
-    @staticmethod
-    def _apply_rows(buf: torch.Tensor, pieces: List[Piece], whiteners) -> None:
-        pos = 0
-        for p in pieces:
-            if p.rows:
-                view = buf.narrow(0, pos, p.numel).view(p.rows, p.numel // p.rows)
-                view.copy_(whiteners[p.param_key].apply(view))
+                w = whiteners[p.param_key]
+                view.copy_(w.invert(view) if inverse else w.apply(view))
             pos += p.numel
 
     def _control_header(self, plan: BucketPlan, step: int, device) -> torch.Tensor:
@@ -281,7 +274,7 @@ class GiftReducer:
             if total is None:
                 continue
             total.div_(divisor)
-            self._invert_rows(total, pieces, whiteners)
+            self._transform_rows(total, pieces, whiteners, inverse=True)
             self._scatter(tensor, total, pieces, plan, outputs)
         stats["transform_s"] += time.perf_counter() - t0
         if exact is not None:
@@ -301,8 +294,8 @@ class GiftReducer:
         new_pieces = plan.owners[dst].main
         if pieces != new_pieces or any(used.get(p.param_key) is not whiteners.get(p.param_key)
                                        for p in new_pieces + pieces if p.rows):
-            self._invert_rows(residual, pieces, used)
-            self._apply_rows(residual, new_pieces, whiteners)
+            self._transform_rows(residual, pieces, used, inverse=True)
+            self._transform_rows(residual, new_pieces, whiteners, inverse=False)
         return main.add_(residual)
 
     def residual_nbytes(self) -> int:

@@ -457,3 +457,31 @@ def test_update_from_moment_equals_update_and_state_round_trips():
         CovarianceEMA(dim, decay=0.9).value()
     with pytest.raises(ValueError, match="decay"):
         CovarianceEMA(dim, decay=1.0)
+
+
+def test_nystrom_sketch_recovers_the_top_subspace_and_diagonal():
+    from deepspeed_gift import geometry
+
+    # A = planted rank-4 signal (eigenvalues 100..40) + diagonal noise: one sketch with 12
+    # columns sees the top-4 subspace almost exactly (spectral gap ~ 40x).
+    dim, rank = 200, 4
+    g = torch.Generator().manual_seed(3)
+    basis = torch.linalg.qr(torch.randn(dim, rank, generator=g, dtype=torch.float64)).Q
+    A = basis @ torch.diag(torch.tensor([100.0, 80.0, 60.0, 40.0], dtype=torch.float64)) @ basis.T
+    A += torch.diag(torch.rand(dim, generator=g, dtype=torch.float64) + 0.5)
+    A = A.float()
+    omega = torch.linalg.qr(torch.randn(dim, rank + 8, generator=g, dtype=torch.float64)).Q.float()
+    cold = geometry.nystrom_low_rank_diag(omega, A @ omega, torch.diagonal(A), rank=rank, damping=1e-3)
+    omega = torch.linalg.qr(A @ omega).Q  # one power step, as the first refresh does
+    lrd = geometry.nystrom_low_rank_diag(omega, A @ omega, torch.diagonal(A), rank=rank, damping=1e-3)
+    exact = geometry.fit_low_rank_diag(A, rank=rank, damping=1e-3, method="eigh")
+    assert (cold.lam < 0.95 * exact.lam).any()  # a random test matrix alone underestimates
+    overlap = torch.linalg.svdvals(lrd.U.double().T @ exact.U.double())
+    assert overlap.min() > 0.99  # cosine of the largest principal angle
+    torch.testing.assert_close(lrd.lam, exact.lam, rtol=1e-3, atol=0.0)
+    assert (lrd.d >= 1e-3).all()
+    dense = geometry.low_rank_to_dense(lrd)
+    torch.testing.assert_close(torch.diagonal(dense), torch.diagonal(A), rtol=1e-4, atol=1e-4)
+    Q = torch.randn(dim, 3, generator=g)
+    torch.testing.assert_close(geometry.low_rank_matmul(lrd, Q), dense @ Q, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(geometry.low_rank_diagonal(lrd), torch.diagonal(dense), rtol=1e-5, atol=1e-5)
