@@ -144,12 +144,10 @@ class MpiComm(Comm):
             return t.contiguous()
         return t.detach().to("cpu").contiguous()
 
-    def _buffer(self, t: torch.Tensor):
-        import numpy as np
-
-        if t.device.type == "cpu":
-            return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
-        return np.asarray(t)  # CUDA-aware MPI takes the device pointer via __cuda_array_interface__
+    @staticmethod
+    def _buffer(t: torch.Tensor):
+        # mpi4py reads CUDA tensors through __cuda_array_interface__ (CUDA-aware MPI only)
+        return t.numpy() if t.device.type == "cpu" else t
 
     def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
         send_splits = [int(s) for s in send_splits]
@@ -158,8 +156,8 @@ class MpiComm(Comm):
         host_recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=host_send.device)
         sdispl = _displacements(send_splits)
         rdispl = _displacements(recv_splits)
-        self.comm.Alltoallv([host_send.numpy(), (send_splits, sdispl), self._MPI.BYTE],
-                            [host_recv.numpy(), (recv_splits, rdispl), self._MPI.BYTE])
+        self.comm.Alltoallv([self._buffer(host_send), (send_splits, sdispl), self._MPI.BYTE],
+                            [self._buffer(host_recv), (recv_splits, rdispl), self._MPI.BYTE])
         self._count(kind, sum(send_splits) - send_splits[self.rank])
         return host_recv.to(send.device)
 
@@ -174,8 +172,12 @@ class MpiComm(Comm):
         return tensor
 
     def all_reduce_sum(self, tensor, *, kind="geometry"):
+        if tensor.dtype in (torch.bfloat16, torch.float16):  # MPI has no 16-bit float sum
+            wide = tensor.float()
+            self.all_reduce_sum(wide, kind=kind)
+            return tensor.copy_(wide)
         if tensor.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8):
-            raise TypeError(f"MpiComm.all_reduce_sum supports fp32/fp64/int tensors, got {tensor.dtype}")
+            raise TypeError(f"MpiComm.all_reduce_sum supports float/int tensors, got {tensor.dtype}")
         self._allreduce(tensor, self._MPI.SUM)
         if self.world_size > 1:
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
@@ -190,8 +192,8 @@ class MpiComm(Comm):
     def all_gather_bytes(self, blob, *, kind="geometry"):
         host = self._host(blob)
         sizes = self.comm.allgather(int(host.numel()))
-        out = torch.empty(sum(sizes), dtype=torch.uint8)
-        self.comm.Allgatherv(host.numpy(), [out.numpy(), (sizes, _displacements(sizes)), self._MPI.BYTE])
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=host.device)
+        self.comm.Allgatherv(self._buffer(host), [self._buffer(out), (sizes, _displacements(sizes)), self._MPI.BYTE])
         self._count(kind, host.numel() * (self.world_size - 1))
         offsets = _displacements(sizes)
         return [out[o:o + n].to(blob.device) for o, n in zip(offsets, sizes)]

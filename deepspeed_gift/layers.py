@@ -272,9 +272,11 @@ class GeometryManager:
         cold = [k for k in sorted(omegas) if k not in self._lowrank]
         if not cold:
             return
-        flat = torch.cat([(self._stats[k].value() @ omegas[k]).reshape(-1) for k in cold])
+        # Only the subspace matters here, so the sum may travel (and round) in bf16.
+        flat = torch.cat([(self._stats[k].value() @ omegas[k]).reshape(-1) for k in cold]).to(GEOMETRY_WIRE_DTYPE)
         before = sum(self.comm.bytes_sent.values())
         self.comm.all_reduce_sum(flat, kind="geometry")
+        flat = flat.float()
         self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
         pos = 0
         for k in cold:

@@ -204,6 +204,10 @@ class GiftReducer:
                 stats["elements_sent"] += owner.main_numel + owner.high_numel
             if dst == me:
                 own_main, own_high = main, high
+                if sample:  # the own chunk skips the codec; count its non-finite inputs too
+                    for t in (main, high):
+                        if t is not None:
+                            stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(t)).sum())
                 messages.append(torch.empty(0, dtype=torch.uint8, device=tensor.device))
                 sizes.append(0)
                 continue

@@ -106,6 +106,10 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     engine = build_engine(spec)
     import time
 
+    poison = spec.get("poison")  # tests: a nan added to one parameter's gradient on one rank and step
+    if poison and engine.global_rank == poison["rank"]:
+        param = dict(engine.module.named_parameters())[poison["param"]]
+        param.register_hook(lambda g: g + float("nan") if engine.global_steps == poison["step"] else g)
     losses, step_times = [], []
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
     for tokens in batches(engine.global_rank, spec.get("steps", 4) * ga, micro, seq, spec.get("data_seed", 0)):

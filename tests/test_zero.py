@@ -150,3 +150,22 @@ def test_every_format_trains_with_bounded_error_and_reaches_the_monitor(tmp_path
 
     written = os.listdir(os.path.join(str(tmp_path), "gift"))
     assert "Gift_fidelity_rel_err.csv" in written and "Gift_bytes_per_elem.csv" in written
+
+
+def test_a_nan_in_one_ranks_gradient_reaches_deepspeed_as_natively():
+    # (DeepSpeed's CPU accelerator has no fp16, so loss-scale skipping is a GPU-only check.)
+    # A nan injected into one rank's gradient at step 1 must not be hidden by quantization:
+    # the run goes non-finite exactly when the native one does, and telemetry counts it.
+    poison = {"step": 1, "rank": 1, "param": "model.layers.1.mlp.down_proj.weight"}
+    base = dict(stage=2, steps=4, bucket=30000, poison=poison)
+    gift = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
+            "error_feedback": True, "telemetry": {"every": 1}}
+    results = run_ranks(train_many, 2, [base, dict(base, gift=gift)])
+    for native, lowp in results:
+        assert native["skipped"] == 1  # DeepSpeed saw the nan and skipped the step
+        assert lowp["skipped"] == 1  # ... and sees it through GIFT's fp8 path too
+        assert all(x == x for x in lowp["losses"])
+        assert lowp["losses"] == pytest.approx(native["losses"], rel=1e-3)
+    poisoned = [r for res in results for r in res[1]["records"] if r["step"] == 1]
+    assert sum(r["nonfinite"] for r in poisoned) > 0
+    assert any(r["fidelity_rel_err"] != r["fidelity_rel_err"] for r in poisoned)  # nan, not a finite lie
