@@ -376,6 +376,42 @@ class GeometryManager:
                         len(self.active), len(self.names),
                         ", ".join(f"{n}={self.gains[n]:+.2f}" for n in sorted(self.gains)))
 
+    # ---- checkpointing --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly: statistics (this rank's EMAs), shared
+        factors, selection, gains, version."""
+        return {
+            "version": self.version,
+            "active": sorted(self.active),
+            "gains": dict(self.gains),
+            "stats_key": dict(self._stats_key),
+            "stats": {k: ema.state_dict() for k, ema in self._stats.items()},
+            "lowrank": {k: (v.U.cpu(), v.lam.cpu(), v.d.cpu()) for k, v in self._lowrank.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = sorted((set(state["active"]) | set(state["gains"])) - set(self.names))
+        if unknown:
+            raise ValueError(f"gift checkpoint names layers this model does not have as candidates: {unknown[:5]}")
+        self.version = int(state["version"])
+        self.active = set(state["active"])
+        self.gains = dict(state["gains"])
+        self._stats_key = dict(state["stats_key"])
+        device = next(iter(self.modules.values())).weight.device if self.modules else torch.device("cpu")
+        self._stats = {}
+        for k, ema_state in state["stats"].items():
+            ema = geo.CovarianceEMA(ema_state["dim"], decay=self.gcfg.stats_decay, device=device)
+            ema.load_state_dict(ema_state)
+            self._stats[k] = ema
+        self._lowrank = {k: geo.LowRankDiag(U=U.to(device), lam=lam.to(device), d=d.to(device))
+                         for k, (U, lam, d) in state["lowrank"].items()}
+        for name in self.names:
+            key = self._stats_key.get(name, name)
+            if key in self._lowrank:
+                self.whiteners[name] = self._whitener_for(key)
+        for w in self.whiteners.values():
+            w.version = self.version
+
     # ---- what the reduction asks ----------------------------------------------------
     def whitener_for(self, name: str) -> Optional[geo.Whitener]:
         """The whitener to use for ``name`` now, or None if it goes without transform."""

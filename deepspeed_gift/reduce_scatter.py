@@ -302,6 +302,25 @@ class GiftReducer:
             self._transform_rows(residual, new_pieces, whiteners, inverse=False)
         return main.add_(residual)
 
+    def state_dict(self) -> dict:
+        """Error-feedback residuals, moved to gradient coordinates (the whiteners they were
+        made with are not saved; the next step maps them into its own), and the stochastic
+        rounding generator."""
+        residuals = []
+        for (layout_key, dst), (residual, pieces, used) in self.residuals.items():
+            grad_coords = residual.clone()
+            self._transform_rows(grad_coords, pieces, used, inverse=True)
+            flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start) for p in pieces]
+            residuals.append((layout_key, dst, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
+        gen = self.generator.get_state() if self.generator is not None else None
+        return {"residuals": residuals, "generator": gen}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.residuals = {(layout_key, dst): (r.to(device), [Piece(*p) for p in pieces], {})
+                          for layout_key, dst, r, pieces in state["residuals"]}
+        if state["generator"] is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+
     def residual_nbytes(self) -> int:
         """Memory held by error feedback (fp32 residuals of every payload this rank sends)."""
         return sum(r.numel() * r.element_size() for r, _, _ in self.residuals.values())

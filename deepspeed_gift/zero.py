@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +27,7 @@ from .layers import GeometryManager
 from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice
 
 logger = logging.getLogger("deepspeed_gift")
+CHECKPOINT_FORMAT = "deepspeed_gift/1"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -115,6 +117,46 @@ class GiftState:
         self._jsonl = None
         if cfg.telemetry.jsonl and self.comm.rank == 0:
             self._jsonl = open(cfg.telemetry.jsonl, "a", buffering=1)
+
+    # ---- checkpointing --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"format": CHECKPOINT_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
+                "fingerprint": self.cfg.fingerprint(), "geometry": self.geometry.state_dict(),
+                "reducer": self.reducer.state_dict(), "run_totals": dict(self.run_totals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"gift checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+        if state["fingerprint"] != self.cfg.fingerprint():
+            diff = _first_difference(json.loads(state["fingerprint"]), json.loads(self.cfg.fingerprint()), "gift")
+            logger.warning("gift: resuming with %s = %r (the checkpoint was written with %r)", diff[0], diff[2],
+                           diff[1])
+        self.geometry.load_state_dict(state["geometry"])
+        self.run_totals = dict(state["run_totals"])
+        if state["world_size"] == self.comm.world_size:
+            self.reducer.load_state_dict(state["reducer"], self.engine.device)
+        elif state["reducer"]["residuals"]:
+            # Residuals belong to the old partitioning; statistics and factors carry over.
+            dropped = sum(r.numel() for _, _, r, _ in state["reducer"]["residuals"])
+            logger.warning("gift: world size changed %d -> %d; dropping %d error-feedback residual elements "
+                           "of rank %d (statistics, factors and selection are kept)", state["world_size"],
+                           self.comm.world_size, dropped, state["rank"])
+
+    def save_files(self, save_dir: str, tag: str) -> None:
+        path = os.path.join(save_dir, str(tag), f"gift_rank{self.comm.rank}.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(self.state_dict(), path)
+
+    def load_files(self, load_dir: str, tag: str) -> None:
+        folder = os.path.join(load_dir, str(tag))
+        saved = sorted(f for f in os.listdir(folder) if f.startswith("gift_rank") and f.endswith(".pt"))
+        if not saved:
+            raise ValueError(f"gift: checkpoint {folder} has no gift_rank*.pt files: it was saved without GIFT "
+                             "attached; start from it with gift.start_step past its step, or without the gift block")
+        mine = f"gift_rank{self.comm.rank}.pt"
+        if mine not in saved or len(saved) != self.comm.world_size:
+            mine = saved[self.comm.rank % len(saved)]
+        self.load_state_dict(torch.load(os.path.join(folder, mine), map_location="cpu", weights_only=False))
 
     # ---- step bookkeeping -----------------------------------------------------------
     @property
@@ -293,6 +335,24 @@ def attach(engine) -> Optional[GiftState]:
         return result
 
     engine.step = step
+    native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        tag = tag if tag is not None else f"global_step{engine.global_steps}"
+        result = native_save(save_dir, tag, *args, **kwargs)
+        state.save_files(save_dir, tag)
+        return result
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = native_load(load_dir, tag, *args, **kwargs)
+        if load_path is not None:
+            if tag is None:
+                with open(os.path.join(load_dir, "latest")) as f:
+                    tag = f.read().strip()
+            state.load_files(load_dir, tag)
+        return load_path, client_state
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
     return state
 
 

@@ -112,13 +112,22 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         param.register_hook(lambda g: g + float("nan") if engine.global_steps == poison["step"] else g)
     losses, step_times = [], []
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
-    for tokens in batches(engine.global_rank, spec.get("steps", 4) * ga, micro, seq, spec.get("data_seed", 0)):
+    done = 0
+    if spec.get("resume"):
+        engine.load_checkpoint(spec["resume"], load_optimizer_states=spec.get("load_optimizer_states", True))
+        done = engine.global_steps * ga  # the batches already consumed (data depends on the step only)
+    for i, tokens in enumerate(batches(engine.global_rank, spec.get("steps", 4) * ga, micro, seq,
+                                       spec.get("data_seed", 0))):
+        if i < done:
+            continue
         t0 = time.perf_counter()
         out = engine(input_ids=tokens, labels=tokens)
         engine.backward(out.loss)
         engine.step()
         step_times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))
+        if spec.get("save_at") == engine.global_steps and (i + 1) % ga == 0:
+            engine.save_checkpoint(spec["save_dir"])
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0),

@@ -263,11 +263,14 @@ def plot(results: list, path: str):
         if val:
             vs, vl = zip(*val)
             ax2.plot(vs, vl, marker="o", ms=3, color=line.get_color(), label=label)
+    tails = [v for line in ax1.get_lines() for v in line.get_ydata()[len(line.get_ydata()) // 10:]]
+    if tails:  # the first steps (loss ~ ln vocab) would flatten the part worth reading
+        ax1.set_ylim(min(tails) - 0.05 * (max(tails) - min(tails) + 1e-3), max(tails))
+    ax1.legend(fontsize=8)
     ax1.set(title="train loss (10-step moving average)", xlabel="step", ylabel="cross-entropy (nats/token)")
     ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -20,7 +20,7 @@ Logs (rank 0): train loss, learning rate, step time, tokens/s, GIFT wire bytes p
 gradient element and sampled fidelity; validation loss and next-token accuracy every
 ``--eval-every`` steps. ``--metrics run.jsonl`` keeps them (read by ``launch/compare.py``).
 Checkpoints: ``--save-dir DIR --save-every N``; ``--resume`` continues from DIR's latest
-checkpoint (``--resume PATH`` from another directory). Batches depend only on
+checkpoint (``--resume DIR`` another directory, ``--resume DIR/step300`` one tag). Batches depend only on
 (seed, step, rank), so a resumed run sees the same data as an uninterrupted one.
 """
 
@@ -84,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dir", help="DeepSpeed checkpoint directory")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", nargs="?", const="", default=None,
-                   help="resume from the latest checkpoint in --save-dir, or in the given directory")
+                   help="resume from the latest checkpoint in --save-dir, or from the given checkpoint "
+                        "directory (its latest) or tag directory (DIR/step300)")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend (auto: nccl on GPU, gloo on CPU)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -137,6 +138,15 @@ def model_config(args, vocab_size: int):
         or min(config.max_position_embeddings, 2048)
     config.max_position_embeddings = max(config.max_position_embeddings, seq)
     return config, seq
+
+
+def checkpoint_location(path: str):
+    """``(directory, tag)`` for ``--resume``: a checkpoint directory (DeepSpeed reads its
+    ``latest``), or one tag directory inside it (``ckpt/step300``)."""
+    if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "latest"))
+            and any(f.endswith("model_states.pt") for f in os.listdir(path))):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.normpath(path))
+    return path, None
 
 
 def lr_lambda(steps: int, warmup: int, min_ratio: float):
@@ -367,7 +377,8 @@ def main(argv=None) -> dict:
         load_dir = resolve_path(args.resume or args.save_dir or "")
         if not load_dir:
             raise SystemExit("--resume: give a checkpoint directory, or --save-dir")
-        path, client = engine.load_checkpoint(load_dir)
+        load_dir, tag = checkpoint_location(load_dir)
+        path, client = engine.load_checkpoint(load_dir, tag=tag)
         if path is None:
             raise SystemExit(f"--resume: no DeepSpeed checkpoint found in {load_dir!r}")
         resumed_from = engine.global_steps

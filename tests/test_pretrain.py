@@ -1,0 +1,272 @@
+"""The pretraining entry points: ``launch/pretrain.py`` on 2 gloo ranks (ZeRO 1 and 2, GIFT
+and native), the launcher scripts, checkpoint resume, ``launch/compare.py``'s report and
+plot, the data pipeline and the shipped ds_configs. Tiny model, a few steps: the whole file
+runs in about two minutes on 2 CPU cores."""
+
+import glob
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deepspeed_gift
+from launch import data
+from launch.pretrain import read_metrics, run_rank
+from launch.spawn import free_port, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+RUN_TIMEOUT_S = 180
+# a tiny run: 4 steps of 2 x 32 tokens per rank, validation on 1 batch per rank
+QUICK = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "2", "--eval-every", "2", "--eval-batches", "1",
+         "--no-progress", "--lr", "3e-3"]
+# FP8 e4m3 with 128-element blocks: per-element relative error <= 2^-4, so the reduced
+# gradient's relative L2 error is below it.
+FP8_FIDELITY_MAX = 0.0625
+# bf16 model, same data and seed: a lossy wire moves the loss by bf16/FP8 noise only.
+LOSS_RTOL = 2e-2
+
+
+def _config(name):
+    return os.path.join(ROOT, "ds_configs", name)
+
+
+def _train_many(rank, world_size, argvs):
+    """Several pretrain runs in one set of ranks (spawning costs more than a tiny run)."""
+    return [run_rank(rank, world_size, argv) for argv in argvs]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1"})
+    return env
+
+
+# ---- pretrain.py on real ranks ----------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pretrain_gift_and_baseline_two_ranks(stage, tmp_path):
+    runs = {"gift": _config(f"gift_fp8_zero{stage}.json"), "native": _config(f"bf16_baseline_zero{stage}.json")}
+    argvs = [["--ds-config", cfg, "--steps", "4", "--metrics", str(tmp_path / f"{name}.jsonl"), *QUICK]
+             for name, cfg in runs.items()]
+    per_rank = run_ranks(_train_many, 2, argvs, timeout=RUN_TIMEOUT_S)
+    (gift0, native0), (gift1, native1) = per_rank
+    assert gift0["losses"] == gift1["losses"] and native0["losses"] == native1["losses"]  # all-reduced
+    for summary in (gift0, native0):
+        assert summary["status"] == "ok" and len(summary["losses"]) == 4
+        assert all(math.isfinite(x) for x in summary["losses"])
+        assert summary["losses"][-1] < summary["losses"][0]
+    assert gift0["losses"] == pytest.approx(native0["losses"], rel=LOSS_RTOL)
+    assert gift0["losses"] != native0["losses"]  # the FP8 wire really was used
+
+    gift, native = read_metrics(str(tmp_path / "gift.jsonl")), read_metrics(str(tmp_path / "native.jsonl"))
+    for m in (gift, native):
+        assert m["start"]["zero_stage"] == stage and m["start"]["world_size"] == 2
+        assert [r["step"] for r in m["train"]] == [1, 2, 3, 4]
+        assert [r["step"] for r in m["eval"]] == [2, 4]
+        assert all(0.0 <= r["val_acc"] <= 1.0 and math.isfinite(r["val_loss"]) for r in m["eval"])
+        assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in m["train"])
+        assert m["end"]["status"] == "ok"
+    assert all(r["wire"] == "native" and r["bytes_per_elem"] == 2.0 for r in native["train"])
+    assert all(r["wire"] == "gift" and 1.0 < r["bytes_per_elem"] < 1.1 for r in gift["train"][1:])
+    sampled = [r["fidelity_rel_err"] for r in gift["train"] if "fidelity_rel_err" in r]
+    assert sampled and 0.0 < max(sampled) < FP8_FIDELITY_MAX
+    assert gift["start"]["gift"]["format"] == "fp8_e4m3" and native["start"]["gift"] is None
+
+
+def test_resume_continues_the_loss_curve(tmp_path):
+    # Euclidean FP8 goes through GIFT's reduction and keeps no state outside the checkpoint,
+    # so the resumed steps must repeat the uninterrupted run's losses.
+    cfg = _config("euclid_fp8_e4m3_block_zero2.json")
+    ckpt = tmp_path / "ckpt"
+    full = ["--ds-config", cfg, "--steps", "6", "--save-dir", str(ckpt), "--save-every", "3",
+            "--metrics", str(tmp_path / "full.jsonl"), *QUICK]
+    resumed = ["--ds-config", cfg, "--steps", "6", "--resume", str(ckpt / "step3"),
+               "--metrics", str(tmp_path / "resumed.jsonl"), *QUICK]
+    (first,), _ = run_ranks(_train_many, 2, [full], timeout=RUN_TIMEOUT_S)
+    assert sorted(os.listdir(ckpt)) >= ["latest", "step3", "step6"]
+    (second,), _ = run_ranks(_train_many, 2, [resumed], timeout=RUN_TIMEOUT_S)
+    assert second["resumed_from"] == 3 and len(second["losses"]) == 3
+    assert second["losses"] == pytest.approx(first["losses"][3:], rel=1e-6, abs=1e-6)
+    assert second["losses"][0] != pytest.approx(first["losses"][0], rel=1e-3)  # not restarted from scratch
+    resumed_metrics = read_metrics(str(tmp_path / "resumed.jsonl"))
+    assert resumed_metrics["start"]["resumed_from"] == 3
+    assert [r["step"] for r in resumed_metrics["train"]] == [4, 5, 6]
+    assert resumed_metrics["eval"][-1]["val_loss"] == pytest.approx(
+        read_metrics(str(tmp_path / "full.jsonl"))["eval"][-1]["val_loss"], rel=1e-6)
+
+
+def test_read_metrics_merges_an_interrupted_run(tmp_path):
+    path = tmp_path / "m.jsonl"
+    lines = [{"event": "start", "resumed_from": 0}] + [{"event": "train", "step": s, "loss": 10.0 - s} for s in (1, 2, 3)]
+    lines += [{"event": "start", "resumed_from": 2}, {"event": "train", "step": 3, "loss": 6.5},
+              {"event": "train", "step": 4, "loss": 6.0}, {"event": "end", "status": "ok"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    m = read_metrics(str(path))
+    assert [(r["step"], r["loss"]) for r in m["train"]] == [(1, 9.0), (2, 8.0), (3, 6.5), (4, 6.0)]
+    assert m["start"]["resumed_from"] == 2 and m["end"]["status"] == "ok"
+
+
+# ---- the launcher scripts ---------------------------------------------------------------
+def _run_script(cmd, env, out_dir):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, f"{cmd}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    m = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    assert [r["step"] for r in m["train"]] == [1, 2] and m["end"]["status"] == "ok"
+    assert os.path.exists(os.path.join(out_dir, "step2"))
+    return m
+
+
+def test_run_deepspeed_script_single_machine(tmp_path):
+    env = dict(_env(), PRESET="tiny", RUN=str(tmp_path), MASTER_PORT=str(free_port()),
+               DEEPSPEED=os.path.join(BIN, "deepspeed"))
+    m = _run_script(["bash", "launch/run_deepspeed.sh", "--steps", "2", *QUICK], env, str(tmp_path))
+    assert m["start"]["world_size"] == 2 and m["train"][-1]["wire"] == "gift"
+
+
+def test_run_mpirun_script_with_mpi_backend(tmp_path):
+    mpirun = shutil.which("mpirun", path=BIN + os.pathsep + os.environ.get("PATH", ""))
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install 'deepspeed-gift[mpi]')")
+    env = dict(_env(), RUN=str(tmp_path), MPIRUN=mpirun, PYTHON=sys.executable,
+               MPIRUN_ARGS="--allow-run-as-root --oversubscribe --mca btl_tcp_if_include lo")
+    m = _run_script(["bash", "launch/run_mpirun.sh", "--steps", "2", *QUICK], env, str(tmp_path))
+    assert m["start"]["world_size"] == 2 and m["start"]["gift"]["backend"] == "mpi"
+
+
+# ---- compare.py -------------------------------------------------------------------------
+def test_compare_writes_report_and_plot_and_keeps_failed_runs(tmp_path):
+    from launch import compare
+
+    broken = tmp_path / "broken_rank.json"  # geometry rank wider than the tiny model's layers
+    with open(_config("gift_fp8_zero2.json")) as f:
+        cfg = json.load(f)
+    cfg["gift"]["geometry"]["rank"] = 4096
+    broken.write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    configs = [_config("bf16_baseline_zero2.json"), _config("euclid_fp8_e4m3_block_zero2.json"), str(broken)]
+    res = compare.main(["--configs", *configs, "--out-dir", str(out), "--preset", "tiny", "--steps", "3",
+                        "--seq-len", "32", "--micro-batch", "2", "--eval-every", "3", "--eval-batches", "1",
+                        "--timeout", str(RUN_TIMEOUT_S)])
+    status = {r["label"]: r["status"] for r in res["results"]}
+    assert status == {"bf16_baseline_zero2": "ok", "euclid_fp8_e4m3_block_zero2": "ok", "broken_rank": "failed"}
+    report = (out / "report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 3  # the failed run has its row
+    base_row, fp8_row, broken_row = rows
+    assert "+0.00%" in base_row and "1.00 |" in base_row
+    assert "1.03" in fp8_row and "Euclidean fp8_e4m3 block 128" in fp8_row
+    assert "**failed**" in broken_row and "gift.geometry.rank" in report
+    assert os.path.exists(out / "runs" / "euclid_fp8_e4m3_block_zero2.jsonl")
+    assert json.loads((out / "results.json").read_text())["results"][2]["status"] == "failed"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res["plot"] is None and "matplotlib is not installed" in report
+    else:
+        with open(out / "loss_curves.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert "![loss curves](loss_curves.png)" in report
+
+
+def test_compare_default_configs_are_stage2_format_variants():
+    from launch import compare
+
+    configs = compare.default_configs()
+    assert compare.is_baseline(configs[0])
+    assert all("_zero2" in c and "mpi" not in c for c in configs)
+    kinds = {(g["format"], g["block"], g["geometry"], g["error_feedback"])
+             for g in map(compare.describe_gift, configs[1:])}
+    assert len(kinds) == len(configs) - 1  # no two differ only in backend or stage
+    assert ("fp8_e5m2", 0, "identity", False) in kinds and ("fp8_e4m3", 128, "kfac_input", False) in kinds
+
+
+# ---- data -------------------------------------------------------------------------------
+def test_embedded_corpus_split_is_deterministic_and_disjoint():
+    a = data.build_corpus(max_bytes=300_000)
+    b = data.build_corpus(max_bytes=300_000)
+    assert torch.equal(a.train, b.train) and torch.equal(a.validation, b.validation)
+    assert a.train_names and a.val_names and not set(a.train_names) & set(a.val_names)
+    assert a.vocab_size == 256 and a.train.dtype == torch.uint8
+    # a file's side depends on its name only, not on which other files were read
+    assert all(data.in_validation(n, data.DEFAULT_VAL_FRACTION) for n in a.val_names)
+    assert not any(data.in_validation(n, data.DEFAULT_VAL_FRACTION) for n in a.train_names)
+    text = bytes(a.validation.tolist()).decode("utf-8", errors="replace")
+    assert "def " in text or "import " in text  # real Python source
+
+
+def test_batches_depend_only_on_seed_step_and_rank():
+    stream = torch.arange(10_000, dtype=torch.int32)
+    kw = dict(micro=3, seq=16, seed=5)
+    x = data.train_batch(stream, step=7, micro_step=0, rank=1, **kw)
+    assert x.shape == (3, 16) and x.dtype == torch.long
+    assert torch.equal(x, data.train_batch(stream, step=7, micro_step=0, rank=1, **kw))
+    assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # contiguous windows
+    for other in (dict(step=8, micro_step=0, rank=1), dict(step=7, micro_step=1, rank=1),
+                  dict(step=7, micro_step=0, rank=0)):
+        assert not torch.equal(x, data.train_batch(stream, **other, **kw))
+    r0 = torch.cat(data.eval_batches(stream, n_batches=2, micro=2, seq=8, rank=0, world=2))
+    r1 = torch.cat(data.eval_batches(stream, n_batches=2, micro=2, seq=8, rank=1, world=2))
+    assert not set(r0[:, 0].tolist()) & set(r1[:, 0].tolist())
+
+
+def test_user_text_file(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(500))
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    c = data.build_corpus([str(path)], val_fraction=0.1)
+    assert "split by position" in c.source
+    joined = bytes(torch.cat([c.train, c.validation]).tolist())
+    assert joined == text.encode() + b"\x00"
+    assert c.validation.numel() == pytest.approx(0.1 * (len(text) + 1), abs=1)
+
+
+def test_user_jsonl_files_and_errors(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    docs = [f"document number {i} " * 5 for i in range(200)]
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    c = data.build_corpus([str(path)])
+    assert len(c.train_names) + len(c.val_names) == 200 and c.val_names
+    assert not set(c.train_names) & set(c.val_names)
+    assert c.train.numel() + c.validation.numel() == sum(len(d) + 1 for d in docs)
+    assert data.build_corpus([str(tmp_path)]).train.numel() == c.train.numel()  # a directory of files
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2.*'text'.*--text-field"):
+        data.build_corpus([str(bad)])
+
+
+def test_saved_dataset_needs_datasets(tmp_path):
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="'datasets' package is not installed"):
+            data.build_corpus([str(saved)])
+    else:
+        pytest.skip("datasets is installed; the missing-package message is not reachable")
+
+
+# ---- configs ----------------------------------------------------------------------------
+def test_shipped_configs_validate():
+    paths = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
+    assert len(paths) >= 10
+    for path in paths:
+        with open(path) as f:
+            cfg = json.load(f)
+        gift = deepspeed_gift.get_gift_config(cfg)
+        assert cfg["optimizer"]["params"]["torch_adam"] is True
+        assert cfg["zero_optimization"]["stage"] == (1 if path.endswith("_zero1.json") else 2)
+        assert gift.enabled == ("baseline" not in path), path
+    e5m2 = deepspeed_gift.get_gift_config(json.load(open(_config("euclid_fp8_e5m2_tensor_zero2.json"))))
+    assert (e5m2.format, e5m2.block_size, e5m2.geometry.kind, e5m2.layers) == ("fp8_e5m2", 0, "identity", "all")
+    ef = deepspeed_gift.get_gift_config(json.load(open(_config("gift_nvfp4_ef_zero2.json"))))
+    assert ef.format == "nvfp4" and ef.error_feedback and ef.geometry.kind == "kfac_input"
+    assert deepspeed_gift.get_gift_config(json.load(open(_config("gift_fp8_mpi_zero2.json")))).backend == "mpi"
