@@ -15,6 +15,9 @@ can report exactly what crossed the network.
 from __future__ import annotations
 
 import collections
+import datetime
+import sys
+import threading
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -61,11 +64,20 @@ class Comm:
 class TorchComm(Comm):
     name = "torch"
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, timeout: Optional[float] = None) -> None:
         super().__init__()
         import torch.distributed as dist
 
         self._dist = dist
+        if timeout is not None:
+            # A group of our own, so the deadline applies to GIFT's exchanges whatever
+            # timeout the data-parallel group was created with (DeepSpeed's new_group: 30 min).
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            if len(ranks) != dist.get_world_size():
+                raise ValueError(f"gift.comm_timeout_s: got {timeout}; a timeout of its own needs data "
+                                 f"parallelism over all {dist.get_world_size()} ranks, this group has {len(ranks)}; "
+                                 "leave it null to use the group's timeout")
+            group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout))
         self.group = group
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
@@ -118,8 +130,11 @@ def _ring_allreduce_bytes(tensor: torch.Tensor, world_size: int) -> int:
 class MpiComm(Comm):
     name = "mpi"
 
+    DEFAULT_TIMEOUT_S = 1800.0
+
     def __init__(self, group_ranks: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         super().__init__()
+        self.timeout = float(timeout) if timeout is not None else self.DEFAULT_TIMEOUT_S
         try:
             from mpi4py import MPI
         except ImportError as exc:
@@ -144,6 +159,28 @@ class MpiComm(Comm):
             return t.contiguous()
         return t.detach().to("cpu").contiguous()
 
+    def _deadline(self, op: str):
+        """MPI collectives cannot time out: a watchdog aborts the job if one waits too long."""
+        comm = self
+
+        class _Watchdog:
+            def __enter__(self):
+                self.timer = threading.Timer(comm.timeout, self._fire)
+                self.timer.daemon = True
+                self.timer.start()
+
+            def _fire(self):
+                sys.stderr.write(f"deepspeed_gift: MPI {op} on rank {comm.rank} waited more than {comm.timeout:.0f} s "
+                                 "(gift.comm_timeout_s) for the other ranks; aborting the job\n")
+                sys.stderr.flush()
+                comm._MPI.COMM_WORLD.Abort(124)
+
+            def __exit__(self, *exc):
+                self.timer.cancel()
+                return False
+
+        return _Watchdog()
+
     @staticmethod
     def _buffer(t: torch.Tensor):
         # mpi4py reads CUDA tensors through __cuda_array_interface__ (CUDA-aware MPI only)
@@ -156,8 +193,9 @@ class MpiComm(Comm):
         host_recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=host_send.device)
         sdispl = _displacements(send_splits)
         rdispl = _displacements(recv_splits)
-        self.comm.Alltoallv([self._buffer(host_send), (send_splits, sdispl), self._MPI.BYTE],
-                            [self._buffer(host_recv), (recv_splits, rdispl), self._MPI.BYTE])
+        with self._deadline("all-to-all"):
+            self.comm.Alltoallv([self._buffer(host_send), (send_splits, sdispl), self._MPI.BYTE],
+                                [self._buffer(host_recv), (recv_splits, rdispl), self._MPI.BYTE])
         self._count(kind, sum(send_splits) - send_splits[self.rank])
         return host_recv.to(send.device)
 
@@ -166,7 +204,8 @@ class MpiComm(Comm):
             return tensor
         host = self._host(tensor)
         buf = self._buffer(host)
-        self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=op)
+        with self._deadline("all-reduce"):
+            self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=op)
         if host.data_ptr() != tensor.data_ptr():
             tensor.copy_(host)
         return tensor
@@ -191,9 +230,11 @@ class MpiComm(Comm):
 
     def all_gather_bytes(self, blob, *, kind="geometry"):
         host = self._host(blob)
-        sizes = self.comm.allgather(int(host.numel()))
-        out = torch.empty(sum(sizes), dtype=torch.uint8, device=host.device)
-        self.comm.Allgatherv(self._buffer(host), [self._buffer(out), (sizes, _displacements(sizes)), self._MPI.BYTE])
+        with self._deadline("all-gather"):
+            sizes = self.comm.allgather(int(host.numel()))
+            out = torch.empty(sum(sizes), dtype=torch.uint8, device=host.device)
+            self.comm.Allgatherv(self._buffer(host), [self._buffer(out), (sizes, _displacements(sizes)),
+                                                      self._MPI.BYTE])
         self._count(kind, host.numel() * (self.world_size - 1))
         offsets = _displacements(sizes)
         return [out[o:o + n].to(blob.device) for o, n in zip(offsets, sizes)]
@@ -215,15 +256,15 @@ def _mpi_is_cuda_aware(MPI) -> bool:
         return False
 
 
-def make_comm(backend: str, *, group=None) -> Comm:
+def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> Comm:
     """The backend named by ``gift.backend`` over DeepSpeed's data-parallel group."""
     if backend == "torch":
-        return TorchComm(group)
+        return TorchComm(group, timeout)
     if backend == "mpi":
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        return MpiComm(ranks)
+        return MpiComm(ranks, timeout)
     raise ValueError(f"gift.backend: got {backend!r}; allowed: 'torch', 'mpi'")
 
 

@@ -122,6 +122,11 @@ class GiftConfig(_GiftModel):
     start_step: int = Field(0, ge=0)
     """Steps run on DeepSpeed's native reduction before GIFT takes over."""
 
+    comm_timeout_s: Optional[float] = Field(None, gt=0.0)
+    """Seconds a GIFT exchange may wait for the other ranks before failing with an error
+    (a dead or hung rank). ``null``: the data-parallel group's own timeout for ``torch``
+    (``deepspeed.init_distributed(timeout=...)`` or torch's 30 min), 1800 s for ``mpi``."""
+
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""
 

@@ -97,7 +97,7 @@ class GiftState:
         self.engine = engine
         self.cfg = cfg
         self.opt = opt = _check_engine(engine, cfg)
-        self.comm = make_comm(cfg.backend, group=opt.dp_process_group)
+        self.comm = make_comm(cfg.backend, group=opt.dp_process_group, timeout=cfg.comm_timeout_s)
         _fingerprint_check(self.comm, cfg)
         device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
         self.main_codec = _main_codec(cfg)

@@ -77,7 +77,11 @@ def build_engine(spec: dict):
 
     # Skip compiling DeepSpeed's CPU shm all-reduce op (~100 s); gloo does the work.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    import datetime
+
+    timeout = spec.get("dist_timeout_s")
+    deepspeed.init_distributed(dist_backend="gloo",
+                               **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
     torch.manual_seed(spec.get("seed", 0))
     preset = PRESETS[spec.get("preset", "tiny")]
     model = LlamaForCausalLM(LlamaConfig(**{**preset, **spec.get("model", {})}))
@@ -120,6 +124,11 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
                                        spec.get("data_seed", 0))):
         if i < done:
             continue
+        die = spec.get("die")  # tests: this rank exits or hangs at this step
+        if die and engine.global_rank == die["rank"] and engine.global_steps == die["step"]:
+            if die["mode"] == "exit":
+                os._exit(3)
+            time.sleep(10**6)
         t0 = time.perf_counter()
         out = engine(input_ids=tokens, labels=tokens)
         engine.backward(out.loss)

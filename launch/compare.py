@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -38,7 +39,7 @@ from launch.pretrain import finite, read_metrics, resolve_path, run_rank, summar
 from launch.spawn import run_ranks  # noqa: E402
 
 # Sized by measurement: the 7 default configs, small preset, 2 ranks on 2 CPU cores, ~10 min.
-DEFAULTS = dict(preset="small", steps=150, seq_len=128, micro_batch=4, lr=2e-3, eval_every=25, eval_batches=4)
+DEFAULTS = dict(preset="small", steps=300, seq_len=128, micro_batch=4, lr=2e-3, eval_every=25, eval_batches=4)
 RUN_TIMEOUT_S = 900
 BASELINE_HINT = "baseline"
 
@@ -91,6 +92,7 @@ def run_one(path: str, args, metrics_path: str) -> dict:
     if os.path.exists(metrics_path):
         os.remove(metrics_path)
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     error = None
     try:
         run_ranks(run_rank, args.world_size, argv, timeout=args.timeout)
@@ -98,11 +100,15 @@ def run_one(path: str, args, metrics_path: str) -> dict:
         error = str(exc)
     wall = time.perf_counter() - t0
     result = {"config": path, "label": config_label(path), "wall_s": wall, "gift": describe_gift(path)}
+    result["load_avg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     metrics = read_metrics(metrics_path) if os.path.exists(metrics_path) else None
     if metrics and metrics["train"]:
         result.update(summarize(metrics["train"], metrics["eval"]))
         result["curve"] = [(r["step"], r["loss"]) for r in metrics["train"]]
         result["val_curve"] = [(r["step"], r["val_loss"]) for r in metrics["eval"]]
+        for key in ("geometry_gains", "geometry_active"):
+            if (metrics["end"] or {}).get(key) is not None:
+                result[key] = metrics["end"][key]
         if metrics["start"]:
             result["params"] = metrics["start"]["params"]
             result["tokens_per_step"] = metrics["start"]["tokens_per_step"]
@@ -143,7 +149,8 @@ def wire_name(g: dict) -> str:
         return "native bf16"
     block = "per-tensor" if g["block"] == 0 else f"block {g['block']}"
     geo = {"identity": "Euclidean", "kfac_input": "GIFT", "hadamard": "Hadamard"}[g["geometry"]]
-    return f"{geo} {g['format']} {block}" + (" + EF" if g.get("error_feedback") else "")
+    layers = "" if g["geometry"] == "identity" else f" (layers {g['layers']})"
+    return f"{geo} {g['format']} {block}{layers}" + (" + EF" if g.get("error_feedback") else "")
 
 
 def report_table(results: list) -> list:
@@ -162,7 +169,8 @@ def report_table(results: list) -> list:
             _f(r.get("final_val_loss")), _gap(r.get("final_val_loss"), b.get("final_val_loss")),
             _f(r.get("final_val_acc")), _f(r.get("bytes_per_elem"), ".3f"),
             _f(r.get("fidelity_rel_err"), ".2e"),
-            str(r["geometry_layers"]) if r.get("geometry_layers") is not None else "-",
+            str(r["geometry_layers"]) if r.get("geometry_layers") is not None
+            and r["gift"].get("geometry") not in (None, "identity") else "-",
             _f(r.get("median_step_s"), ".3f"),
             _f(r["median_step_s"] / b["median_step_s"], ".2f") if finite(r.get("median_step_s"))
             and finite(b.get("median_step_s")) else "-",
@@ -187,7 +195,11 @@ def pairs(results: list) -> list:
                 lines.append(f"- {wire_name(gg)} vs {wire_name(ee)}: val loss {_f(g.get('final_val_loss'))} vs "
                              f"{_f(e.get('final_val_loss'))} ({_gap(g.get('final_val_loss'), e.get('final_val_loss'))}), "
                              f"train loss {_f(g.get('final_train_loss'))} vs {_f(e.get('final_train_loss'))}, {fid}, "
-                             f"geometry on {g.get('geometry_layers', '-')} layers at the end, "
+                             f"geometry on {g.get('geometry_layers', '-')} layers at the end"
+                             + (f" (auto profile, 1 - err_geometry/err_euclidean per layer: best "
+                                f"{max(g['geometry_gains'].values()):+.2f}, median "
+                                f"{statistics.median(g['geometry_gains'].values()):+.2f})"
+                                if g.get("geometry_gains") else "") + ", "
                              f"step time {_f(g.get('median_step_s'), '.3f')} vs {_f(e.get('median_step_s'), '.3f')} s"
                              + (f" [{g['status']} / {e['status']}]" if "ok" != g["status"] or "ok" != e["status"] else ""))
     return lines
@@ -212,6 +224,9 @@ def write_report(results: list, args, path: str, plot_path, plot_note: str, wall
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU (gloo)'}; "
         f"torch {torch.__version__}, deepspeed {deepspeed.__version__}",
+        "- 1-minute load average before / after each run (step times are wall clock: other work on the "
+        "machine inflates them): " + ", ".join(f"{r['label']} {r['load_avg'][0]:.1f}/{r['load_avg'][1]:.1f}"
+                                               for r in results),
         "", *report_table(results), "",
         "Columns: train loss = mean of the last 10 steps; val loss / val acc = last validation (loss and "
         "next-token accuracy on held-out text); vs bf16 = gap to the baseline in %; B/elem = bytes on the wire per "

@@ -2,6 +2,8 @@
 
     .venv/bin/python launch/demo.py                      # small Llama, 100 steps, 2 ranks
     .venv/bin/python launch/demo.py --steps 20 --preset tiny
+    .venv/bin/python launch/demo.py --steps 40 --telemetry-every 5 \
+        --extra '{"e5m2 tensor kfac": {"format": "fp8_e5m2", "block_size": 0, "layers": "all"}}'
 
 Prints one row per config: final loss, mean step time and its ratio to native, wire
 bytes per gradient element sent (geometry metadata included, averaged over the run), the
@@ -21,10 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch.common import train_many  # noqa: E402
 from launch.spawn import run_ranks  # noqa: E402
 
-TELEMETRY = {"every": 10}
-
-
-def configs(rank: int, refresh: int):
+def configs(rank: int, refresh: int, every: int):
+    TELEMETRY = {"every": every}
     return {
         "native bf16": None,
         "euclidean fp8_e4m3": {"format": "fp8_e4m3", "geometry": {"kind": "identity"}, "layers": "all",
@@ -48,10 +48,16 @@ def main():
     parser.add_argument("--refresh", type=int, default=50, help="gift.geometry.refresh_interval")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--telemetry-every", type=int, default=10, help="fidelity sampled every N steps")
+    parser.add_argument("--extra", default="{}",
+                        help="JSON object: name -> gift block, run after the built-in configs")
     parser.add_argument("--json", default="demo.json")
     args = parser.parse_args()
 
-    named = configs(args.rank, args.refresh)
+    named = configs(args.rank, args.refresh, args.telemetry_every)
+    for name, block in json.loads(args.extra).items():
+        block.setdefault("telemetry", {"every": args.telemetry_every})
+        named[name] = block
     base = dict(preset=args.preset, stage=args.stage, steps=args.steps, seq=args.seq, micro=args.micro,
                 dtype="bf16", bucket=50_000_000, lr=1e-3)
     specs = [dict(base, gift=g) for g in named.values()]
@@ -62,7 +68,7 @@ def main():
     for name, r in zip(named, results):
         t = statistics.mean(r["step_times"][warm:])
         recs = r.get("records", [])
-        fid = [x["fidelity_rel_err"] for x in recs if "fidelity_rel_err" in x]
+        fid = [x["fidelity_rel_err"] for x in recs[1:] if "fidelity_rel_err" in x]  # step 0: no geometry yet
         rows.append({
             "config": name,
             "final_loss": statistics.mean(r["losses"][-5:]),
@@ -74,11 +80,12 @@ def main():
             "geometry_layers": recs[-1]["geometry_layers"] if recs else 0,
             "auto_gains": r.get("gains", {}),
         })
-    header = f"{'config':24} {'loss(last5)':>11} {'step s':>8} {'x native':>8} {'B/elem':>7} {'fidelity':>9} {'geo layers':>10}"
+    width = max(24, max(len(n) for n in named))
+    header = f"{'config':{width}} {'loss(last5)':>11} {'step s':>8} {'x native':>8} {'B/elem':>7} {'fidelity':>9} {'geo layers':>10}"
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['config']:24} {row['final_loss']:11.4f} {row['step_s']:8.3f} {row['time_ratio']:8.2f} "
+        print(f"{row['config']:{width}} {row['final_loss']:11.4f} {row['step_s']:8.3f} {row['time_ratio']:8.2f} "
               f"{row['bytes_per_elem']:7.4f} {row['fidelity_rel_err']:9.4f} {row['geometry_layers']:10d}")
     print("B/elem: bytes sent per gradient element (native bf16 all-reduce/reduce = 2.0), geometry metadata "
           "included; fidelity: relative L2 error of the reduced gradient vs an exact fp32 reduction")

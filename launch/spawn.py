@@ -30,8 +30,11 @@ def _entry(rank, world_size, port, outdir, fn, args):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_SIZE": str(world_size),
                        "OMP_NUM_THREADS": "1"})
+    import time
+
     import torch
 
+    started = time.monotonic()
     torch.set_num_threads(1)
     try:
         result = ("ok", fn(rank, world_size, *args))
@@ -40,14 +43,17 @@ def _entry(rank, world_size, port, outdir, fn, args):
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as exc:  # report every failure to the parent, with its traceback
-        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        result = ("error", f"rank {rank} (after {time.monotonic() - started:.1f} s): {type(exc).__name__}: {exc}\n"
+                           f"{traceback.format_exc()}")
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     if result[0] == "error":
         os._exit(1)  # do not wait in a collective the others will never finish
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S):
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, stop_on_failure: bool = True):
+    """``stop_on_failure=False`` lets the surviving ranks run on after one dies (tests of
+    how the others notice)."""
     outdir = tempfile.mkdtemp(prefix="gift-ranks-")
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -64,7 +70,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S):
         for r, p in enumerate(procs):
             if not p.is_alive() and p.exitcode not in (0, None):
                 errors.append(r)
-        if errors:
+        if errors and stop_on_failure:
             time.sleep(1.0)  # let the failing rank's report land, then stop the rest
             break
         time.sleep(0.1)

@@ -180,10 +180,10 @@ def test_compare_default_configs_are_stage2_format_variants():
     configs = compare.default_configs()
     assert compare.is_baseline(configs[0])
     assert all("_zero2" in c and "mpi" not in c for c in configs)
-    kinds = {(g["format"], g["block"], g["geometry"], g["error_feedback"])
+    kinds = {(g["format"], g["block"], g["geometry"], g["error_feedback"], str(g["layers"]))
              for g in map(compare.describe_gift, configs[1:])}
     assert len(kinds) == len(configs) - 1  # no two differ only in backend or stage
-    assert ("fp8_e5m2", 0, "identity", False) in kinds and ("fp8_e4m3", 128, "kfac_input", False) in kinds
+    assert ("fp8_e5m2", 0, "identity", False, "all") in kinds and ("fp8_e4m3", 128, "kfac_input", False, "auto") in kinds
 
 
 # ---- data -------------------------------------------------------------------------------
