@@ -130,3 +130,26 @@ def test_error_feedback_cancels_accumulated_error_across_a_whitener_switch():
         # measured: ~0.006 with feedback, ~0.2 without; ~0.03-0.07 if the residual were not
         # moved into the new coordinates at the switch
         assert drift_fed < drift_plain / 10, (drift_fed, drift_plain)
+
+
+def _disagree_body(rank, world):
+    import torch.distributed as dist
+
+    from deepspeed_gift.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    shapes, slices, total = _layout(world)
+    reducer = GiftReducer(TorchComm(), formats.get_format("fp8_e4m3"), formats.get_format("bf16"))
+    whiteners = _whiteners()
+    versions = {k: rank for k in whiteners}  # rank 1 believes in a newer whitener
+    try:
+        reducer.reduce(torch.randn(total), slices, whiteners, versions, divisor=world, step=3)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def test_ranks_that_disagree_on_whitener_versions_fail_loudly():
+    messages = run_ranks(_disagree_body, 2)
+    assert all("ranks disagree on the bucket layout, the selected layers or the whitener versions" in m
+               for m in messages), messages
