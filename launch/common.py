@@ -114,7 +114,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     if poison and engine.global_rank == poison["rank"]:
         param = dict(engine.module.named_parameters())[poison["param"]]
         param.register_hook(lambda g: g + float("nan") if engine.global_steps == poison["step"] else g)
-    losses, step_times = [], []
+    losses, step_times, rss_steps = [], [], {}
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
     done = 0
     if spec.get("resume"):
@@ -135,12 +135,16 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         engine.step()
         step_times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))
+        if spec.get("rss_at") and engine.global_steps in spec["rss_at"] and (i + 1) % ga == 0:
+            import resource
+
+            rss_steps[engine.global_steps] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # MiB
         if spec.get("save_at") == engine.global_steps and (i + 1) % ga == 0:
             engine.save_checkpoint(spec["save_dir"])
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0),
-              "step_times": step_times}
+              "step_times": step_times, "peak_rss_mib": rss_steps}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name
