@@ -27,6 +27,7 @@ import torch
 from .formats import quantization_stats
 
 CONTROL_HEADER_BYTES = 16
+MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
 GEO, MAIN, HIGH = "geo", "main", "high"
 
 
@@ -128,10 +129,12 @@ class GiftReducer:
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
         key = (tuple(slices), tuple(sorted(versions.items())))
-        plan = self._plans.get(key)
+        plan = self._plans.pop(key, None)
         if plan is None:
             plan = BucketPlan(slices, self.comm.world_size, versions)
-            self._plans[key] = plan
+            while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older whitener versions
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan  # most recently used last
         return plan
 
     def message_nbytes(self, owner: OwnerPlan) -> int:
