@@ -5,6 +5,7 @@ standard library's sources)."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
 import importlib.util
 
@@ -85,6 +86,11 @@ def build_engine(spec: dict):
     torch.manual_seed(spec.get("seed", 0))
     preset = PRESETS[spec.get("preset", "tiny")]
     model = LlamaForCausalLM(LlamaConfig(**{**preset, **spec.get("model", {})}))
+    for name, param in model.named_parameters():  # tests: frozen parameters
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in spec.get("freeze", [])):
+            param.requires_grad_(False)
+    if spec.get("unused_layer"):  # tests: a trainable layer that never gets a gradient
+        model.model.unused_proj = torch.nn.Linear(TINY_LLAMA["hidden_size"], TINY_LLAMA["hidden_size"])
     init = deepspeed_gift.initialize if spec.get("gift") is not None else deepspeed.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec))
     return engine
@@ -110,10 +116,17 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     engine = build_engine(spec)
     import time
 
-    poison = spec.get("poison")  # tests: a nan added to one parameter's gradient on one rank and step
-    if poison and engine.global_rank == poison["rank"]:
+    poison = spec.get("poison")  # tests: one parameter's gradient on one rank and step gets a nan (or is scaled)
+    if poison and engine.global_rank in poison.get("ranks", [poison.get("rank")]):
         param = dict(engine.module.named_parameters())[poison["param"]]
-        param.register_hook(lambda g: g + float("nan") if engine.global_steps == poison["step"] else g)
+        scale = poison.get("scale")
+
+        def hook(g):
+            if poison.get("step") is not None and engine.global_steps != poison["step"]:
+                return g
+            return g * scale if scale is not None else g + float("nan")
+
+        param.register_hook(hook)
     losses, step_times, rss_steps = [], [], {}
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
     done = 0

@@ -169,3 +169,27 @@ def test_a_nan_in_one_ranks_gradient_reaches_deepspeed_as_natively():
     poisoned = [r for res in results for r in res[1]["records"] if r["step"] == 1]
     assert sum(r["nonfinite"] for r in poisoned) > 0
     assert any(r["fidelity_rel_err"] != r["fidelity_rel_err"] for r in poisoned)  # nan, not a finite lie
+
+
+def test_frozen_unused_and_zero_gradients_match_deepspeed():
+    # Frozen parameters never enter ZeRO's buckets, an unused layer gets no gradient, and a
+    # layer whose gradient is all zeros must stay exactly zero (no nan from a 0/0 scale).
+    zero = {"ranks": [0, 1], "param": "model.layers.1.self_attn.v_proj.weight", "scale": 0.0}
+    base = dict(stage=2, steps=3, bucket=20000, freeze=["model.layers.0.mlp.*"], unused_layer=True, poison=zero)
+    lossless = dict(LOSSLESS, geometry={"kind": "hadamard"})
+    native, gift = run_ranks(train_many, 2, [base, dict(base, gift=lossless)])[0]
+    assert gift["losses"] == pytest.approx(native["losses"], abs=1e-5)
+    assert _max_param_diff(native, gift) <= FP32_ODD_WORLD_ATOL
+
+
+def test_a_vanishing_layer_is_reported_as_underflow():
+    # nvfp4 shares one fp32 scale per chunk: a layer 1e-12 times smaller than the rest of its
+    # chunk underflows to zero. That must show in telemetry, not pass silently.
+    tiny = {"ranks": [0, 1], "param": "model.layers.1.mlp.down_proj.weight", "scale": 1e-12}
+    spec = dict(stage=2, steps=2, bucket=10**6, poison=tiny,
+                gift={"format": "nvfp4", "geometry": {"kind": "identity"}, "layers": "all",
+                      "telemetry": {"every": 1}})
+    results = run_ranks(train_many, 2, [spec, dict(spec, poison=None)])
+    vanishing = sum(r["underflow"] for res in results for r in res[0]["records"])
+    normal = sum(r["underflow"] for res in results for r in res[1]["records"])
+    assert vanishing > normal + 10_000  # down_proj has 10,240 elements; most of them now read as zero
