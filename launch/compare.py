@@ -1,11 +1,11 @@
-"""Run several ds_configs on the same model, data, seed and steps; write report.md and a loss-curve PNG.
+"""    .venv/bin/python launch/compare.py
 
-    .venv/bin/python launch/compare.py
-
-By default: every stage-2 config in ``ds_configs/`` except the ``mpi``-backend variant
-(bf16 baseline, Euclidean and GIFT at FP8 e5m2 per-tensor, FP8 e4m3 per-block, NVFP4),
-the ``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo),
-sized to finish in about 10 minutes on 2 CPU cores. Other choices:
+Runs several ds_configs on the same model, data, seed and steps; writes report.md and a
+loss-curve PNG and prints where they are. By default: every stage-2 config in
+``ds_configs/`` except the ``mpi``-backend variant (bf16 baseline; Euclidean and GIFT at
+FP8 e5m2 per-tensor, FP8 e4m3 per-block and NVFP4; GIFT FP8 forced on all layers), the
+``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo), 250
+steps: about 10 minutes on 2 CPU cores. Other choices:
 
     .venv/bin/python launch/compare.py --configs ds_configs/bf16_baseline_zero1.json ds_configs/gift_fp8_zero1.json
     .venv/bin/python launch/compare.py --preset tiny --steps 20 --out-dir runs/quick
@@ -38,10 +38,9 @@ if ROOT not in sys.path:
 from launch.pretrain import finite, read_metrics, resolve_path, run_rank, summarize  # noqa: E402
 from launch.spawn import run_ranks  # noqa: E402
 
-# Sized by measurement: the 7 default configs, small preset, 2 ranks on 2 CPU cores, ~10 min.
-DEFAULTS = dict(preset="small", steps=300, seq_len=128, micro_batch=4, lr=2e-3, eval_every=25, eval_batches=4)
+# Sized by measurement: the 8 default configs, small preset, 2 ranks on 2 CPU cores, ~10 min.
+DEFAULTS = dict(preset="small", steps=250, seq_len=128, micro_batch=4, lr=2e-3, eval_every=25, eval_batches=4)
 RUN_TIMEOUT_S = 900
-BASELINE_HINT = "baseline"
 
 
 def default_configs() -> list:
@@ -55,7 +54,19 @@ def default_configs() -> list:
         if cfg.get("zero_optimization", {}).get("stage") != 2 or (gift and gift.get("backend") == "mpi"):
             continue
         out.append(os.path.relpath(path, ROOT))
-    return sorted(out, key=lambda p: (not is_baseline(p), p))
+    return sorted(out, key=_report_order)
+
+
+FORMAT_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "nvfp4", "int4", "bf16", "fp32")
+
+
+def _report_order(path: str):
+    """Baseline first, then by format, each Euclidean run before its GIFT variants."""
+    g = describe_gift(path)
+    if g["wire"] == "native":
+        return (0,)
+    return (1, FORMAT_ORDER.index(g["format"]), g["block"], g["geometry"] != "identity", str(g["layers"]) == "all",
+            path)
 
 
 def is_baseline(path: str) -> bool:
@@ -122,7 +133,8 @@ def run_one(path: str, args, metrics_path: str) -> dict:
 
 def status_of(result: dict, metrics, error, steps: int) -> str:
     losses = [loss for _, loss in result.get("curve", [])]
-    if any(not math.isfinite(x) for x in losses) or (metrics and (metrics.get("end") or {}).get("status") == "diverged"):
+    ended = (metrics or {}).get("end") or {}
+    if any(not math.isfinite(x) for x in losses) or ended.get("status") == "diverged":
         return "diverged"
     if error:
         return "timeout" if "no result" in error else "failed"
@@ -144,6 +156,10 @@ def _gap(x, base):
     return f"{100.0 * (x - base) / base:+.2f}%"
 
 
+def _ratio(x, base):
+    return _f(x / base, ".2f") if finite(x) and finite(base) and base > 0 else "-"
+
+
 def wire_name(g: dict) -> str:
     if g.get("wire") != "gift":
         return "native bf16"
@@ -156,8 +172,8 @@ def wire_name(g: dict) -> str:
 def report_table(results: list) -> list:
     base = next((r for r in results if r["gift"].get("wire") == "native" and r["status"] == "ok"), None)
     rows = ["| config | wire | status | train loss | vs bf16 | val loss | vs bf16 | val acc | B/elem | "
-            "fidelity err | geo layers | step s | x bf16 |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "fidelity err | geo layers | step s | x bf16 | cpu s | x bf16 |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
         if r.get("error"):
@@ -171,15 +187,33 @@ def report_table(results: list) -> list:
             _f(r.get("fidelity_rel_err"), ".2e"),
             str(r["geometry_layers"]) if r.get("geometry_layers") is not None
             and r["gift"].get("geometry") not in (None, "identity") else "-",
-            _f(r.get("median_step_s"), ".3f"),
-            _f(r["median_step_s"] / b["median_step_s"], ".2f") if finite(r.get("median_step_s"))
-            and finite(b.get("median_step_s")) else "-",
+            _f(r.get("median_step_s"), ".3f"), _ratio(r.get("median_step_s"), b.get("median_step_s")),
+            _f(r.get("median_cpu_s"), ".3f"), _ratio(r.get("median_cpu_s"), b.get("median_cpu_s")),
         ]) + " |")
     return rows
 
 
+def _pair_line(g: dict, e: dict) -> str:
+    fg, fe = g.get("fidelity_rel_err"), e.get("fidelity_rel_err")
+    parts = [f"val loss {_f(g.get('final_val_loss'))} vs {_f(e.get('final_val_loss'))} "
+             f"({_gap(g.get('final_val_loss'), e.get('final_val_loss'))})",
+             f"train loss {_f(g.get('final_train_loss'))} vs {_f(e.get('final_train_loss'))}",
+             f"fidelity err {_f(fg, '.2e')} vs {_f(fe, '.2e')}"
+             + (f" ({fg / fe:.2f}x)" if finite(fe) and finite(fg) and fe > 0 else "")]
+    geo = f"geometry on {g.get('geometry_layers', '-')} layers at the end"
+    gains = g.get("geometry_gains")
+    if gains:
+        geo += (f" (auto profile, 1 - err_geometry/err_euclidean per layer: best {max(gains.values()):+.2f}, "
+                f"median {statistics.median(gains.values()):+.2f})")
+    parts += [geo, f"step time {_f(g.get('median_step_s'), '.3f')} vs {_f(e.get('median_step_s'), '.3f')} s"]
+    line = f"- {wire_name(g['gift'])} vs {wire_name(e['gift'])}: " + ", ".join(parts)
+    if g["status"] != "ok" or e["status"] != "ok":
+        line += f" [{g['status']} / {e['status']}]"
+    return line
+
+
 def pairs(results: list) -> list:
-    """GIFT (kfac_input) runs next to the Euclidean run with the same format and block."""
+    """GIFT (kfac_input) runs next to the Euclidean run with the same format, block and scale."""
     lines = []
     for g in results:
         gg = g["gift"]
@@ -187,21 +221,9 @@ def pairs(results: list) -> list:
             continue
         for e in results:
             ee = e["gift"]
-            if (ee.get("wire") == "gift" and ee["geometry"] == "identity" and ee["format"] == gg["format"]
-                    and ee["block"] == gg["block"] and ee["scale"] == gg["scale"]):
-                fe, fg = e.get("fidelity_rel_err"), g.get("fidelity_rel_err")
-                fid = (f"fidelity err {_f(fg, '.2e')} vs {_f(fe, '.2e')}"
-                       + (f" ({fg / fe:.2f}x)" if finite(fe) and finite(fg) and fe > 0 else ""))
-                lines.append(f"- {wire_name(gg)} vs {wire_name(ee)}: val loss {_f(g.get('final_val_loss'))} vs "
-                             f"{_f(e.get('final_val_loss'))} ({_gap(g.get('final_val_loss'), e.get('final_val_loss'))}), "
-                             f"train loss {_f(g.get('final_train_loss'))} vs {_f(e.get('final_train_loss'))}, {fid}, "
-                             f"geometry on {g.get('geometry_layers', '-')} layers at the end"
-                             + (f" (auto profile, 1 - err_geometry/err_euclidean per layer: best "
-                                f"{max(g['geometry_gains'].values()):+.2f}, median "
-                                f"{statistics.median(g['geometry_gains'].values()):+.2f})"
-                                if g.get("geometry_gains") else "") + ", "
-                             f"step time {_f(g.get('median_step_s'), '.3f')} vs {_f(e.get('median_step_s'), '.3f')} s"
-                             + (f" [{g['status']} / {e['status']}]" if "ok" != g["status"] or "ok" != e["status"] else ""))
+            if (ee.get("wire") == "gift" and ee["geometry"] == "identity"
+                    and (ee["format"], ee["block"], ee["scale"]) == (gg["format"], gg["block"], gg["scale"])):
+                lines.append(_pair_line(g, e))
     return lines
 
 
@@ -232,10 +254,16 @@ def write_report(results: list, args, path: str, plot_path, plot_note: str, wall
         "next-token accuracy on held-out text); vs bf16 = gap to the baseline in %; B/elem = bytes on the wire per "
         "gradient element over the run, scales, headers and geometry exchange included (native bf16 = 2); "
         "fidelity err = relative L2 error of the reduced gradient against an exact fp32 reduction, mean over "
-        "sampled steps; geo layers = layers in the geometry branch at the end; step s = median step time after 5 "
-        "warm-up steps, x bf16 = its ratio to the baseline (CPU timings: the quantization arithmetic is not "
-        "hidden by a fast network here, read them as overhead, not as a speed-up).", "",
+        "sampled steps; geo layers = layers in the geometry branch at the end; step s = median wall-clock step "
+        "time after 5 warm-up steps, cpu s = median CPU time of rank 0 per step (what the step computes, barely "
+        "moved by other work on the machine, unlike wall clock), x bf16 = ratios to the baseline (on CPU the "
+        "quantization arithmetic is not hidden behind a fast network: read them as overhead, not as a speed-up; "
+        "GIFT pays off where communication, not arithmetic, bounds the step).", "",
     ]
+    if any(r["gift"].get("error_feedback") for r in results):
+        lines += ["With error feedback the sampled fidelity error includes the residual carried over from the "
+                  "previous step (what is sent is this step's gradient plus that residual), so it is larger by "
+                  "design and comparable only between runs that both use error feedback.", ""]
     pair_lines = pairs(results)
     if pair_lines:
         lines += ["## GIFT vs Euclidean at the same format", "", *pair_lines, ""]
@@ -252,8 +280,17 @@ def write_report(results: list, args, path: str, plot_path, plot_note: str, wall
         f.write("\n".join(lines))
 
 
+def _moving_average(values, window: int) -> list:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot(results: list, path: str):
-    """Train (smoothed) and validation loss curves; returns (path or None, note)."""
+    """Train loss (smoothed), its difference to the baseline, validation loss; returns
+    (path or None, note)."""
     try:
         import matplotlib
 
@@ -262,38 +299,46 @@ def plot(results: list, path: str):
     except ImportError:
         return None, ("matplotlib is not installed, so no plot was drawn "
                       "(pip install matplotlib, or pip install -e '.[train]').")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5))
+    base = next((r for r in results if r["gift"].get("wire") == "native" and r.get("curve")), None)
+    base_curve = dict(zip([s for s, _ in base["curve"]], _moving_average([v for _, v in base["curve"]], 25))) \
+        if base else {}
+    tails = []
     for r in results:
         curve = [(s, v) for s, v in r.get("curve", []) if math.isfinite(v)]
         if not curve:
             continue
         steps, losses = zip(*curve)
-        window, smooth = 10, []
-        for i in range(len(losses)):
-            chunk = losses[max(0, i - window + 1):i + 1]
-            smooth.append(sum(chunk) / len(chunk))
-        label = f"{r['label']}" + ("" if r["status"] == "ok" else f" [{r['status']}]")
-        line, = ax1.plot(steps, smooth, label=label, lw=1.4)
-        val = r.get("val_curve", [])
-        if val:
-            vs, vl = zip(*val)
-            ax2.plot(vs, vl, marker="o", ms=3, color=line.get_color(), label=label)
-    tails = [v for line in ax1.get_lines() for v in line.get_ydata()[len(line.get_ydata()) // 10:]]
+        smooth = _moving_average(list(losses), 10)
+        tails += smooth[len(smooth) // 10:]
+        label = r["label"] + ("" if r["status"] == "ok" else f" [{r['status']}]")
+        line, = ax1.plot(steps, smooth, label=label, lw=1.3)
+        if base_curve and r is not base:
+            diff = [(s, v - base_curve[s]) for s, v in zip(steps, _moving_average(list(losses), 25))
+                    if s in base_curve]
+            if diff:
+                ax2.plot(*zip(*diff), color=line.get_color(), lw=1.3, label=label)
+        if r.get("val_curve"):
+            ax3.plot(*zip(*r["val_curve"]), marker="o", ms=3, color=line.get_color(), label=label)
     if tails:  # the first steps (loss ~ ln vocab) would flatten the part worth reading
-        ax1.set_ylim(min(tails) - 0.05 * (max(tails) - min(tails) + 1e-3), max(tails))
-    ax1.legend(fontsize=8)
+        ax1.set_ylim(min(tails) - 0.02 * (max(tails) - min(tails) + 1e-3), max(tails))
     ax1.set(title="train loss (10-step moving average)", xlabel="step", ylabel="cross-entropy (nats/token)")
-    ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)")
-    for ax in (ax1, ax2):
+    ax2.axhline(0.0, color="black", lw=0.8)
+    ax2.set(title="train loss minus bf16 baseline (25-step moving averages)", xlabel="step",
+            ylabel="difference (nats/token)")
+    ax3.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)")
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path, ""
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description="Run several ds_configs on the same model, data, seed and steps; "
+                                            "write report.md and a loss-curve PNG.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--configs", nargs="+", help="ds_config paths (default: stage-2 configs of ds_configs/ "
                                                 "that differ in format/geometry)")
@@ -336,8 +381,8 @@ def main(argv=None) -> dict:
         json.dump({"args": vars(args), "wall_s": wall,
                    "results": [{k: v for k, v in r.items() if k != "error_full"} for r in results]}, f, indent=1)
     print("\n".join(report_table(results)))
-    print(f"[compare] {len(results)} runs in {wall / 60:.1f} min; report: {report}")
-    print(f"[compare] plot: {plot_path}" if plot_path else f"[compare] NO PLOT: {note}")
+    print(f"[compare] {len(results)} runs in {wall / 60:.1f} min; report: {os.path.abspath(report)}")
+    print(f"[compare] plot: {os.path.abspath(plot_path)}" if plot_path else f"[compare] NO PLOT: {note}")
     return {"report": report, "plot": plot_path, "results": results, "wall_s": wall}
 
 

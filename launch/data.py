@@ -1,7 +1,8 @@
-"""Token streams for ``launch/pretrain.py``: real text with nothing to download, or yours.
+"""    .venv/bin/python launch/data.py
 
-    .venv/bin/python launch/data.py                          # summary of the embedded corpus
-    .venv/bin/python launch/data.py --data notes.txt docs.jsonl --tokenizer path/to/tokenizer
+Token streams for ``launch/pretrain.py``: real text with nothing to download, or yours.
+The line above prints a summary of the embedded corpus and its split; the same for your
+files: ``.venv/bin/python launch/data.py --data notes.txt docs.jsonl --tokenizer DIR``.
 
 Sources:
 

@@ -1,11 +1,14 @@
-"""Pretrain a Llama (HF ``LlamaForCausalLM``) with DeepSpeed ZeRO-1/2, and GIFT when the config has a ``gift`` block.
+r"""    .venv/bin/torchrun --nproc_per_node 2 launch/pretrain.py --ds-config ds_configs/gift_fp8_zero2.json --preset tiny --steps 50
 
-    .venv/bin/torchrun --nproc_per_node 2 launch/pretrain.py --ds-config ds_configs/gift_fp8_zero2.json --preset tiny --steps 50
+Pretrains a Llama (HF ``LlamaForCausalLM``) with DeepSpeed ZeRO-1/2, and GIFT when the
+config has a ``gift`` block (the line above: 2 CPU ranks, a minute).
 
 Other launchers run the same script (see ``launch/run_deepspeed.sh``, ``launch/run_mpirun.sh``):
 
-    deepspeed --hostfile launch/hostfile.example launch/pretrain.py --ds-config ds_configs/gift_fp8_zero2.json --preset 600m
-    mpirun -np 2 .venv/bin/python launch/pretrain.py --ds-config ds_configs/gift_fp8_mpi_zero2.json --preset tiny
+    .venv/bin/deepspeed --hostfile launch/hostfile.example --no_ssh --node_rank 0 --master_addr 127.0.0.1 \
+        launch/pretrain.py --ds-config ds_configs/gift_fp8_zero2.json --preset tiny --steps 50
+    .venv/bin/mpirun -np 2 .venv/bin/python launch/pretrain.py --ds-config ds_configs/gift_fp8_mpi_zero2.json \
+        --preset tiny --steps 50    # as root in a container: mpirun --allow-run-as-root
 
 Model: ``--preset`` tiny (CPU, seconds) | small | 300m | 600m (32 layers, hidden 1280,
 FFN 3456, sequence 2048), or ``--model-config`` (a HF config json or directory).
@@ -19,9 +22,10 @@ it). Without a ``scheduler`` in the config, the learning rate warms up linearly 
 Logs (rank 0): train loss, learning rate, step time, tokens/s, GIFT wire bytes per
 gradient element and sampled fidelity; validation loss and next-token accuracy every
 ``--eval-every`` steps. ``--metrics run.jsonl`` keeps them (read by ``launch/compare.py``).
-Checkpoints: ``--save-dir DIR --save-every N``; ``--resume`` continues from DIR's latest
-checkpoint (``--resume DIR`` another directory, ``--resume DIR/step300`` one tag). Batches depend only on
-(seed, step, rank), so a resumed run sees the same data as an uninterrupted one.
+Checkpoints: ``--save-dir DIR --save-every N`` (GIFT's state is saved beside DeepSpeed's);
+``--resume`` continues from DIR's latest checkpoint (``--resume OTHER_DIR``, or one tag:
+``--resume DIR/step300``). Batches depend only on (seed, step, rank), so a resumed run
+sees the same data, and repeats the losses, of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -54,10 +58,11 @@ PRESETS = {
 DEFAULT_SEQ = {"tiny": 128, "small": 256, "300m": 2048, "600m": 2048}
 DEFAULT_MICRO_BATCH = 4
 DEFAULT_CONFIG = os.path.join("ds_configs", "gift_fp8_zero2.json")
+DESCRIPTION = "Pretrain a Llama with DeepSpeed ZeRO-1/2 and GIFT (see the module docstring for launch lines)."
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ds-config", default=DEFAULT_CONFIG, help="DeepSpeed config json (with or without a gift block)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -84,8 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dir", help="DeepSpeed checkpoint directory")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", nargs="?", const="", default=None,
-                   help="resume from the latest checkpoint in --save-dir, or from the given checkpoint "
-                        "directory (its latest) or tag directory (DIR/step300)")
+                   help="resume from the latest checkpoint in --save-dir (none yet: start fresh), or from the "
+                        "given checkpoint directory (its latest) or tag directory (DIR/step300)")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend (auto: nccl on GPU, gloo on CPU)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -186,7 +191,7 @@ def all_mean(values, device):
     return (t / dist.get_world_size()).tolist()
 
 
-def evaluate(engine, batches) -> dict:
+def evaluate(engine, batches, device) -> dict:
     """Validation loss and next-token accuracy, summed over every token of every rank."""
     import torch
     import torch.distributed as dist
@@ -198,7 +203,7 @@ def evaluate(engine, batches) -> dict:
     count = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for x in batches:
-            x = x.to(engine.device)
+            x = x.to(device)
             logits = engine(input_ids=x).logits[:, :-1].float()
             target = x[:, 1:]
             loss_sum += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
@@ -206,7 +211,7 @@ def evaluate(engine, batches) -> dict:
             correct += (logits.argmax(-1) == target).sum().double().cpu()
             count += target.numel()
     engine.train()
-    totals = torch.stack([loss_sum, correct, count]).to(engine.device)
+    totals = torch.stack([loss_sum, correct, count]).to(device)
     dist.all_reduce(totals)
     loss, hits, n = totals.tolist()
     return {"val_loss": loss / n, "val_acc": hits / n}
@@ -277,21 +282,20 @@ class Metrics:
 
 
 def read_metrics(path: str) -> dict:
-    """Merge a metrics file: per-step train records (a re-run step keeps its latest record),
-    eval records, the last start and end records."""
-    out = {"start": None, "end": None, "train": {}, "eval": {}}
+    """Merge a metrics file: per-step train and eval records (a step run again after a resume
+    keeps its latest record), every start record, the last start and the end of the last start."""
+    out = {"start": None, "starts": [], "end": None, "train": {}, "eval": {}}
     with open(path) as f:
         for line in f:
             if not line.strip():
                 continue
             rec = json.loads(line)
             kind = rec.get("event")
-            if kind in ("start", "end"):
-                if kind == "start" and out["start"] is not None:
-                    rec.setdefault("first_start", out["start"].get("first_start", out["start"]))
-                out[kind] = rec
-                if kind == "start":
-                    out["end"] = None
+            if kind == "start":
+                out["start"], out["end"] = rec, None
+                out["starts"].append(rec)
+            elif kind == "end":
+                out["end"] = rec
             elif kind in ("train", "eval"):
                 out[kind][rec["step"]] = rec
     out["train"] = [out["train"][k] for k in sorted(out["train"])]
@@ -305,16 +309,19 @@ def finite(x) -> bool:
 
 def summarize(train_records: list, eval_records: list, tail: int = 10, skip: int = 5) -> dict:
     """Final numbers of a run: train loss averaged over the last ``tail`` steps, the last
-    validation, median step time after ``skip`` warm-up steps, wire bytes of the run."""
+    validation, median step time (wall clock, and rank 0's CPU time: less sensitive to other
+    work on the machine) after ``skip`` warm-up steps, wire bytes of the run."""
     losses = [r["loss"] for r in train_records]
     last = train_records[-tail:]
     times = [r["step_time_s"] for r in train_records[skip:]] or [r["step_time_s"] for r in train_records]
+    cpu = [r["cpu_time_s"] for r in train_records[skip:] if "cpu_time_s" in r]
     fid = [r["fidelity_rel_err"] for r in train_records if "fidelity_rel_err" in r]
     out = {
         "steps": train_records[-1]["step"] if train_records else 0,
         "final_train_loss": statistics.fmean(r["loss"] for r in last) if last else None,
         "first_train_loss": losses[0] if losses else None,
         "median_step_s": statistics.median(times) if times else None,
+        "median_cpu_s": statistics.median(cpu) if cpu else None,
         "tokens_per_s": statistics.median([r["tokens_per_s"] for r in train_records[skip:]] or
                                           [r["tokens_per_s"] for r in train_records]) if train_records else None,
         "bytes_per_elem": None,
@@ -342,8 +349,6 @@ def main(argv=None) -> dict:
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
-    import deepspeed
-
     import deepspeed_gift
 
     init_distributed(args.dist_backend)
@@ -369,6 +374,7 @@ def main(argv=None) -> dict:
 
     engine, _, _, _ = deepspeed_gift.initialize(model=model, model_parameters=model.parameters(),
                                                 config=ds_config, lr_scheduler=scheduler_fn)
+    device = torch.device(engine.device)
     micro = engine.train_micro_batch_size_per_gpu()
     ga = engine.gradient_accumulation_steps()
 
@@ -378,16 +384,18 @@ def main(argv=None) -> dict:
         if not load_dir:
             raise SystemExit("--resume: give a checkpoint directory, or --save-dir")
         load_dir, tag = checkpoint_location(load_dir)
-        path, client = engine.load_checkpoint(load_dir, tag=tag)
-        if path is None:
+        fresh = not args.resume and not os.path.exists(os.path.join(load_dir, "latest"))
+        path, client = (None, None) if fresh else engine.load_checkpoint(load_dir, tag=tag)
+        if fresh:  # a job script that always says --resume: its first launch starts here
+            if rank == 0:
+                print(f"--resume: no checkpoint in --save-dir {load_dir!r} yet; starting from step 0",
+                      file=sys.stderr)
+        elif path is None:
             raise SystemExit(f"--resume: no DeepSpeed checkpoint found in {load_dir!r}")
         resumed_from = engine.global_steps
         if client and client.get("seed") != args.seed:
             print(f"warning: checkpoint was trained with --seed {client.get('seed')}, resuming with {args.seed}: "
                   "the data order differs from the original run", file=sys.stderr)
-        if gift_cfg.enabled and rank == 0:
-            print(f"note: GIFT geometry and error-feedback state are not in DeepSpeed checkpoints; they are "
-                  f"rebuilt from step {resumed_from} (whiteners at the next refresh)", file=sys.stderr)
 
     is_main = rank == 0
     metrics = Metrics(args.metrics, is_main, append=resumed_from > 0)
@@ -395,42 +403,46 @@ def main(argv=None) -> dict:
     val_batches = gift_data.eval_batches(corpus.validation, n_batches=args.eval_batches, micro=micro, seq=seq,
                                          rank=rank, world=world)
     tokens_per_step = micro * ga * world * seq
+    wire = (f"gift {gift_cfg.format}/{gift_cfg.geometry.kind} via {gift_cfg.backend}" if gift_cfg.enabled
+            else "native DeepSpeed reduction")
     header = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {n_params / 1e6:.1f}M params | "
               f"{corpus.describe()} | world {world}, micro {micro} x accum {ga} x seq {seq} = "
               f"{tokens_per_step} tokens/step | config {args.ds_config}, ZeRO {engine.zero_optimization_stage()}, "
-              f"gift {'off' if not gift_cfg.enabled else f'{gift_cfg.format}/{gift_cfg.geometry.kind} via {gift_cfg.backend}'}")
+              f"{wire}")
     progress.log(header + (f" | resumed at step {resumed_from}" if resumed_from else ""))
     metrics.write({"event": "start", "time": time.time(), "args": vars(args), "world_size": world,
                    "ds_config": ds_config, "params": n_params, "seq_len": seq, "micro_batch": micro,
-                   "grad_accum": ga, "tokens_per_step": tokens_per_step, "zero_stage": engine.zero_optimization_stage(),
+                   "grad_accum": ga, "tokens_per_step": tokens_per_step,
+                   "zero_stage": engine.zero_optimization_stage(),
                    "gift": gift_cfg.model_dump() if gift_cfg.enabled else None, "resumed_from": resumed_from,
                    "corpus": corpus.describe()})
 
     train_records, eval_records = [], []
     status = "ok"
-    sync = (lambda: torch.cuda.synchronize()) if engine.device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
     def run_eval(step):
-        ev = dict(evaluate(engine, val_batches), event="eval", step=step)
+        ev = dict(evaluate(engine, val_batches, device), event="eval", step=step)
         eval_records.append(ev)
         metrics.write(ev)
         progress.log(f"step {step}: val loss {ev['val_loss']:.4f}, next-token acc {ev['val_acc']:.4f}")
 
     step, last_fid = resumed_from, None
     while step < args.steps:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         micro_losses = []
         for m in range(ga):
             x = gift_data.train_batch(corpus.train, seed=args.seed, step=step, micro_step=m, rank=rank,
-                                      micro=micro, seq=seq).to(engine.device)
+                                      micro=micro, seq=seq).to(device)
             out = engine(input_ids=x, labels=x)
             engine.backward(out.loss)
             engine.step()
             micro_losses.append(out.loss.detach().float())
         sync()
-        dt = time.perf_counter() - t0
-        (loss,) = all_mean([float(torch.stack(micro_losses).mean())], engine.device)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        (loss,) = all_mean([float(torch.stack(micro_losses).mean())], device)
         rec = {"event": "train", "step": step + 1, "loss": loss, "lr": engine.get_lr()[0], "step_time_s": dt,
+               "cpu_time_s": cpu,
                "tokens_per_s": tokens_per_step / dt, **gift_step_telemetry(engine, step)}
         train_records.append(rec)
         metrics.write(rec)
