@@ -62,7 +62,8 @@ class GeometryManager:
         self._lowrank: Dict[str, geo.LowRankDiag] = {}
         self._captured: Dict[str, torch.Tensor] = {}
         self._check_widths()
-        self.owner_of = self._assign_fitters()
+        self.owner_of = balance_over_ranks({n: self.modules[n].in_features for n in self.names},
+                                           self.comm.world_size)
         if self.kind == "hadamard":
             for i, name in enumerate(self.names):
                 width = self.modules[name].in_features
@@ -97,16 +98,6 @@ class GeometryManager:
                 raise ValueError(f"gift.geometry.rank: got {self.gcfg.rank}; layer '{name}' has only "
                                  f"{width} input features, rank must be <= the narrowest selected layer "
                                  "(or narrow gift.layers)")
-
-    def _assign_fitters(self) -> Dict[str, int]:
-        """Greedy balance of fit cost (~ in^2 * rank) over ranks; identical on every rank."""
-        load = [0.0] * self.comm.world_size
-        owner = {}
-        for name in sorted(self.names, key=lambda n: (-self.modules[n].in_features, n)):
-            r = min(range(len(load)), key=lambda j: (load[j], j))
-            owner[name] = r
-            load[r] += float(self.modules[name].in_features) ** 2
-        return owner
 
     # ---- statistics -----------------------------------------------------------------
     def begin_step(self, k: int) -> None:
@@ -234,13 +225,7 @@ class GeometryManager:
                 self.whiteners[name] = self._whitener_for(key)
 
     def _assign(self, keys: List[str]) -> Dict[str, int]:
-        """Greedy balance of fit cost (~ in^2) over ranks; identical on every rank."""
-        load = [0.0] * self.comm.world_size
-        out = {}
-        for k in sorted(keys, key=lambda k: (-self._stats[k].dim, k)):
-            r = min(range(len(load)), key=lambda j: (load[j], j))
-            out[k] = r
-            load[r] += float(self._stats[k].dim) ** 2
+        out = balance_over_ranks({k: self._stats[k].dim for k in keys}, self.comm.world_size)
         self.owner_of.update(out)
         return out
 
@@ -431,3 +416,13 @@ class GeometryManager:
         n, self.geometry_bytes = self.geometry_bytes, 0
         return n
 
+
+def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int]:
+    """Greedy balance of fit cost (~ width^2) over ranks, widest first; identical on every rank."""
+    load = [0.0] * world_size
+    owner = {}
+    for name in sorted(widths, key=lambda n: (-widths[n], n)):
+        r = min(range(world_size), key=lambda j: (load[j], j))
+        owner[name] = r
+        load[r] += float(widths[name]) ** 2
+    return owner
