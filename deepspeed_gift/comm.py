@@ -54,12 +54,6 @@ class Comm:
     def _count(self, kind: str, nbytes: int) -> None:
         self.bytes_sent[kind] += int(nbytes)
 
-    def take_bytes_sent(self) -> Dict[str, int]:
-        """Bytes sent since the last call, by kind (and reset)."""
-        out = dict(self.bytes_sent)
-        self.bytes_sent.clear()
-        return out
-
 
 class TorchComm(Comm):
     name = "torch"

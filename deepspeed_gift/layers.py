@@ -52,7 +52,6 @@ class GeometryManager:
         self.whiteners: Dict[str, geo.Whitener] = {}
         self.active: set = set()
         self.gains: Dict[str, float] = {}
-        self.geometry_bytes = 0  # bytes sent for statistics and factors since last read
         self._hooks = []
         self._stats: Dict[str, geo.CovarianceEMA] = {}
         self._step_sum: Dict[str, torch.Tensor] = {}
@@ -198,7 +197,6 @@ class GeometryManager:
         recv_len = sum(self._contrib_numel(k, omegas) for k in keys if fitter[k] == me)
         total = sends[me].float()
         sends[me] = sends[me][:0]
-        before = sum(self.comm.bytes_sent.values())
         recv = self.comm.all_to_all_bytes(torch.cat([t.view(torch.uint8) for t in sends]),
                                           [t.numel() * width for t in sends],
                                           [0 if r == me else recv_len * width for r in range(world)],
@@ -217,12 +215,8 @@ class GeometryManager:
             if lrd is not None:
                 fitted[k] = geo.LowRankDiag(U=lrd.U.to(GEOMETRY_WIRE_DTYPE).float(), lam=lrd.lam, d=lrd.d)
         shared = self._share(fitted, keys)
-        self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
         self._lowrank.update(shared)
-        for name in self.names:
-            key = self._stats_key.get(name, name)
-            if key in shared:
-                self.whiteners[name] = self._whitener_for(key)
+        self._rebuild_whiteners(shared)
 
     def _assign(self, keys: List[str]) -> Dict[str, int]:
         out = balance_over_ranks({k: self._stats[k].dim for k in keys}, self.comm.world_size)
@@ -259,10 +253,8 @@ class GeometryManager:
             return
         # Only the subspace matters here, so the sum may travel (and round) in bf16.
         flat = torch.cat([(self._stats[k].value() @ omegas[k]).reshape(-1) for k in cold]).to(GEOMETRY_WIRE_DTYPE)
-        before = sum(self.comm.bytes_sent.values())
         self.comm.all_reduce_sum(flat, kind="geometry")
         flat = flat.float()
-        self.geometry_bytes += sum(self.comm.bytes_sent.values()) - before
         pos = 0
         for k in cold:
             n = omegas[k].numel()
@@ -289,8 +281,16 @@ class GeometryManager:
             diag = fd * geo.low_rank_diagonal(prev) + (1.0 - fd) * diag
         return geo.nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self.gcfg.damping)
 
-    def _whitener_for(self, key: str) -> geo.Whitener:
-        return geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
+    def _rebuild_whiteners(self, keys) -> None:
+        """Whiteners of every module whose statistic is among ``keys``, from the shared factors
+        (modules sharing one input share one whitener object)."""
+        built = {}
+        for name in self.names:
+            key = self._stats_key.get(name, name)
+            if key in keys:
+                if key not in built:
+                    built[key] = geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
+                self.whiteners[name] = built[key]
 
     def _share(self, mine: Dict[str, geo.LowRankDiag], keys: List[str]) -> Dict[str, geo.LowRankDiag]:
         """Every fitter sends its factors (per layer: fp32 ``[index, lam, d]`` then ``U`` in
@@ -390,10 +390,7 @@ class GeometryManager:
             self._stats[k] = ema
         self._lowrank = {k: geo.LowRankDiag(U=U.to(device), lam=lam.to(device), d=d.to(device))
                          for k, (U, lam, d) in state["lowrank"].items()}
-        for name in self.names:
-            key = self._stats_key.get(name, name)
-            if key in self._lowrank:
-                self.whiteners[name] = self._whitener_for(key)
+        self._rebuild_whiteners(self._lowrank)
         for w in self.whiteners.values():
             w.version = self.version
 
@@ -407,14 +404,9 @@ class GeometryManager:
     def in_branch(self, name: str) -> bool:
         return name in self.active
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
     def take_geometry_bytes(self) -> int:
-        n, self.geometry_bytes = self.geometry_bytes, 0
-        return n
+        """Bytes this rank sent for statistics and factors since the last call."""
+        return self.comm.bytes_sent.pop("geometry", 0)
 
 
 def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int]:
