@@ -1,13 +1,21 @@
 """python benchmarks/codec_speed.py --numel 50000000
 
-Encode/decode speed of every wire format on one float32 tensor.
+Encode/decode speed of every wire format on one float32 tensor, and the time of each
+whitening transform and its inverse on gradients of given layer shapes.
 
 For each format: median wall time over ``--repeats`` runs of ``encode_to_bytes`` (tensor
 -> wire bytes, what a rank sends) and ``decode_from_bytes`` (wire bytes -> float32,
 header check included), elements per second, and the time relative to ``x.clone()``
 of the same tensor measured in the same run (a memory-bandwidth yardstick: 1.0 means
 "as fast as one read + one write of the fp32 tensor"). Prints a table; ``--json PATH``
-also writes the numbers. Smoke run: ``--numel 100000 --repeats 2``.
+also writes the numbers.
+
+Transforms: for each ``--shapes`` entry ``MxN`` (a layer's gradient: M output rows, input
+dimension N; the defaults are Llama-600M's attention/up and down projections), the
+geometry's whitener (fitted to a random input covariance: the cost does not depend on the
+values) applied to the gradient and inverted again, per solver (``structured`` rank
+``--rank``, ``cholesky``, ``hadamard``), against a ``clone()`` of the same gradient.
+Smoke run: ``--numel 100000 --repeats 2 --shapes 64x32``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepspeed_gift.formats import FORMAT_NAMES, get_format  # noqa: E402
+from deepspeed_gift.geometry import fit_whitener, make_whitener  # noqa: E402
+
+TRANSFORMS = ("structured", "cholesky", "hadamard")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -46,6 +57,37 @@ def _median(fn: Callable[[], object], repeats: int, timer) -> float:
     return statistics.median(timer(fn) for _ in range(repeats))
 
 
+def parse_shape(text: str) -> tuple:
+    try:
+        m, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected MxN, e.g. 3456x1280") from None
+    if m < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: both sizes must be >= 1")
+    return m, n
+
+
+def transform_rows(shapes, rank: int, repeats: int, device: torch.device, timer) -> List[dict]:
+    """Whitening + inverse of an (M, N) gradient per solver, and a clone of it, same run."""
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(1)
+    for m, n in shapes:
+        g = torch.randn(m, n, generator=gen, device=device)
+        x = torch.randn(4 * n, n, generator=gen, device=device)
+        cov = x.T @ x / x.shape[0]
+        clone_s = _median(lambda: g.clone(), repeats, timer)
+        for solver in TRANSFORMS:
+            if solver == "hadamard":
+                w = make_whitener("hadamard", n, device=device)
+            else:
+                w = fit_whitener(cov, rank=min(rank, n), damping=1e-3, solver=solver)
+            t = _median(lambda: w.invert(w.apply(g)), repeats, timer)
+            rows.append({"shape": f"{m}x{n}", "solver": solver, "rank": w.rank if solver == "structured" else None,
+                         "apply_invert_ms": t * 1e3, "clone_ms": clone_s * 1e3, "vs_clone": t / clone_s,
+                         "gelem_s": m * n / t / 1e9})
+    return rows
+
+
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--numel", type=int, default=50_000_000, help="elements of the test tensor")
@@ -54,6 +96,9 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--formats", nargs="+", default=list(FORMAT_NAMES), choices=FORMAT_NAMES)
     parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--shapes", nargs="*", type=parse_shape, default=[(1280, 1280), (3456, 1280), (1280, 3456)],
+                        help="layer gradient shapes MxN for the transform table (none: skip it)")
+    parser.add_argument("--rank", type=int, default=32, help="rank of the structured whitener")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -104,6 +149,15 @@ def main(argv: List[str] | None = None) -> int:
             f"{r['encode_gelem_s']:>9.3f} {r['decode_gelem_s']:>9.3f} {r['encode_vs_clone']:>9.2f} "
             f"{r['decode_vs_clone']:>9.2f}"
         )
+    transforms = transform_rows(args.shapes, args.rank, args.repeats, device, timer)
+    if transforms:
+        print(f"\nwhitening + inverse of one layer gradient (structured rank {args.rank})")
+        head = f"{'shape':<11} {'solver':<10} {'ms':>9} {'clone ms':>9} {'x clone':>8} {'Ge/s':>7}"
+        print(head)
+        print("-" * len(head))
+        for r in transforms:
+            print(f"{r['shape']:<11} {r['solver']:<10} {r['apply_invert_ms']:>9.2f} {r['clone_ms']:>9.3f} "
+                  f"{r['vs_clone']:>8.1f} {r['gelem_s']:>7.3f}")
     if args.json is not None:
         result = {
             "device": str(device),
@@ -115,6 +169,7 @@ def main(argv: List[str] | None = None) -> int:
             "rounding": args.rounding,
             "clone_ms": clone_s * 1e3,
             "formats": rows,
+            "transforms": transforms,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -441,8 +441,8 @@ def main(argv=None) -> dict:
         sync()
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         (loss,) = all_mean([float(torch.stack(micro_losses).mean())], device)
-        rec = {"event": "train", "step": step + 1, "loss": loss, "lr": engine.get_lr()[0], "step_time_s": dt,
-               "cpu_time_s": cpu,
+        rec = {"event": "train", "step": step + 1, "time": time.time(), "loss": loss, "lr": engine.get_lr()[0],
+               "step_time_s": dt, "cpu_time_s": cpu,
                "tokens_per_s": tokens_per_step / dt, **gift_step_telemetry(engine, step)}
         train_records.append(rec)
         metrics.write(rec)

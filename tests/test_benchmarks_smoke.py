@@ -11,10 +11,133 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_codec_speed_smoke(tmp_path):
     out = tmp_path / "codec.json"
     proc = subprocess.run([sys.executable, "benchmarks/codec_speed.py", "--numel", "100000", "--repeats", "2",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--shapes", "64x32", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fp8_e4m3" in proc.stdout and "nvfp4" in proc.stdout
     data = json.loads(out.read_text())
     text = json.dumps(data)
     for name in ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"):
         assert name in text
+    rows = {r["format"]: r for r in data["formats"]}
+    assert rows["nvfp4"]["bytes_per_element"] < rows["fp8_e4m3"]["bytes_per_element"] < rows["bf16"]["bytes_per_element"]
+    assert all(r["encode_ms"] > 0 and r["decode_ms"] > 0 for r in data["formats"])
+    solvers = {(t["shape"], t["solver"]) for t in data["transforms"]}
+    assert solvers == {("64x32", "structured"), ("64x32", "cholesky"), ("64x32", "hadamard")}
+    assert all(t["apply_invert_ms"] > 0 and t["vs_clone"] > 0 for t in data["transforms"])
+
+
+# ---- scale model and the namespace cluster -------------------------------------------------
+sys.path.insert(0, ROOT)
+from benchmarks import scale_model  # noqa: E402
+
+N_TINY = 119104  # parameters of launch/pretrain.py --preset tiny
+
+
+def test_link_bytes_follow_the_collectives():
+    n = 1_000_000
+    bf16 = scale_model.config_wire(json.load(open(os.path.join(ROOT, "ds_configs/bf16_baseline_zero2.json"))))
+    fp8 = scale_model.config_wire(json.load(open(os.path.join(ROOT, "ds_configs/euclid_fp8_e4m3_block_zero2.json"))))
+    assert bf16["path"] == "allreduce" and bf16["bytes_per_elem"] == 2.0
+    assert fp8["path"] == "alltoall" and abs(fp8["bytes_per_elem"] - (1 + 4 / 128)) < 1e-3
+    # ring all-reduce: 2 (W-1)/W N b; all-to-all: (W-1)/W N b; all-gather of bf16 params: (W-1)/W N 2
+    assert scale_model.link_bytes(bf16, n, 4) == {"grad": 2 * 0.75 * n * 2, "param": 0.75 * n * 2}
+    assert abs(scale_model.link_bytes(fp8, n, 4)["grad"] - 0.75 * n * fp8["bytes_per_elem"]) < 1
+    # 8 per node: only the all-to-all part bound for other nodes crosses the NIC
+    assert abs(scale_model.link_bytes(fp8, n, 64, per_node=8)["grad"] - 56 / 64 * n * fp8["bytes_per_elem"]) < 1
+
+
+def test_calibration_recovers_a_known_link():
+    """Points made by the model's own equations with efficiency 0.7 (all-reduce, all-gather) and
+    0.5 (all-to-all): the fit returns those and predicts every point exactly."""
+    configs = ["bf16_baseline_zero2", "euclid_fp8_e4m3_block_zero2", "euclid_nvfp4_zero2"]
+    wires = {c: scale_model.config_wire(json.load(open(os.path.join(ROOT, "ds_configs", c + ".json"))))
+             for c in configs}
+    eff = {"allreduce": 0.7, "allgather": 0.7, "alltoall": 0.5}
+    fixed = {"bf16_baseline_zero2": 0.30, "euclid_fp8_e4m3_block_zero2": 0.33, "euclid_nvfp4_zero2": 0.36}
+    n, points = 3_000_000, []
+    for bps in (1e8, 3e8, 1e9, 1e10):
+        for c in configs:
+            lb = scale_model.link_bytes(wires[c], n, 2)
+            t = fixed[c] + (lb["grad"] / eff[wires[c]["path"]] + lb["param"] / eff["allgather"]) * 8 / bps
+            points.append({"config": c, "bandwidth": f"{bps:g}", "bandwidth_bps": bps, "status": "ok",
+                           "median_step_s": t, "tx_bytes_per_step_mean": lb["grad"] + lb["param"]})
+    fit = scale_model.calibrate({"params": n, "ranks": 2, "configs": configs, "points": points},
+                                scale_model.ROOT / "ds_configs")
+    for k, v in eff.items():
+        assert abs(fit["efficiency"][k] - v) < 1e-9, (k, fit["efficiency"])
+    for c, v in fixed.items():
+        assert abs(fit["fixed_s"][c] - v) < 1e-9
+    assert max(abs(r["error_pct"]) for r in fit["rows"]) < 1e-6
+    # and a slower all-to-all would show up as prediction error, not vanish into the fit
+    points[-1]["median_step_s"] *= 1.5
+    fit = scale_model.calibrate({"params": n, "ranks": 2, "configs": configs, "points": points},
+                                scale_model.ROOT / "ds_configs")
+    assert max(abs(r["error_pct"]) for r in fit["rows"]) > 5
+
+
+def test_scale_model_prints_the_paper_setting(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, "benchmarks/scale_model.py", "--codec-numel", "100000", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())["scale"]
+    assert 6.5e8 < data["params"] < 7.0e8  # Llama-600M with a 32k vocabulary, untied embeddings
+    rows = {r["config"]: r["by_bandwidth"] for r in data["rows"]}
+    slow, fast = data["bandwidths_gbit"][0], data["bandwidths_gbit"][-1]
+    eu = rows["Euclidean fp8_e4m3"]
+    # fewer bytes save more when the network is slower; quantized rows never cost more bytes than bf16
+    assert eu[slow]["saving_pct"] < eu[fast]["saving_pct"] < 0
+    assert rows["Euclidean nvfp4"][slow]["saving_pct"] < eu[slow]["saving_pct"]
+    assert "Gbit/s per GPU" in proc.stdout
+
+
+def _netns_usable() -> str:
+    import shutil
+
+    if os.geteuid() != 0:
+        return "needs root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "needs iproute2"
+    name = f"giftprobe{os.getpid()}"
+    p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"ip netns add failed: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ""
+
+
+def test_netns_cluster_smoke(tmp_path):
+    """Two hosts in namespaces at 1 Gbit/s: bf16 and GIFT fp8 run, the bytes on the links are
+    what the collectives should send, a failing job is reported and nothing is left behind."""
+    import pytest
+
+    why = _netns_usable()
+    if why:
+        pytest.skip(why)
+    prefix = f"gifttest{os.getpid() % 10000}"
+    out = tmp_path / "netns.json"
+    bad = tmp_path / "bad.json"  # a config the job refuses: the run goes on and still tears down
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs/gift_fp8_zero2.json")))
+    cfg["zero_optimization"]["stage"] = 3
+    bad.write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "benchmarks/netns_cluster.py", "--preset", "tiny", "--steps", "10",
+                           "--skip", "3", "--bandwidths", "1gbit", "--prefix", prefix, "--timeout", "240",
+                           "--configs", "ds_configs/bf16_baseline_zero2.json", "ds_configs/gift_fp8_zero2.json",
+                           str(bad), "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left, left
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["params"] == N_TINY
+    pts = {p["config"]: p for p in data["points"]}
+    assert pts["bad"]["status"] == "failed" and "stage" in pts["bad"]["log_tail"]
+    for name in ("bf16_baseline_zero2", "gift_fp8_zero2"):
+        pt = pts[name]
+        assert pt["status"] == "ok", pt
+        wire = scale_model.config_wire(json.load(open(os.path.join(ROOT, "ds_configs", name + ".json"))))
+        lb = scale_model.link_bytes(wire, N_TINY, 2)
+        model = lb["grad"] + lb["param"]
+        # TCP/IP headers add a few percent; the 20 ms counter sampling blurs the step edges
+        assert 0.85 * model < pt["tx_bytes_per_step_mean"] < 1.25 * model, (name, pt["tx_bytes_per_step_mean"], model)
+    assert pts["bf16_baseline_zero2"]["tx_bytes_per_step_mean"] > 1.6 * pts["gift_fp8_zero2"]["tx_bytes_per_step_mean"]
+    assert "| bf16_baseline_zero2 |" in proc.stdout

@@ -1,0 +1,393 @@
+r"""    sudo .venv/bin/python benchmarks/netns_cluster.py --json runs/netns/results.json
+
+A bandwidth-limited cluster on one machine: every rank runs ``launch/pretrain.py`` in a
+network namespace of its own ("host"), joined to the others through a bridge in one more
+namespace ("switch"), each host's link limited by ``tc`` (token bucket: the rate each
+way, as a NIC would be; optional ``netem`` delay). DeepSpeed and GIFT talk gloo over
+those links. For every bandwidth x config it runs a few steps and reports the median step
+time, the speedup over the first config (the bf16 baseline), and the bytes each host
+actually put on its link per step (the interface's counters, TCP/IP headers included,
+read while the job runs and cut at the step boundaries it logs).
+
+Needs root (namespaces, tc); addresses live only inside the namespaces it creates
+(``--subnet``, default 10.77.0.0/24); everything is torn down on exit, on error and on
+Ctrl-C. A run killed hard leaves namespaces named ``--prefix``-*: ``--cleanup`` removes
+them. Smoke run (CI): ``--preset tiny --steps 3 --skip 1 --bandwidths 1gbit
+--configs ds_configs/bf16_baseline_zero2.json ds_configs/gift_fp8_zero2.json``.
+
+What the numbers are: on this machine the ranks share the CPU cores, so compute does not
+shrink with bandwidth, and the step time at a bandwidth is compute + codec + the time the
+bytes take on the link (no overlap on CPU). ``benchmarks/scale_model.py`` fits its
+alpha-beta model to the JSON written here and carries it to cluster scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+IFNAME = "gift0"  # the host side of every link (each in its own namespace, so one name serves all)
+DEFAULT_CONFIGS = [
+    "ds_configs/bf16_baseline_zero2.json",
+    "ds_configs/euclid_fp8_e4m3_block_zero2.json",
+    "ds_configs/gift_fp8_zero2.json",
+    "ds_configs/gift_fp8_all_zero2.json",
+    "ds_configs/euclid_nvfp4_zero2.json",
+    "ds_configs/gift_nvfp4_ef_zero2.json",
+]
+DEFAULT_BANDWIDTHS = ["100mbit", "300mbit", "1gbit", "10gbit"]
+RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+COUNTER_PERIOD_S = 0.02
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """'100mbit' -> 1e8 bits/s; 'unlimited' -> None."""
+    if text == "unlimited":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: use e.g. 100mbit, 2.5gbit, 10gbit or unlimited")
+    return float(m.group(1)) * RATE_UNITS[m.group(2)]
+
+
+def rate_label(bps: Optional[float]) -> str:
+    if bps is None:
+        return "unlimited"
+    return f"{bps / 1e9:g} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:g} Mbit/s"
+
+
+def run_cmd(args: List[str], check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(args, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr.strip() or p.stdout.strip()}")
+    return p
+
+
+def tbf_args(bps: float) -> List[str]:
+    """Token bucket for ``bps``: a bucket of ~4 ms of traffic (at least 64 KiB) so the kernel's
+    timer granularity does not cap the rate, and a queue of 200 ms before drops."""
+    burst = max(64 * 1024, int(bps / 8 * 0.004))
+    return ["tbf", "rate", f"{int(bps)}bit", "burst", str(burst), "latency", "200ms"]
+
+
+def namespaces_with_prefix(prefix: str) -> List[str]:
+    out = run_cmd(["ip", "netns", "list"]).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix + "-")]
+
+
+class Cluster:
+    """``ranks`` hosts (namespaces ``<prefix>-h<r>``, interface ``gift0``, address
+    ``subnet``+r+1) on a bridge in ``<prefix>-switch``. Use as a context manager; ``close``
+    deletes every namespace it made (their veths go with them)."""
+
+    def __init__(self, prefix: str, ranks: int, subnet: str) -> None:
+        net = ipaddress.ip_network(subnet)
+        if net.num_addresses < ranks + 2:
+            raise ValueError(f"--subnet {subnet} has room for {net.num_addresses - 2} hosts, need {ranks}")
+        self.prefix, self.ranks = prefix, ranks
+        self.hosts = [f"{prefix}-h{r}" for r in range(ranks)]
+        self.switch = f"{prefix}-switch"
+        self.addrs = [str(net.network_address + r + 1) for r in range(ranks)]
+        self.prefixlen = net.prefixlen
+        self.created: List[str] = []
+        self.sleepers: List[subprocess.Popen] = []
+
+    def __enter__(self) -> "Cluster":
+        left = namespaces_with_prefix(self.prefix)
+        if left:
+            raise RuntimeError(f"namespaces {left} exist already (a killed run?): remove them with --cleanup "
+                               f"or choose another --prefix")
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ns(self, name: str) -> None:
+        run_cmd(["ip", "netns", "add", name])
+        self.created.append(name)
+
+    def _create(self) -> None:
+        self._ns(self.switch)
+        run_cmd(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+        run_cmd(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+        for r, host in enumerate(self.hosts):
+            self._ns(host)
+            run_cmd(["ip", "link", "add", IFNAME, "netns", host, "type", "veth", "peer", "name", f"port{r}",
+                     "netns", self.switch])
+            run_cmd(["ip", "-n", self.switch, "link", "set", f"port{r}", "master", "br0"])
+            run_cmd(["ip", "-n", self.switch, "link", "set", f"port{r}", "up"])
+            run_cmd(["ip", "-n", host, "addr", "add", f"{self.addrs[r]}/{self.prefixlen}", "dev", IFNAME])
+            run_cmd(["ip", "-n", host, "link", "set", IFNAME, "up"])
+            run_cmd(["ip", "-n", host, "link", "set", "lo", "up"])
+            # a process that lives in the namespace for the cluster's life: /proc/<pid>/net/dev
+            # is then that namespace's interface table, readable from here without entering it
+            self.sleepers.append(subprocess.Popen(["ip", "netns", "exec", host, "sleep", "1000000"]))
+
+    def set_link(self, bps: Optional[float], delay_ms: float) -> None:
+        """Limit every host's link to ``bps`` each way (host egress on ``gift0``, host ingress
+        as the switch port's egress) and add ``delay_ms`` one-way delay on host egress."""
+        for r, host in enumerate(self.hosts):
+            for ns, dev in ((host, IFNAME), (self.switch, f"port{r}")):
+                run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+                if bps is not None:
+                    run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:"]
+                            + tbf_args(bps))
+            if delay_ms > 0:
+                parent = ["parent", "1:1"] if bps is not None else ["root"]
+                p = run_cmd(["ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", IFNAME] + parent
+                            + ["handle", "10:", "netem", "delay", f"{delay_ms}ms", "limit", "100000"], check=False)
+                if p.returncode != 0:
+                    raise RuntimeError(f"--delay-ms {delay_ms}: tc netem failed ({p.stderr.strip()}); this kernel "
+                                       f"may lack sch_netem: run with --delay-ms 0")
+
+    def counters(self) -> List[Dict[str, int]]:
+        """tx/rx bytes of every host's link, now."""
+        out = []
+        for sleeper in self.sleepers:
+            with open(f"/proc/{sleeper.pid}/net/dev") as f:
+                for line in f:
+                    name, _, rest = line.partition(":")
+                    if name.strip() == IFNAME:
+                        v = rest.split()
+                        out.append({"rx": int(v[0]), "tx": int(v[8])})
+                        break
+                else:
+                    raise RuntimeError(f"{IFNAME} not found in /proc/{sleeper.pid}/net/dev")
+        return out
+
+    def close(self) -> None:
+        for s in self.sleepers:
+            s.kill()
+            s.wait()
+        self.sleepers = []
+        for name in reversed(self.created):
+            run_cmd(["ip", "netns", "del", name], check=False)
+        self.created = []
+
+
+class CounterSampler(threading.Thread):
+    """(time, counters) every ``COUNTER_PERIOD_S`` while a job runs."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.samples, self.stop_event = cluster, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            self.samples.append((time.time(), self.cluster.counters()))
+            time.sleep(COUNTER_PERIOD_S)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join()
+        self.samples.append((time.time(), self.cluster.counters()))
+
+    def at(self, t: float) -> List[Dict[str, float]]:
+        """Counters at time ``t``, linearly interpolated between the samples around it."""
+        s = self.samples
+        if t <= s[0][0]:
+            return [dict(c) for c in s[0][1]]
+        for (t0, c0), (t1, c1) in zip(s, s[1:]):
+            if t0 <= t <= t1:
+                w = (t - t0) / max(t1 - t0, 1e-9)
+                return [{k: a[k] + w * (b[k] - a[k]) for k in a} for a, b in zip(c0, c1)]
+        return [dict(c) for c in s[-1][1]]
+
+
+def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dict:
+    """One config on the cluster as it is now: ``pretrain.py`` on every host, rank 0's
+    metrics, link bytes over the timed steps."""
+    metrics = os.path.join(workdir, f"metrics_{port}.jsonl")
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "--ds-config", str(ROOT / config),
+           "--preset", args.preset, "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1",
+           "--no-progress", "--log-every", str(10 ** 9), "--metrics", metrics, "--dist-backend", "gloo"]
+    if args.seq_len:
+        cmd += ["--seq-len", str(args.seq_len)]
+    procs, logs = [], []
+    sampler = CounterSampler(cluster)
+    sampler.start()
+    t_start = time.time()
+    try:
+        for r, host in enumerate(cluster.hosts):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(cluster.ranks), LOCAL_RANK="0",
+                       LOCAL_WORLD_SIZE="1", MASTER_ADDR=cluster.addrs[0], MASTER_PORT=str(port),
+                       GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS=str(args.threads),
+                       PYTHONUNBUFFERED="1")
+            log = open(os.path.join(workdir, f"rank{r}_{port}.log"), "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(["ip", "netns", "exec", host] + cmd, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True))
+        deadline = time.time() + args.timeout
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        sampler.stop()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        tail = Path(workdir, f"rank{codes.index(next(c for c in codes if c))}_{port}.log").read_text()[-3000:]
+        timed_out = time.time() - t_start > args.timeout
+        return {"status": "timeout" if timed_out else "failed", "returncodes": codes, "log_tail": tail}
+    train, end = [], None
+    with open(metrics) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("event") == "train":
+                train.append(rec)
+            elif rec.get("event") == "end":
+                end = rec
+    timed = train[args.skip:]
+    t0, t1 = train[args.skip - 1]["time"] if args.skip else timed[0]["time"] - timed[0]["step_time_s"], \
+        timed[-1]["time"]
+    c0, c1 = sampler.at(t0), sampler.at(t1)
+    n = len(timed)
+    tx = [(b["tx"] - a["tx"]) / n for a, b in zip(c0, c1)]
+    rx = [(b["rx"] - a["rx"]) / n for a, b in zip(c0, c1)]
+    times = [r["step_time_s"] for r in timed]
+    last = train[-1]
+    return {
+        "status": "ok" if end and end.get("status") == "ok" else (end or {}).get("status", "no end record"),
+        "median_step_s": statistics.median(times),
+        "step_times_s": times,
+        "tx_bytes_per_step": tx,
+        "rx_bytes_per_step": rx,
+        "tx_bytes_per_step_mean": statistics.fmean(tx),
+        "gift_bytes_per_elem": last.get("bytes_per_elem_run", last.get("bytes_per_elem")),
+        "wire": last.get("wire"),
+        "geometry_layers": last.get("geometry_layers"),
+        "final_loss": last["loss"],
+    }
+
+
+def config_label(path: str) -> str:
+    return Path(path).stem
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description="Step time of each config over bandwidth-limited links between "
+                                            "network namespaces (see the module docstring).")
+    p.add_argument("--ranks", type=int, default=2, help="hosts, one rank each")
+    p.add_argument("--bandwidths", nargs="+", default=DEFAULT_BANDWIDTHS,
+                   help="link rate each way: 100mbit, 1gbit, ..., or unlimited")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay on each host's egress")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="DeepSpeed configs; the first is the "
+                                                                         "baseline of the speedup column")
+    p.add_argument("--preset", default="small", help="launch/pretrain.py --preset")
+    p.add_argument("--seq-len", type=int, help="launch/pretrain.py --seq-len")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the timing and the bytes")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per rank (the ranks share this machine)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per job before it is killed")
+    p.add_argument("--prefix", default="giftnet", help="namespace name prefix")
+    p.add_argument("--subnet", default="10.77.0.0/24", help="addresses of the hosts (only inside the namespaces)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--cleanup", action="store_true", help="delete namespaces named <prefix>-* and exit")
+    args = p.parse_args(argv)
+    rates = [parse_rate(b) for b in args.bandwidths]
+    if args.skip < 0 or args.skip >= args.steps:
+        p.error(f"--skip {args.skip}: must be in [0, --steps {args.steps})")
+    if os.geteuid() != 0:
+        raise SystemExit("netns_cluster.py needs root (ip netns, tc); run it with sudo")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"netns_cluster.py needs `{tool}` (iproute2)")
+    if args.cleanup:
+        for name in namespaces_with_prefix(args.prefix):
+            run_cmd(["ip", "netns", "del", name])
+            print(f"deleted {name}")
+        return {}
+
+    # SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so the finally blocks tear down
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    results = {"preset": args.preset, "ranks": args.ranks, "steps": args.steps, "skip": args.skip,
+               "delay_ms": args.delay_ms, "threads": args.threads, "configs": [config_label(c) for c in args.configs],
+               "points": []}
+    workdir = tempfile.mkdtemp(prefix="gift_netns_")
+    port = 29700
+    with Cluster(args.prefix, args.ranks, args.subnet) as cluster:
+        for bps, text in zip(rates, args.bandwidths):
+            cluster.set_link(bps, args.delay_ms)
+            for config in args.configs:
+                port += 1
+                t = time.time()
+                res = run_job(cluster, config, args, port, workdir)
+                res.update(config=config_label(config), bandwidth=text, bandwidth_bps=bps,
+                           wall_s=round(time.time() - t, 1))
+                results["points"].append(res)
+                print(f"{rate_label(bps):>12} {config_label(config):32} " + (
+                    f"{res['median_step_s']:.3f} s/step, {res['tx_bytes_per_step_mean'] / 1e6:.2f} MB/step/host sent"
+                    if res["status"] == "ok" else f"{res['status']}: {res.get('log_tail', '')[-500:]}"), flush=True)
+    params = read_params(workdir)
+    results["params"] = params
+    print_table(results)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def read_params(workdir: str) -> Optional[int]:
+    for name in sorted(os.listdir(workdir)):
+        if name.startswith("metrics_"):
+            with open(os.path.join(workdir, name)) as f:
+                first = json.loads(f.readline() or "{}")
+            if first.get("params"):
+                return int(first["params"])
+    return None
+
+
+def print_table(results: dict) -> None:
+    points = results["points"]
+    base_name = results["configs"][0]
+    bands = list(dict.fromkeys(pt["bandwidth"] for pt in points))
+    print(f"\n{results['ranks']} hosts, preset {results['preset']} ({results['params']} params), median step time "
+          f"of steps {results['skip'] + 1}..{results['steps']}; speedup = {base_name} step time / this one; "
+          f"MB = bytes each host sent on its link per step (TCP/IP included)\n")
+    head = "| config | " + " | ".join(f"{b} s/step | x | MB" for b in bands) + " |"
+    print(head)
+    print("|---|" + "---:|---:|---:|" * len(bands))
+    for name in results["configs"]:
+        cells = []
+        for b in bands:
+            pt = next(x for x in points if x["config"] == name and x["bandwidth"] == b)
+            base = next(x for x in points if x["config"] == base_name and x["bandwidth"] == b)
+            if pt["status"] != "ok":
+                cells.append(f"{pt['status']} | - | -")
+                continue
+            sp = base["median_step_s"] / pt["median_step_s"] if base["status"] == "ok" else float("nan")
+            cells.append(f"{pt['median_step_s']:.3f} | {sp:.2f} | {pt['tx_bytes_per_step_mean'] / 1e6:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
