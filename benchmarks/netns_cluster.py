@@ -161,7 +161,7 @@ class Cluster:
                                        f"may lack sch_netem: run with --delay-ms 0")
 
     def counters(self) -> List[Dict[str, int]]:
-        """tx/rx bytes of every host's link, now."""
+        """tx/rx bytes of every host's link and its TCP retransmitted segments, now."""
         out = []
         for sleeper in self.sleepers:
             with open(f"/proc/{sleeper.pid}/net/dev") as f:
@@ -173,6 +173,9 @@ class Cluster:
                         break
                 else:
                     raise RuntimeError(f"{IFNAME} not found in /proc/{sleeper.pid}/net/dev")
+            with open(f"/proc/{sleeper.pid}/net/snmp") as f:
+                tcp = [line.split()[1:] for line in f if line.startswith("Tcp:")]
+            out[-1]["retrans"] = int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
         return out
 
     def close(self) -> None:
@@ -270,20 +273,43 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
     n = len(timed)
     tx = [(b["tx"] - a["tx"]) / n for a, b in zip(c0, c1)]
     rx = [(b["rx"] - a["rx"]) / n for a, b in zip(c0, c1)]
-    times = [r["step_time_s"] for r in timed]
+    retrans = [(b["retrans"] - a["retrans"]) / n for a, b in zip(c0, c1)]
     last = train[-1]
     return {
         "status": "ok" if end and end.get("status") == "ok" else (end or {}).get("status", "no end record"),
-        "median_step_s": statistics.median(times),
-        "step_times_s": times,
-        "tx_bytes_per_step": tx,
-        "rx_bytes_per_step": rx,
-        "tx_bytes_per_step_mean": statistics.fmean(tx),
+        "step_times_s": [r["step_time_s"] for r in timed],
+        "tx_bytes_per_step": statistics.fmean(tx),  # mean over hosts
+        "rx_bytes_per_step": statistics.fmean(rx),
+        "tcp_retransmits_per_step": statistics.fmean(retrans),
         "gift_bytes_per_elem": last.get("bytes_per_elem_run", last.get("bytes_per_elem")),
         "wire": last.get("wire"),
         "geometry_layers": last.get("geometry_layers"),
+        # GIFT's own split of the gradient reduction (rank 0, per step): waiting in the
+        # all-to-all, encode/decode/sum, whitening and inverse
+        **{f"gift_{k}": [r[k] for r in timed] for k in ("comm_s", "codec_s", "transform_s")
+           if all(k in r for r in timed)},
         "final_loss": last["loss"],
     }
+
+
+def merge_repeats(runs: List[dict]) -> dict:
+    """One point from the repeats of a config at a bandwidth: medians over the pooled timed
+    steps of every repeat, bytes averaged, each repeat's median kept to show the spread."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    if len(ok) < len(runs):
+        bad = next(r for r in runs if r["status"] != "ok")
+        return dict(bad, repeats=len(runs))
+    steps = [t for r in ok for t in r["step_times_s"]]
+    out = {"status": "ok", "repeats": len(ok), "median_step_s": statistics.median(steps),
+           "repeat_medians_s": [statistics.median(r["step_times_s"]) for r in ok], "step_times_s": steps}
+    for key in ("tx_bytes_per_step", "rx_bytes_per_step", "tcp_retransmits_per_step"):
+        out[key] = statistics.fmean(r[key] for r in ok)
+    for key in ("gift_comm_s", "gift_codec_s", "gift_transform_s"):
+        if key in ok[0]:
+            out[key] = statistics.median(t for r in ok for t in r[key])
+    for key in ("gift_bytes_per_elem", "wire", "geometry_layers", "final_loss"):
+        out[key] = ok[-1][key]
+    return out
 
 
 def config_label(path: str) -> str:
@@ -303,6 +329,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=int, help="launch/pretrain.py --seq-len")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the timing and the bytes")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each config per bandwidth (interleaved); "
+                                                          "the timed steps of all are pooled")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per rank (the ranks share this machine)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job before it is killed")
     p.add_argument("--prefix", default="giftnet", help="namespace name prefix")
@@ -326,7 +354,10 @@ def main(argv=None) -> dict:
 
     # SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so the finally blocks tear down
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be >= 1")
     results = {"preset": args.preset, "ranks": args.ranks, "steps": args.steps, "skip": args.skip,
+               "repeats": args.repeats,
                "delay_ms": args.delay_ms, "threads": args.threads, "configs": [config_label(c) for c in args.configs],
                "points": []}
     workdir = tempfile.mkdtemp(prefix="gift_netns_")
@@ -334,16 +365,22 @@ def main(argv=None) -> dict:
     with Cluster(args.prefix, args.ranks, args.subnet) as cluster:
         for bps, text in zip(rates, args.bandwidths):
             cluster.set_link(bps, args.delay_ms)
+            runs: Dict[str, List[dict]] = {c: [] for c in args.configs}
+            for rep in range(args.repeats):  # configs interleaved, so a slow spell of the machine hits all
+                for config in args.configs:
+                    port += 1
+                    t = time.time()
+                    res = run_job(cluster, config, args, port, workdir)
+                    runs[config].append(res)
+                    print(f"{rate_label(bps):>12} {config_label(config):32} #{rep + 1} " + (
+                        f"{statistics.median(res['step_times_s']):.3f} s/step, "
+                        f"{res['tx_bytes_per_step'] / 1e6:.2f} MB/step/host sent, {time.time() - t:.0f} s"
+                        if res["status"] == "ok" else f"{res['status']}: {res.get('log_tail', '')[-500:]}"),
+                        flush=True)
             for config in args.configs:
-                port += 1
-                t = time.time()
-                res = run_job(cluster, config, args, port, workdir)
-                res.update(config=config_label(config), bandwidth=text, bandwidth_bps=bps,
-                           wall_s=round(time.time() - t, 1))
-                results["points"].append(res)
-                print(f"{rate_label(bps):>12} {config_label(config):32} " + (
-                    f"{res['median_step_s']:.3f} s/step, {res['tx_bytes_per_step_mean'] / 1e6:.2f} MB/step/host sent"
-                    if res["status"] == "ok" else f"{res['status']}: {res.get('log_tail', '')[-500:]}"), flush=True)
+                pt = merge_repeats(runs[config])
+                pt.update(config=config_label(config), bandwidth=text, bandwidth_bps=bps)
+                results["points"].append(pt)
     params = read_params(workdir)
     results["params"] = params
     print_table(results)
@@ -371,7 +408,8 @@ def print_table(results: dict) -> None:
     base_name = results["configs"][0]
     bands = list(dict.fromkeys(pt["bandwidth"] for pt in points))
     print(f"\n{results['ranks']} hosts, preset {results['preset']} ({results['params']} params), median step time "
-          f"of steps {results['skip'] + 1}..{results['steps']}; speedup = {base_name} step time / this one; "
+          f"of steps {results['skip'] + 1}..{results['steps']} of {results['repeats']} runs (in brackets: the "
+          f"range of the runs' medians); speedup = {base_name} step time / this one; "
           f"MB = bytes each host sent on its link per step (TCP/IP included)\n")
     head = "| config | " + " | ".join(f"{b} s/step | x | MB" for b in bands) + " |"
     print(head)
@@ -385,7 +423,9 @@ def print_table(results: dict) -> None:
                 cells.append(f"{pt['status']} | - | -")
                 continue
             sp = base["median_step_s"] / pt["median_step_s"] if base["status"] == "ok" else float("nan")
-            cells.append(f"{pt['median_step_s']:.3f} | {sp:.2f} | {pt['tx_bytes_per_step_mean'] / 1e6:.2f}")
+            reps = pt["repeat_medians_s"]
+            spread = f" ({min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
+            cells.append(f"{pt['median_step_s']:.3f}{spread} | {sp:.2f} | {pt['tx_bytes_per_step'] / 1e6:.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

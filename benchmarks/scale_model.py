@@ -24,12 +24,12 @@ every ``collect_interval`` steps), the whitening and its inverse on selected lay
 (8 m n r flops each), and the refit (the fitter's share of an n^3 eigendecomposition every
 ``refresh_interval`` steps).
 
-Calibration (one bandwidth per link, one rank per host, no delay): the bytes model is
-checked against the bytes the hosts really sent; ``beta`` per collective kind (a link
-efficiency: bytes/s achieved / link rate) is fitted on the baseline and on the first
-GIFT config; each config's fixed time (compute + codec + latency) comes from its run at
-the highest bandwidth. Every other point is a prediction, printed next to its
-measurement.
+Calibration (one rank per host, no delay): the bytes model is checked against the bytes
+the hosts really sent; the link efficiency (bytes/s achieved / link rate) of the ring
+collectives is fitted on the baseline's step times, that of GIFT's all-to-all on the time
+GIFT measured inside its all-to-all (``comm_s`` in its telemetry); each config's fixed
+time (compute + codec + latency) comes from its run at the highest bandwidth. Every other
+GIFT step time is a prediction, printed next to its measurement.
 """
 
 from __future__ import annotations
@@ -109,66 +109,52 @@ def fit_slope_through(points) -> float:
 
 
 def calibrate(cal: dict, config_dir: Path) -> dict:
-    """Fit the link efficiency of each collective path and every config's fixed time; return
-    per-point predictions beside the measurements."""
+    """Fit the link efficiency of the ring collectives on the baseline's step times and that of
+    GIFT's all-to-all on the time GIFT measured inside it; each config's fixed time from its
+    run at the highest bandwidth; every other GIFT step time is then a prediction."""
     params, world = cal["params"], cal["ranks"]
     configs = load_configs(cal["configs"], config_dir)
     wires = {name: config_wire(cfg) for name, cfg in configs.items()}
     points = [p for p in cal["points"] if p["status"] == "ok" and p["bandwidth_bps"]]
-    if not points:
-        raise SystemExit("the calibration file has no finished run at a limited bandwidth")
-    top = max(p["bandwidth_bps"] for p in points)
-
-    def seconds_on_link(name, bps, eff):  # modelled bytes at the fitted efficiency of each kind
-        lb = link_bytes(wires[name], params, world)
-        return (lb["grad"] / eff[wires[name]["path"]] + lb["param"] / eff["allgather"]) * 8 / bps
-
-    # efficiency: the slope of step time over (bytes / rate) for one config of each path
-    eff: Dict[str, float] = {}
-    anchors = {}
-    for name in cal["configs"]:
-        path = wires[name]["path"]
-        if path in anchors:
-            continue
-        mine = [p for p in points if p["config"] == name]
-        if len(mine) < 2:
-            continue
-        anchors[path] = name
-    # the all-gather is in every config: fit it with the gradient path of the baseline, as one
-    # efficiency for both (they are the same ring over the same link), then the other path
     base = cal["configs"][0]
-    bpath = wires[base]["path"]
+    if wires[base]["path"] == "alltoall":
+        raise SystemExit(f"the first config ({base}) must be the native baseline, not a GIFT config")
+    lb = {name: link_bytes(w, params, world) for name, w in wires.items()}
     bp = [p for p in points if p["config"] == base]
-    lb = link_bytes(wires[base], params, world)
-    s = fit_slope_through([((lb["grad"] + lb["param"]) * 8 / p["bandwidth_bps"], p["median_step_s"]) for p in bp])
-    eff[bpath] = eff["allgather"] = 1.0 / s
-    for path, name in anchors.items():
-        if path in eff:
-            continue
-        mine = [p for p in points if p["config"] == name]
-        lbn = link_bytes(wires[name], params, world)
-        # y - param_time = a + grad_bytes * 8 / bps / e
-        s = fit_slope_through([(lbn["grad"] * 8 / p["bandwidth_bps"],
-                                p["median_step_s"] - lbn["param"] * 8 / p["bandwidth_bps"] / eff["allgather"])
-                               for p in mine])
-        eff[path] = 1.0 / s
+    if len(bp) < 2:
+        raise SystemExit(f"calibration needs the baseline {base} at two or more bandwidths")
+    # the baseline's gradient all-reduce and the parameter all-gather: ring collectives on the same link
+    s = fit_slope_through([((lb[base]["grad"] + lb[base]["param"]) * 8 / p["bandwidth_bps"], p["median_step_s"])
+                           for p in bp])
+    eff = {"ring": 1.0 / s}
+    a2a = [(lb[p["config"]]["grad"] * 8 / p["bandwidth_bps"], p["gift_comm_s"])
+           for p in points if wires[p["config"]]["path"] == "alltoall" and "gift_comm_s" in p]
+    if len({round(x, 12) for x, _ in a2a}) >= 2:
+        eff["alltoall"] = 1.0 / fit_slope_through(a2a)
+
+    def seconds_on_link(name, bps):
+        grad_eff = eff["ring"] if wires[name]["path"] != "alltoall" else eff.get("alltoall", float("nan"))
+        return (lb[name]["grad"] / grad_eff + lb[name]["param"] / eff["ring"]) * 8 / bps
+
     fixed, rows = {}, []
     for name in cal["configs"]:
         mine = sorted((p for p in points if p["config"] == name), key=lambda p: p["bandwidth_bps"])
-        if not mine or wires[name]["path"] not in eff:
+        if not mine:
             continue
         anchor = mine[-1]
-        fixed[name] = anchor["median_step_s"] - seconds_on_link(name, anchor["bandwidth_bps"], eff)
-        lbn = link_bytes(wires[name], params, world)
+        fixed[name] = anchor["median_step_s"] - seconds_on_link(name, anchor["bandwidth_bps"])
         for p in mine:
-            pred = fixed[name] + seconds_on_link(name, p["bandwidth_bps"], eff)
-            rows.append({"config": name, "bandwidth": p["bandwidth"], "bandwidth_bps": p["bandwidth_bps"],
-                         "measured_s": p["median_step_s"], "predicted_s": pred,
-                         "error_pct": 100 * (pred / p["median_step_s"] - 1),
-                         "role": "anchor (fixed time)" if p is anchor else (
-                             "fit (efficiency)" if name in (base,) + tuple(anchors.values()) else "prediction"),
-                         "bytes_measured": p["tx_bytes_per_step_mean"], "bytes_model": lbn["grad"] + lbn["param"]})
-    return {"efficiency": eff, "fixed_s": fixed, "rows": rows, "wires": wires, "top_bps": top}
+            pred = fixed[name] + seconds_on_link(name, p["bandwidth_bps"])
+            row = {"config": name, "bandwidth": p["bandwidth"], "bandwidth_bps": p["bandwidth_bps"],
+                   "measured_s": p["median_step_s"], "predicted_s": pred,
+                   "error_pct": 100 * (pred / p["median_step_s"] - 1),
+                   "role": "anchor (fixed time)" if p is anchor else ("fit" if name == base else "prediction"),
+                   "bytes_measured": p["tx_bytes_per_step"], "bytes_model": lb[name]["grad"] + lb[name]["param"]}
+            if "gift_comm_s" in p:
+                row["alltoall_measured_s"] = p["gift_comm_s"]
+                row["alltoall_model_s"] = lb[name]["grad"] * 8 / p["bandwidth_bps"] / eff.get("alltoall", math.nan)
+            rows.append(row)
+    return {"efficiency": eff, "fixed_s": fixed, "rows": rows, "wires": wires}
 
 
 def speedup_rows(rows: List[dict], base: str) -> None:
@@ -203,7 +189,7 @@ def codec_ratios(args) -> Dict[str, float]:
 
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec_speed.py"), "--numel",
-                            str(args.codec_numel), "--repeats", "3", "--json", f.name], check=True,
+                            str(args.codec_numel), "--repeats", "3", "--shapes", "--json", f.name], check=True,
                            capture_output=True)
             data = json.loads(Path(f.name).read_text())
     return {r["format"]: r["encode_vs_clone"] + r["decode_vs_clone"] for r in data["formats"]}
@@ -219,8 +205,8 @@ def step_model(kind: str, fmt: str, args, shapes: dict, ratios: Dict[str, float]
     intra_bps = args.intra_gbyte * 8e9
     alpha = args.alpha_us * 1e-6
     copy_s = n * 8 / (args.hbm_tbs * 1e12 * args.hbm_eff)
-    if kind == "native":
-        wire = {"path": "allreduce", "bytes_per_elem": 2.0}
+    if kind in ("native", "native_rs"):  # DeepSpeed's default all-reduce, or an ideal reduce-scatter
+        wire = {"path": "allreduce" if kind == "native" else "reduce", "bytes_per_elem": 2.0}
         codec = 0.0
     else:
         wire = {"path": "alltoall", "bytes_per_elem": get_format(fmt).nbytes(1 << 24) / (1 << 24)}
@@ -228,8 +214,9 @@ def step_model(kind: str, fmt: str, args, shapes: dict, ratios: Dict[str, float]
     lb = link_bytes(wire, n, w, per_node=g if w > g else 1)
     intra_grad = (g - 1) / w * n * wire["bytes_per_elem"] if wire["path"] == "alltoall" and w > g else 0.0
     bw = inter_bps if w > g else intra_bps
-    t_grad = alpha * (w - 1) + max(lb["grad"] * 8 / bw, intra_grad * 8 / intra_bps)
-    t_param = alpha * (w - 1) + lb["param"] * 8 / bw
+    grad_eff = args.alltoall_eff if wire["path"] == "alltoall" else args.ring_eff
+    t_grad = alpha * (w - 1) + max(lb["grad"] * 8 / bw, intra_grad * 8 / intra_bps) / grad_eff
+    t_param = alpha * (w - 1) + lb["param"] * 8 / bw / args.ring_eff
     gift = 0.0
     if kind == "gift":
         r = args.rank
@@ -246,6 +233,7 @@ def step_model(kind: str, fmt: str, args, shapes: dict, ratios: Dict[str, float]
 def scale_table(args, ratios) -> dict:
     shapes = llama_shapes(args.hidden, args.ffn, args.layers, args.vocab)
     configs = [("bf16 (DeepSpeed all-reduce)", "native", "bf16", False),
+               ("bf16 reduce-scatter", "native_rs", "bf16", False),
                ("Euclidean fp8_e4m3", "euclid", "fp8_e4m3", False),
                ("GIFT fp8_e4m3, auto (no layer selected)", "gift", "fp8_e4m3", False),
                ("GIFT fp8_e4m3, all layers", "gift", "fp8_e4m3", True),
@@ -253,27 +241,32 @@ def scale_table(args, ratios) -> dict:
                ("GIFT nvfp4, all layers", "gift", "nvfp4", True)]
     out = {"params": shapes["params"], "bandwidths_gbit": args.inter_gbit, "rows": []}
     for label, kind, fmt, all_layers in configs:
-        row = {"config": label, "by_bandwidth": {}}
+        row = {"config": label, "by_bandwidth": []}  # in the order of args.inter_gbit
         for gbit in args.inter_gbit:
             base = step_model("native", "bf16", args, shapes, ratios, gbit * 1e9, False)
             m = step_model(kind, fmt, args, shapes, ratios, gbit * 1e9, all_layers)
             m["saving_pct"] = 100 * (m["total"] / base["total"] - 1)
-            row["by_bandwidth"][gbit] = m
+            row["by_bandwidth"].append(dict(m, gbit=gbit))
         out["rows"].append(row)
-    # the bandwidth at which Euclidean FP8 saves what the paper measured
-    lo, hi = 1.0, 3200.0
-    target = PAPER_SAVINGS["euclidean_fp8"]
-    for _ in range(60):
-        mid = math.sqrt(lo * hi)
-        base = step_model("native", "bf16", args, shapes, ratios, mid * 1e9, False)["total"]
-        e = 100 * (step_model("euclid", "fp8_e4m3", args, shapes, ratios, mid * 1e9, False)["total"] / base - 1)
-        lo, hi = (mid, hi) if e < target else (lo, mid)
-    match = math.sqrt(lo * hi)
-    base = step_model("native", "bf16", args, shapes, ratios, match * 1e9, False)["total"]
-    out["paper_match_gbit"] = match
-    out["at_paper_match"] = {label: 100 * (step_model(kind, fmt, args, shapes, ratios, match * 1e9, al)["total"]
-                                           / base - 1)
-                             for label, kind, fmt, al in configs}
+    # the bandwidth at which Euclidean FP8 saves what the paper measured, against each baseline:
+    # DeepSpeed's all-reduce (what a DeepSpeed user runs) and a bf16 reduce-scatter (the
+    # paper's Megatron baseline reduces each gradient shard once)
+    out["paper_match"] = {}
+    for base_kind in ("native", "native_rs"):
+        def saving(gbit, kind, fmt, al):
+            base = step_model(base_kind, "bf16", args, shapes, ratios, gbit * 1e9, False)["total"]
+            return 100 * (step_model(kind, fmt, args, shapes, ratios, gbit * 1e9, al)["total"] / base - 1)
+
+        lo, hi = 0.1, 1e5
+        for _ in range(80):  # saving grows as bandwidth falls: bisect on a log scale
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if saving(mid, "euclid", "fp8_e4m3", False) < PAPER_SAVINGS["euclidean_fp8"] \
+                else (lo, mid)
+        match = math.sqrt(lo * hi)
+        out["paper_match"][base_kind] = {"gbit": match, "savings": {label: saving(match, kind, fmt, al)
+                                                                    for label, kind, fmt, al in configs}}
+        out["paper_match"][base_kind]["terms"] = {
+            label: step_model(kind, fmt, args, shapes, ratios, match * 1e9, al) for label, kind, fmt, al in configs}
     return out
 
 
@@ -282,7 +275,8 @@ def main(argv=None) -> dict:
     p.add_argument("--calibration", help="JSON from benchmarks/netns_cluster.py --json")
     p.add_argument("--config-dir", default=str(ROOT / "ds_configs"), help="where the calibration's configs live")
     p.add_argument("--codec-json", help="benchmarks/codec_speed.py --json output (default: measure now)")
-    p.add_argument("--codec-numel", type=int, default=4_000_000)
+    p.add_argument("--codec-numel", type=int, default=16_000_000,
+                   help="tensor size of the codec measurement (large enough to leave the CPU caches)")
     g = p.add_argument_group("target cluster (defaults: Llama-600M, 64 H100-class GPUs, 8 per node)")
     g.add_argument("--world", type=int, default=64)
     g.add_argument("--gpus-per-node", type=int, default=8)
@@ -300,6 +294,10 @@ def main(argv=None) -> dict:
                    help="network bandwidth per GPU, Gbit/s each way")
     g.add_argument("--intra-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
     g.add_argument("--alpha-us", type=float, default=10.0, help="latency per collective step")
+    g.add_argument("--ring-eff", type=float, help="link efficiency of ring collectives (default: the calibrated "
+                                                  "one with --calibration, else 1)")
+    g.add_argument("--alltoall-eff", type=float, help="link efficiency of GIFT's all-to-all (default: the "
+                                                      "calibrated one with --calibration, else 1)")
     g.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by backward")
     g.add_argument("--rank", type=int, default=32, help="GIFT geometry.rank")
     g.add_argument("--collect-interval", type=int, default=10)
@@ -313,6 +311,15 @@ def main(argv=None) -> dict:
         speedup_rows(fit["rows"], cal["configs"][0])
         result["calibration"] = {k: v for k, v in fit.items() if k != "wires"}
         print_calibration(cal, fit)
+        if args.ring_eff is None:
+            args.ring_eff = fit["efficiency"]["ring"]
+        if args.alltoall_eff is None:
+            args.alltoall_eff = fit["efficiency"].get("alltoall", args.ring_eff)
+    args.ring_eff = 1.0 if args.ring_eff is None else args.ring_eff
+    args.alltoall_eff = 1.0 if args.alltoall_eff is None else args.alltoall_eff
+    for name in ("ring_eff", "alltoall_eff"):
+        if not 0 < getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in (0, 1]")
     ratios = codec_ratios(args)
     result["codec_vs_copy"] = ratios
     scale = scale_table(args, ratios)
@@ -329,13 +336,15 @@ def print_calibration(cal: dict, fit: dict) -> None:
     eff = ", ".join(f"{k} {v:.2f}" for k, v in fit["efficiency"].items())
     print(f"calibration: {cal['ranks']} hosts, {cal['params']} params; link efficiency (achieved / rate) {eff}\n")
     print("| config | link | measured s/step | model s/step | error | speedup measured | speedup model | "
-          "MB sent measured | MB model | role |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "MB sent measured | MB model | all-to-all s measured | model | role |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in fit["rows"]:
+        a2a = (f"{r['alltoall_measured_s']:.3f} | {r['alltoall_model_s']:.3f}" if "alltoall_measured_s" in r
+               else "- | -")
         print(f"| {r['config']} | {r['bandwidth']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
               f"{r['error_pct']:+.1f}% | {r.get('speedup_measured', float('nan')):.2f} | "
               f"{r.get('speedup_predicted', float('nan')):.2f} | {r['bytes_measured'] / 1e6:.2f} | "
-              f"{r['bytes_model'] / 1e6:.2f} | {r['role']} |")
+              f"{r['bytes_model'] / 1e6:.2f} | {a2a} | {r['role']} |")
     pred = [abs(r["error_pct"]) for r in fit["rows"] if r["role"] == "prediction"]
     if pred:
         print(f"\nprediction error over {len(pred)} points: median {statistics.median(pred):.1f}%, "
@@ -345,20 +354,29 @@ def print_calibration(cal: dict, fit: dict) -> None:
 def print_scale(args, scale: dict) -> None:
     print(f"Llama {scale['params'] / 1e6:.0f}M params on {args.world} GPUs ({args.gpus_per_node} per node), "
           f"{args.tokens_per_gpu} tokens/GPU/step, {args.gpu_tflops:g} TFLOPs x MFU {args.mfu}, overlap "
-          f"{args.overlap}: step time change vs bf16 by network bandwidth per GPU\n")
+          f"{args.overlap}, link efficiency ring {args.ring_eff:.2f} / all-to-all {args.alltoall_eff:.2f}: "
+          f"step time change vs bf16 by network bandwidth per GPU\n")
     head = "| config | " + " | ".join(f"{g:g} Gbit/s" for g in scale["bandwidths_gbit"]) + " |"
     print(head)
     print("|---|" + "---:|" * len(scale["bandwidths_gbit"]))
     for row in scale["rows"]:
         cells = []
-        for g in scale["bandwidths_gbit"]:
-            m = row["by_bandwidth"][g]
+        for m in row["by_bandwidth"]:
             cells.append(f"{m['total'] * 1e3:.0f} ms ({m['saving_pct']:+.1f}%)")
         print(f"| {row['config']} | " + " | ".join(cells) + " |")
-    print(f"\nEuclidean FP8 saves the paper's {PAPER_SAVINGS['euclidean_fp8']}% at {scale['paper_match_gbit']:.0f} "
-          f"Gbit/s per GPU; there the model gives: "
-          + ", ".join(f"{k} {v:+.1f}%" for k, v in scale["at_paper_match"].items())
-          + f" (paper: GIFT {PAPER_SAVINGS['gift_fp8']}%)")
+    for base_kind, name in (("native", "DeepSpeed's bf16 all-reduce"), ("native_rs", "a bf16 reduce-scatter")):
+        m = scale["paper_match"][base_kind]
+        print(f"\nAgainst {name}, Euclidean FP8 saves the paper's {PAPER_SAVINGS['euclidean_fp8']}% at "
+              f"{m['gbit']:.0f} Gbit/s per GPU; there: "
+              + ", ".join(f"{k} {v:+.1f}%" for k, v in m["savings"].items() if not k.startswith("bf16"))
+              + f" (paper: GIFT {PAPER_SAVINGS['gift_fp8']}%)")
+    m = scale["paper_match"]["native_rs"]
+    print(f"\nWhere the time goes at {m['gbit']:.0f} Gbit/s per GPU (ms per step):\n")
+    print("| config | compute | GIFT geometry | codec | gradient comm | parameter all-gather | total |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, t in m["terms"].items():
+        print(f"| {label} | {t['compute'] * 1e3:.1f} | {t['gift'] * 1e3:.1f} | {t['codec'] * 1e3:.1f} | "
+              f"{t['grad_comm'] * 1e3:.1f} | {t['param_comm'] * 1e3:.1f} | {t['total'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

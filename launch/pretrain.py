@@ -226,7 +226,8 @@ def gift_step_telemetry(engine, step_index: int) -> dict:
     if rec is None:  # before gift.start_step: DeepSpeed's own reduction
         return {"bytes_per_elem": float(engine.communication_data_type.itemsize), "wire": "native"}
     out = {k: rec[k] for k in ("bytes_per_elem", "bytes_per_elem_run", "fidelity_rel_err", "geometry_layers",
-                               "geometry_version", "underflow_rate", "saturated") if k in rec}
+                               "geometry_version", "underflow_rate", "saturated", "comm_s", "codec_s",
+                               "transform_s") if k in rec}
     out["wire"] = "gift"
     return out
 
