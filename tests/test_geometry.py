@@ -335,6 +335,15 @@ def test_hadamard_is_orthonormal_and_matches_reference(dim, block):
     assert sum(size * count for _, size, count in w.segments) == dim
 
 
+@pytest.mark.parametrize("n", [1, 2, 8, 32, 512, 2048])
+def test_fast_hadamard_transform_matches_the_butterfly(n):
+    from deepspeed_gift.geometry import _fwht, _fwht_reference
+
+    x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    torch.testing.assert_close(_fwht(x), _fwht_reference(x), atol=1e-10, rtol=0)
+    torch.testing.assert_close(_fwht(x.float()), _fwht_reference(x).float(), atol=2e-5 * n ** 0.5, rtol=1e-5)
+
+
 def test_hadamard_mixes_every_channel_for_power_of_two_dim():
     S = HadamardWhitener(256, seed=0).dense_matrix()
     torch.testing.assert_close(S.abs(), torch.full((256, 256), 1 / 16.0))
