@@ -362,6 +362,27 @@ def main(argv=None) -> dict:
                "points": []}
     workdir = tempfile.mkdtemp(prefix="gift_netns_")
     port = 29700
+    try:
+        run_all(args, rates, results, workdir, port)
+    except RuntimeError as e:  # a namespace, link or qdisc that could not be set up (already torn down)
+        raise SystemExit(f"netns_cluster.py: {e}") from None
+    params = read_params(workdir)
+    results["params"] = params
+    print_table(results)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    failed = [f"{p['config']} at {p['bandwidth']}" for p in results["points"] if p["status"] != "ok"]
+    if failed:
+        raise SystemExit(f"netns_cluster.py: {len(failed)} run(s) did not finish: {', '.join(failed)}")
+    return results
+
+
+def run_all(args, rates, results: dict, workdir: str, port: int) -> None:
+    """Every bandwidth x repeat x config on one cluster, set up and torn down here."""
     with Cluster(args.prefix, args.ranks, args.subnet) as cluster:
         for bps, text in zip(rates, args.bandwidths):
             cluster.set_link(bps, args.delay_ms)
@@ -381,16 +402,6 @@ def main(argv=None) -> dict:
                 pt = merge_repeats(runs[config])
                 pt.update(config=config_label(config), bandwidth=text, bandwidth_bps=bps)
                 results["points"].append(pt)
-    params = read_params(workdir)
-    results["params"] = params
-    print_table(results)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    shutil.rmtree(workdir, ignore_errors=True)
-    return results
 
 
 def read_params(workdir: str) -> Optional[int]:

@@ -139,7 +139,9 @@ def test_netns_cluster_smoke(tmp_path):
                            str(bad), "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in left, left
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the refused config makes the whole run exit non-zero, after the table and the JSON
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 run(s) did not finish: bad at 1gbit" in proc.stderr
     data = json.loads(out.read_text())
     assert data["params"] == N_TINY
     pts = {p["config"]: p for p in data["points"]}
