@@ -6,14 +6,15 @@ namespace ("switch"), each host's link limited by ``tc`` (token bucket: the rate
 way, as a NIC would be; optional ``netem`` delay). DeepSpeed and GIFT talk gloo over
 those links. For every bandwidth x config it runs a few steps and reports the median step
 time, the speedup over the first config (the bf16 baseline), and the bytes each host
-actually put on its link per step (the interface's counters, TCP/IP headers included,
-read while the job runs and cut at the step boundaries it logs).
+actually put on its link per step (the interface's counters: payload and the headers the
+veth counts, once per GSO packet; read while the job runs and cut at the step boundaries
+it logs), and GIFT's own timers (time in its all-to-all, codec, transforms).
 
 Needs root (namespaces, tc); addresses live only inside the namespaces it creates
 (``--subnet``, default 10.77.0.0/24); everything is torn down on exit, on error and on
 Ctrl-C. A run killed hard leaves namespaces named ``--prefix``-*: ``--cleanup`` removes
-them. Smoke run (CI): ``--preset tiny --steps 3 --skip 1 --bandwidths 1gbit
---configs ds_configs/bf16_baseline_zero2.json ds_configs/gift_fp8_zero2.json``.
+them. Smoke run (as in CI, 20 s): ``--preset tiny --steps 24 --skip 4 --repeats 1 --bandwidths
+1gbit --configs ds_configs/bf16_baseline_zero2.json ds_configs/gift_fp8_zero2.json``.
 
 What the numbers are: on this machine the ranks share the CPU cores, so compute does not
 shrink with bandwidth, and the step time at a bandwidth is compute + codec + the time the
@@ -141,7 +142,9 @@ class Cluster:
             run_cmd(["ip", "-n", host, "link", "set", "lo", "up"])
             # a process that lives in the namespace for the cluster's life: /proc/<pid>/net/dev
             # is then that namespace's interface table, readable from here without entering it
-            self.sleepers.append(subprocess.Popen(["ip", "netns", "exec", host, "sleep", "1000000"]))
+            # (own session: a Ctrl-C for this script must not kill it before teardown reads it)
+            self.sleepers.append(subprocess.Popen(["ip", "netns", "exec", host, "sleep", "1000000"],
+                                                  start_new_session=True))
 
     def set_link(self, bps: Optional[float], delay_ms: float) -> None:
         """Limit every host's link to ``bps`` each way (host egress on ``gift0``, host ingress
@@ -179,30 +182,74 @@ class Cluster:
         return out
 
     def close(self) -> None:
-        for s in self.sleepers:
-            s.kill()
-            s.wait()
-        self.sleepers = []
-        for name in reversed(self.created):
-            run_cmd(["ip", "netns", "del", name], check=False)
-        self.created = []
+        with signals_held():
+            for s in self.sleepers:
+                s.kill()
+            for s in self.sleepers:
+                s.wait()
+            self.sleepers = []
+            delete_namespaces(reversed(self.created))
+            self.created = []
+
+
+class signals_held:
+    """Defer SIGINT/SIGTERM for the block (teardown must run to its end), then deliver them."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.pending, self.previous = [], {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, lambda num, _frame: self.pending.append(num))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        for num in self.pending[:1]:
+            signal.raise_signal(num)
+
+
+def delete_namespaces(names) -> List[str]:
+    """Kill every process still inside each namespace, then delete it; the names that could not
+    be deleted (reported, never silently kept)."""
+    left = []
+    for name in names:
+        pids = run_cmd(["ip", "netns", "pids", name], check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if run_cmd(["ip", "netns", "del", name], check=False).returncode != 0:
+            left.append(name)
+    if left:
+        print(f"netns_cluster.py: could not delete namespaces {left}; remove them with --cleanup", file=sys.stderr)
+    return left
 
 
 class CounterSampler(threading.Thread):
-    """(time, counters) every ``COUNTER_PERIOD_S`` while a job runs."""
+    """(time, counters) every ``COUNTER_PERIOD_S`` while a job runs; a failed read stops the
+    sampling and is raised again by :meth:`stop`, never papered over by interpolation."""
 
     def __init__(self, cluster: Cluster) -> None:
         super().__init__(daemon=True)
-        self.cluster, self.samples, self.stop_event = cluster, [], threading.Event()
+        self.cluster, self.samples, self.stop_event, self.error = cluster, [], threading.Event(), None
 
     def run(self) -> None:
-        while not self.stop_event.is_set():
-            self.samples.append((time.time(), self.cluster.counters()))
-            time.sleep(COUNTER_PERIOD_S)
+        try:
+            while not self.stop_event.is_set():
+                self.samples.append((time.time(), self.cluster.counters()))
+                time.sleep(COUNTER_PERIOD_S)
+        except Exception as e:  # noqa: BLE001 - handed to the caller in stop()
+            self.error = e
 
     def stop(self) -> None:
         self.stop_event.set()
         self.join()
+        if self.error is not None:
+            raise RuntimeError(f"reading the link counters failed: {self.error}") from self.error
         self.samples.append((time.time(), self.cluster.counters()))
 
     def at(self, t: float) -> List[Dict[str, float]]:
@@ -246,18 +293,31 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
                 break
             time.sleep(0.2)
     finally:
-        for p in procs:
-            if p.poll() is None:
+        with signals_held():
+            running = [p for p in procs if p.poll() is None]
+            for p in running:
                 os.killpg(p.pid, signal.SIGKILL)
+            for p in running:
                 p.wait()
+            for log in logs:
+                log.close()
         sampler.stop()
-        for log in logs:
-            log.close()
     codes = [p.returncode for p in procs]
     if any(codes):
-        tail = Path(workdir, f"rank{codes.index(next(c for c in codes if c))}_{port}.log").read_text()[-3000:]
+        # the log of a rank that failed by itself, not of one this script killed afterwards
+        first = next((r for r, c in enumerate(codes) if c and c > 0), next(r for r, c in enumerate(codes) if c))
+        tail = Path(workdir, f"rank{first}_{port}.log").read_text()[-3000:]
         timed_out = time.time() - t_start > args.timeout
         return {"status": "timeout" if timed_out else "failed", "returncodes": codes, "log_tail": tail}
+    try:
+        return job_result(metrics, sampler, args)
+    except (OSError, ValueError, KeyError, IndexError) as e:  # no or broken metrics: this job, not the sweep
+        return {"status": "error", "returncodes": codes,
+                "log_tail": f"{type(e).__name__}: {e}\n" + Path(workdir, f"rank0_{port}.log").read_text()[-2000:]}
+
+
+def job_result(metrics: str, sampler: CounterSampler, args) -> dict:
+    """Step times, link bytes over the timed steps and GIFT's telemetry from rank 0's metrics."""
     train, end = [], None
     with open(metrics) as f:
         for line in f:
@@ -267,6 +327,9 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
             elif rec.get("event") == "end":
                 end = rec
     timed = train[args.skip:]
+    if not timed:
+        status = (end or {}).get("status", "no end record")
+        raise ValueError(f"{len(train)} steps logged ({status}), none after --skip {args.skip}")
     t0, t1 = train[args.skip - 1]["time"] if args.skip else timed[0]["time"] - timed[0]["step_time_s"], \
         timed[-1]["time"]
     c0, c1 = sampler.at(t0), sampler.at(t1)
@@ -312,6 +375,10 @@ def merge_repeats(runs: List[dict]) -> dict:
     return out
 
 
+def interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def config_label(path: str) -> str:
     return Path(path).stem
 
@@ -327,7 +394,7 @@ def main(argv=None) -> dict:
                                                                          "baseline of the speedup column")
     p.add_argument("--preset", default="small", help="launch/pretrain.py --preset")
     p.add_argument("--seq-len", type=int, help="launch/pretrain.py --seq-len")
-    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the timing and the bytes")
     p.add_argument("--repeats", type=int, default=2, help="runs of each config per bandwidth (interleaved); "
                                                           "the timed steps of all are pooled")
@@ -347,13 +414,15 @@ def main(argv=None) -> dict:
         if shutil.which(tool) is None:
             raise SystemExit(f"netns_cluster.py needs `{tool}` (iproute2)")
     if args.cleanup:
-        for name in namespaces_with_prefix(args.prefix):
-            run_cmd(["ip", "netns", "del", name])
-            print(f"deleted {name}")
+        names = namespaces_with_prefix(args.prefix)
+        left = delete_namespaces(names)
+        print(f"deleted {[n for n in names if n not in left]}")
+        if left:
+            raise SystemExit(1)
         return {}
 
     # SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so the finally blocks tear down
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, interrupt)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be >= 1")
     results = {"preset": args.preset, "ranks": args.ranks, "steps": args.steps, "skip": args.skip,
@@ -364,17 +433,19 @@ def main(argv=None) -> dict:
     port = 29700
     try:
         run_all(args, rates, results, workdir, port)
-    except RuntimeError as e:  # a namespace, link or qdisc that could not be set up (already torn down)
+    except RuntimeError as e:  # a namespace, link, qdisc or counter that failed (already torn down)
+        results["stopped"] = str(e)
         raise SystemExit(f"netns_cluster.py: {e}") from None
-    params = read_params(workdir)
-    results["params"] = params
-    print_table(results)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    shutil.rmtree(workdir, ignore_errors=True)
+    finally:  # whatever finished is kept, also after Ctrl-C
+        results["params"] = read_params(workdir)
+        if results["points"]:
+            print_table(results)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"wrote {args.json}")
+        shutil.rmtree(workdir, ignore_errors=True)
     failed = [f"{p['config']} at {p['bandwidth']}" for p in results["points"] if p["status"] != "ok"]
     if failed:
         raise SystemExit(f"netns_cluster.py: {len(failed)} run(s) did not finish: {', '.join(failed)}")
@@ -421,19 +492,19 @@ def print_table(results: dict) -> None:
     print(f"\n{results['ranks']} hosts, preset {results['preset']} ({results['params']} params), median step time "
           f"of steps {results['skip'] + 1}..{results['steps']} of {results['repeats']} runs (in brackets: the "
           f"range of the runs' medians); speedup = {base_name} step time / this one; "
-          f"MB = bytes each host sent on its link per step (TCP/IP included)\n")
+          f"MB = bytes each host's interface counted as sent per step (payload and the headers it counts)\n")
     head = "| config | " + " | ".join(f"{b} s/step | x | MB" for b in bands) + " |"
     print(head)
     print("|---|" + "---:|---:|---:|" * len(bands))
+    by = {(x["config"], x["bandwidth"]): x for x in points}
     for name in results["configs"]:
         cells = []
         for b in bands:
-            pt = next(x for x in points if x["config"] == name and x["bandwidth"] == b)
-            base = next(x for x in points if x["config"] == base_name and x["bandwidth"] == b)
-            if pt["status"] != "ok":
-                cells.append(f"{pt['status']} | - | -")
+            pt, base = by.get((name, b)), by.get((base_name, b))
+            if pt is None or pt["status"] != "ok":
+                cells.append(f"{pt['status'] if pt else 'not run'} | - | -")
                 continue
-            sp = base["median_step_s"] / pt["median_step_s"] if base["status"] == "ok" else float("nan")
+            sp = base["median_step_s"] / pt["median_step_s"] if base and base["status"] == "ok" else float("nan")
             reps = pt["repeat_medians_s"]
             spread = f" ({min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
             cells.append(f"{pt['median_step_s']:.3f}{spread} | {sp:.2f} | {pt['tx_bytes_per_step'] / 1e6:.2f}")
@@ -441,4 +512,8 @@ def print_table(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        raise SystemExit(f"netns_cluster.py: interrupted ({e or 'Ctrl-C'}); namespaces torn down, "
+                         f"finished points kept") from None

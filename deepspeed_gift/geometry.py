@@ -553,10 +553,13 @@ def _fwht(x: Tensor) -> Tensor:
 
     ``H_n = H_a (x) H_b`` with ``a * b = n``: viewing each row as an ``a x b`` matrix ``X``,
     the transform is ``H_a X H_b``, two small matrix products that run as BLAS / tensor-core
-    GEMMs; 4x faster on CPU than log2(n) butterfly passes (:func:`_fwht_reference`), each of
-    which reads and writes the whole tensor.
+    GEMMs, instead of log2(n) butterfly passes (:func:`_fwht_reference`) that each read and
+    write the whole tensor (2.5-5x faster on CPU for Llama-600M's layers, see
+    ``benchmarks/codec_speed.py``). Under TF32 matmuls the rounding is TF32's.
     """
     n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"_fwht needs a power-of-two last dimension, got {n}")
     a = 1 << ((n.bit_length() - 1) // 2)
     y = x.reshape(-1, a, n // a)
     y = torch.matmul(_sylvester(a, x.device, x.dtype), y)
@@ -607,7 +610,8 @@ class HadamardWhitener(Whitener):
     ``H`` is block diagonal with normalized Walsh-Hadamard blocks tiling ``dim`` (see
     :func:`_hadamard_segments`: power-of-two blocks, so any ``dim`` works). Signs come from
     a CPU generator seeded with ``seed``, so every rank builds the same map without
-    communication. Applied with a fast transform, O(rows * in * log block).
+    communication. Applied with a fast transform, O(rows * in * sqrt(block)) flops as two
+    small GEMMs per block (see :func:`_fwht`).
     Wire tensors: ``[signs (in,)]``; the block layout is not on the wire (pass ``block``).
     """
 
