@@ -92,18 +92,18 @@ def namespaces_with_prefix(prefix: str) -> List[str]:
 
 
 class Cluster:
-    """``ranks`` hosts (namespaces ``<prefix>-h<r>``, interface ``gift0``, address
-    ``subnet``+r+1) on a bridge in ``<prefix>-switch``. Use as a context manager; ``close``
+    """``hosts`` hosts (namespaces ``<prefix>-h<i>``, interface ``gift0``, address
+    ``subnet``+i+1) on a bridge in ``<prefix>-switch``. Use as a context manager; ``close``
     deletes every namespace it made (their veths go with them)."""
 
-    def __init__(self, prefix: str, ranks: int, subnet: str) -> None:
+    def __init__(self, prefix: str, hosts: int, subnet: str) -> None:
         net = ipaddress.ip_network(subnet)
-        if net.num_addresses < ranks + 2:
-            raise ValueError(f"--subnet {subnet} has room for {net.num_addresses - 2} hosts, need {ranks}")
-        self.prefix, self.ranks = prefix, ranks
-        self.hosts = [f"{prefix}-h{r}" for r in range(ranks)]
+        if net.num_addresses < hosts + 2:
+            raise ValueError(f"--subnet {subnet} has room for {net.num_addresses - 2} hosts, need {hosts}")
+        self.prefix = prefix
+        self.hosts = [f"{prefix}-h{i}" for i in range(hosts)]
         self.switch = f"{prefix}-switch"
-        self.addrs = [str(net.network_address + r + 1) for r in range(ranks)]
+        self.addrs = [str(net.network_address + i + 1) for i in range(hosts)]
         self.prefixlen = net.prefixlen
         self.created: List[str] = []
         self.sleepers: List[subprocess.Popen] = []
@@ -278,10 +278,11 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
     sampler.start()
     t_start = time.time()
     try:
-        for r, host in enumerate(cluster.hosts):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(cluster.ranks), LOCAL_RANK="0",
-                       LOCAL_WORLD_SIZE="1", MASTER_ADDR=cluster.addrs[0], MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS=str(args.threads),
+        for r in range(args.ranks):  # ranks r*G .. r*G+G-1 share host r // G: a node of G GPUs
+            host = cluster.hosts[r // args.ranks_per_host]
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r % args.ranks_per_host),
+                       LOCAL_WORLD_SIZE=str(args.ranks_per_host), MASTER_ADDR=cluster.addrs[0],
+                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS=str(args.threads),
                        PYTHONUNBUFFERED="1")
             log = open(os.path.join(workdir, f"rank{r}_{port}.log"), "w")
             logs.append(log)
@@ -386,7 +387,10 @@ def config_label(path: str) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description="Step time of each config over bandwidth-limited links between "
                                             "network namespaces (see the module docstring).")
-    p.add_argument("--ranks", type=int, default=2, help="hosts, one rank each")
+    p.add_argument("--ranks", type=int, default=2, help="ranks in all")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks sharing a host and its link (a node of G GPUs; they talk to each other "
+                        "inside the host's namespace, off the link)")
     p.add_argument("--bandwidths", nargs="+", default=DEFAULT_BANDWIDTHS,
                    help="link rate each way: 100mbit, 1gbit, ..., or unlimited")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay on each host's egress")
@@ -406,6 +410,9 @@ def main(argv=None) -> dict:
     p.add_argument("--cleanup", action="store_true", help="delete namespaces named <prefix>-* and exit")
     args = p.parse_args(argv)
     rates = [parse_rate(b) for b in args.bandwidths]
+    if args.ranks < 2 or args.ranks_per_host < 1 or args.ranks % args.ranks_per_host:
+        p.error(f"--ranks {args.ranks} / --ranks-per-host {args.ranks_per_host}: need >= 2 ranks, a whole "
+                f"number of hosts")
     if args.skip < 0 or args.skip >= args.steps:
         p.error(f"--skip {args.skip}: must be in [0, --steps {args.steps})")
     if os.geteuid() != 0:
@@ -425,7 +432,8 @@ def main(argv=None) -> dict:
     signal.signal(signal.SIGTERM, interrupt)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be >= 1")
-    results = {"preset": args.preset, "ranks": args.ranks, "steps": args.steps, "skip": args.skip,
+    results = {"preset": args.preset, "ranks": args.ranks, "ranks_per_host": args.ranks_per_host,
+               "steps": args.steps, "skip": args.skip,
                "repeats": args.repeats,
                "delay_ms": args.delay_ms, "threads": args.threads, "configs": [config_label(c) for c in args.configs],
                "points": []}
@@ -454,7 +462,7 @@ def main(argv=None) -> dict:
 
 def run_all(args, rates, results: dict, workdir: str, port: int) -> None:
     """Every bandwidth x repeat x config on one cluster, set up and torn down here."""
-    with Cluster(args.prefix, args.ranks, args.subnet) as cluster:
+    with Cluster(args.prefix, args.ranks // args.ranks_per_host, args.subnet) as cluster:
         for bps, text in zip(rates, args.bandwidths):
             cluster.set_link(bps, args.delay_ms)
             runs: Dict[str, List[dict]] = {c: [] for c in args.configs}
@@ -489,7 +497,7 @@ def print_table(results: dict) -> None:
     points = results["points"]
     base_name = results["configs"][0]
     bands = list(dict.fromkeys(pt["bandwidth"] for pt in points))
-    print(f"\n{results['ranks']} hosts, preset {results['preset']} ({results['params']} params), median step time "
+    print(f"\n{results['ranks']} ranks, {results.get('ranks_per_host', 1)} per host, preset {results['preset']} ({results['params']} params), median step time "
           f"of steps {results['skip'] + 1}..{results['steps']} of {results['repeats']} runs (in brackets: the "
           f"range of the runs' medians); speedup = {base_name} step time / this one; "
           f"MB = bytes each host's interface counted as sent per step (payload and the headers it counts)\n")

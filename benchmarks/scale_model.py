@@ -35,8 +35,8 @@ every ``collect_interval`` steps), whitening of what a rank sends and the invers
 it owns (4 m n r flops each, for selected layers), and the fitter's share of an n^3
 eigendecomposition every ``refresh_interval`` steps.
 
-Calibration (one rank per host, so G = 1, no delay): the bytes formulas are checked against
-the bytes the hosts really sent; the link efficiency (achieved / link rate) of the ring
+Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
+against the bytes the hosts really sent; the link efficiency (achieved / link rate) of the ring
 collectives is fitted on the baseline's step times, that of GIFT's all-to-all on the time
 GIFT measured inside its all-to-all (``comm_s`` in its telemetry), leaving out the config
 being predicted; each config's fixed time (compute + codec + latency) is its run at the
@@ -142,14 +142,16 @@ def least_squares_slope(points) -> float:
 def calibrate(cal: dict, config_dir: Path) -> dict:
     """Link efficiencies and fixed times from a netns_cluster.py result; per-point predictions
     beside the measurements (see the module docstring for what is fitted on what)."""
-    params, world = cal["params"], cal["ranks"]
+    params, world, g = cal["params"], cal["ranks"], cal.get("ranks_per_host", 1)
     configs = load_configs(cal["configs"], config_dir)
     wires = {name: config_wire(cfg) for name, cfg in configs.items()}
     points = [p for p in cal["points"] if p["status"] == "ok" and p["bandwidth_bps"]]
     base = cal["configs"][0]
     if wires[base]["collective"] == "alltoall":
         raise SystemExit(f"the first config ({base}) must be the native baseline, not a GIFT config")
-    lb = {name: link_bytes(w, params, world) for name, w in wires.items()}
+    # bytes on a host's link: its G ranks' NIC shares
+    lb = {name: {k: g * v for k, v in link_bytes(w, params, world, per_node=g).items()}
+          for name, w in wires.items()}
     bp = [p for p in points if p["config"] == base]
     if len({p["bandwidth_bps"] for p in bp}) < 2:
         raise SystemExit(f"calibration needs the baseline {base} at two or more bandwidths")
