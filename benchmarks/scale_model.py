@@ -18,8 +18,8 @@ rate) / efficiency``, with the bytes of one rank's tensor S (:func:`collective_b
     flat all-to-all      NIC   (W-G)/W S       (what leaves the node, through this GPU's NIC)
     hierarchical         NVLink reduce-scatter inside the node, then an all-to-all of the
                          node's partial sums among the W/G same-slot GPUs of the nodes:
-                         NIC (W/G - 1)/(W/G) S / G  -- not implemented in the plugin: a
-                         projection of what it would give
+                         NIC (W/G - 1)/(W/G) S / G, the two stages one after the other
+                         -- not implemented in the plugin: a projection of what it would give
 
     T_grad   DeepSpeed: ring all-reduce of bf16 (its default use_multi_rank_bucket_allreduce),
              or an ideal bf16 reduce-scatter; GIFT as implemented: one flat all-to-all of the
@@ -32,8 +32,9 @@ measured here unless ``--codec-json``) times a copy on the target (8 bytes per e
 ``--hbm-tbs``). ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
 and factors are fp32): the input statistics (2 tokens n^2 flops per distinct layer input
 every ``collect_interval`` steps), whitening of what a rank sends and the inverse of what
-it owns (4 m n r flops each, for selected layers), and the fitter's share of an n^3
-eigendecomposition every ``refresh_interval`` steps.
+it owns (8 and 4 m n r flops, for selected layers), and every rank's Nystrom
+sketch of each statistic every ``refresh_interval`` steps. Compute is 6 flops per weight
+and token plus attention (12 L d seq per token).
 
 Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
 against the bytes the hosts really sent; the link efficiency (achieved / link rate) of the ring
@@ -90,10 +91,15 @@ def collective_bytes(kind: str, s: float, world: int, per_node: int = 1, nvlink_
 
 
 def collective_seconds(kind: str, s: float, net: dict, nvlink_s: float = 0.0) -> float:
+    """Seconds of a collective: NVLink and NIC traffic of one collective flow at once (the
+    slower sets the time); the hierarchical scheme's two stages run one after the other
+    (a ring reduce-scatter over NVLink, then the all-to-all over the NICs)."""
     b = collective_bytes(kind, s, net["world"], net["per_node"], nvlink_s)
-    eff = net["alltoall_eff"] if kind in ("alltoall", "hierarchical") else net["ring_eff"]
-    return net["alpha_s"] * b["steps"] + max(b["nic"] * 8 / net["nic_bps"],
-                                             b["nvlink"] * 8 / net["nvlink_bps"]) / eff
+    nic_s, nvlink_s_ = b["nic"] * 8 / net["nic_bps"], b["nvlink"] * 8 / net["nvlink_bps"]
+    if kind == "hierarchical":
+        return net["alpha_s"] * b["steps"] + nvlink_s_ / net["ring_eff"] + nic_s / net["alltoall_eff"]
+    eff = net["alltoall_eff"] if kind == "alltoall" else net["ring_eff"]
+    return net["alpha_s"] * b["steps"] + max(nic_s, nvlink_s_) / eff
 
 
 # ---- what a config sends ---------------------------------------------------------------
@@ -146,6 +152,7 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
     configs = load_configs(cal["configs"], config_dir)
     wires = {name: config_wire(cfg) for name, cfg in configs.items()}
     points = [p for p in cal["points"] if p["status"] == "ok" and p["bandwidth_bps"]]
+    dropped = len(cal["points"]) - len(points)
     base = cal["configs"][0]
     if wires[base]["collective"] == "alltoall":
         raise SystemExit(f"the first config ({base}) must be the native baseline, not a GIFT config")
@@ -189,7 +196,7 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
                 row["alltoall_measured_s"] = p["gift_comm_s"]
                 row["alltoall_model_s"] = lb[name]["grad"] * 8 / p["bandwidth_bps"] / grad_eff
             rows.append(row)
-    return {"efficiency": eff, "fixed_s": fixed, "rows": rows}
+    return {"efficiency": eff, "fixed_s": fixed, "rows": rows, "dropped": dropped}
 
 
 def speedup_rows(rows: List[dict], base: str) -> None:
@@ -255,7 +262,10 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, args, shap
     tokens = args.tokens_per_gpu
     net = {"world": w, "per_node": g, "nic_bps": nic_gbit * 1e9, "nvlink_bps": args.nvlink_gbyte * 8e9,
            "alpha_s": args.alpha_us * 1e-6, "ring_eff": args.ring_eff, "alltoall_eff": args.alltoall_eff}
-    compute = 6 * shapes["matmul"] * tokens / (args.gpu_tflops * 1e12 * args.mfu)
+    # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
+    # masking not discounted)
+    compute = (6 * shapes["matmul"] + 12 * args.layers * args.hidden * args.seq) * tokens \
+        / (args.gpu_tflops * 1e12 * args.mfu)
     copy_s = 8 / (args.hbm_tbs * 1e12 * args.hbm_eff)  # per element
     fp32 = args.fp32_tflops * 1e12 * args.fp32_eff
     codec = gift = 0.0
@@ -274,8 +284,12 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, args, shap
         codec = ratios[fmt] * copy_s * coded
         if geometry:
             stats = sum(2 * tokens * d * d for d in shapes["inputs"]) / args.collect_interval
-            refit = sum(10 * d ** 3 for d in shapes["inputs"]) / args.refresh_interval / w
-            whiten = sum(4 * m * k * args.rank for m, k in shapes["linears"]) * (coded / n + 1 / w) \
+            # refresh: every rank sketches each statistic, A @ Omega with r + 8 columns (Nystrom);
+            # the fitters' small factorizations are left out
+            refit = sum(2 * d * d * (args.rank + 8) for d in shapes["inputs"]) / args.refresh_interval
+            # structured whitener: apply is 4 (rows x n x r) GEMMs on what a rank sends, the
+            # inverse 2 on what it owns
+            whiten = sum(m * k * args.rank for m, k in shapes["linears"]) * (8 * coded / n + 4 / w) \
                 if all_layers else 0.0
             gift = (stats + refit + whiten) / fp32
     t_param = collective_seconds("allgather", 2 * n, net)
@@ -342,6 +356,7 @@ def main(argv=None) -> dict:
     g.add_argument("--layers", type=int, default=32)
     g.add_argument("--vocab", type=int, default=32000)
     g.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU per optimizer step")
+    g.add_argument("--seq", type=int, default=2048, help="sequence length (attention flops)")
     g.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak")
     g.add_argument("--mfu", type=float, default=0.4, help="model flops utilisation of forward+backward")
     g.add_argument("--fp32-tflops", type=float, default=67.0, help="fp32 matmul peak (GIFT's statistics, "
@@ -373,7 +388,10 @@ def main(argv=None) -> dict:
         result["calibration"] = fit
         print_calibration(cal, fit)
         for name, key in (("ring_eff", "ring"), ("alltoall_eff", "alltoall")):
-            if getattr(args, name) is None and math.isfinite(fit["efficiency"][key]):
+            if getattr(args, name) is None:
+                if not math.isfinite(fit["efficiency"][key]):
+                    p.error(f"the calibration gives no {key} efficiency (too few points with GIFT's all-to-all "
+                            f"timer, or no traffic on the links): pass --{name.replace('_', '-')}")
                 setattr(args, name, fit["efficiency"][key])
     for name in ("ring_eff", "alltoall_eff"):
         value = 1.0 if getattr(args, name) is None else getattr(args, name)
@@ -395,7 +413,9 @@ def main(argv=None) -> dict:
 
 def print_calibration(cal: dict, fit: dict) -> None:
     eff = ", ".join(f"{k} {v:.2f}" for k, v in fit["efficiency"].items())
-    print(f"calibration: {cal['ranks']} hosts, {cal['params']} params; link efficiency (achieved / rate) {eff}\n")
+    g = cal.get("ranks_per_host", 1)
+    print(f"calibration: {cal['ranks']} ranks on {cal['ranks'] // g} hosts, {cal['params']} params; link efficiency "
+          f"(achieved / rate) {eff}; {fit['dropped']} points left out (failed or unlimited)\n")
     print("| config | link | measured s/step | model s/step | error | speedup measured | speedup model | "
           "MB sent measured | MB model | all-to-all s measured | model | role |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
