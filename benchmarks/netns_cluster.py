@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from launch.pretrain import read_metrics  # noqa: E402
 IFNAME = "gift0"  # the host side of every link (each in its own namespace, so one name serves all)
 DEFAULT_CONFIGS = [
     "ds_configs/bf16_baseline_zero2.json",
@@ -319,14 +322,8 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
 
 def job_result(metrics: str, sampler: CounterSampler, args) -> dict:
     """Step times, link bytes over the timed steps and GIFT's telemetry from rank 0's metrics."""
-    train, end = [], None
-    with open(metrics) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("event") == "train":
-                train.append(rec)
-            elif rec.get("event") == "end":
-                end = rec
+    m = read_metrics(metrics)
+    train, end = m["train"], m["end"]
     timed = train[args.skip:]
     if not timed:
         status = (end or {}).get("status", "no end record")
@@ -484,12 +481,15 @@ def run_all(args, rates, results: dict, workdir: str, port: int) -> None:
 
 
 def read_params(workdir: str) -> Optional[int]:
+    """Parameter count from the first job's start record that has one."""
     for name in sorted(os.listdir(workdir)):
         if name.startswith("metrics_"):
-            with open(os.path.join(workdir, name)) as f:
-                first = json.loads(f.readline() or "{}")
-            if first.get("params"):
-                return int(first["params"])
+            try:
+                start = read_metrics(os.path.join(workdir, name))["start"] or {}
+            except (OSError, ValueError):  # a job killed mid-write: look at the next one
+                continue
+            if start.get("params"):
+                return int(start["params"])
     return None
 
 
