@@ -1,0 +1,140 @@
+"""Errors of a communicated gradient in the metric that matters to the optimizer.
+
+Pure tensor math (no communication, nothing of DeepSpeed). GIFT moves quantization error
+into the directions where the gradient is large, so plain L2 barely changes while the
+error of the *update* the optimizer takes can fall a lot (or rise). Every comparison here
+reports the error of ``approx`` against ``exact`` relative to ``exact``, in one of:
+
+* ``l2``: ``||approx - exact|| / ||exact||``;
+* ``whitened``: the same after both are moved into a whitener's coordinates
+  (``||E S|| / ||G S||``, the norm in which GIFT's error is isotropic);
+* ``optimizer``: the relative error of the next update direction of the optimizer whose
+  state is given (``MuonRule``: Newton-Schulz of the Nesterov momentum blend, as DeepSpeed's
+  Muon computes it; ``AdamRule``: ``m_hat / (sqrt(v_hat) + eps)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+METRICS = ("optimizer", "l2", "whitened")
+# Muon's quintic Newton-Schulz coefficients (Keller Jordan's, as DeepSpeed uses them).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+
+def newton_schulz5(G: Tensor, steps: int = NS_STEPS) -> Tensor:
+    """Muon's orthogonalization of a 2-D matrix, in fp32 (so the metric measures the
+    communication error, not the bf16 rounding of the iteration)."""
+    a, b, c = NS_COEFFS
+    X = G.float()
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (X.norm() + NS_EPS)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def relative_error(approx: Tensor, exact: Tensor) -> float:
+    """``||approx - exact|| / ||exact||`` in float64 sums (0 when both are zero; inf/nan pass through)."""
+    err = float((approx.double() - exact.double()).square().sum())
+    ref = float(exact.double().square().sum())
+    if ref == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return (err / ref) ** 0.5
+
+
+def whitened_relative_error(approx: Tensor, exact: Tensor, whitener) -> float:
+    """Relative error after moving rows into ``whitener``'s coordinates (``G -> G S``)."""
+    return relative_error(whitener.apply(approx.float()), whitener.apply(exact.float()))
+
+
+@dataclass
+class MuonRule:
+    """Muon's update of one matrix: ``m' = lerp(m, g, 1 - beta)``, then Newton-Schulz of
+    ``lerp(g, m', beta)`` (Nesterov) or of ``m'``. ``momentum`` is the state before the step."""
+
+    momentum: Tensor
+    beta: float = 0.95
+    nesterov: bool = True
+
+    def direction(self, g: Tensor) -> Tensor:
+        g = g.float()
+        m = self.momentum.float().view_as(g).lerp(g, 1.0 - self.beta)
+        blend = g.lerp(m, self.beta) if self.nesterov else m
+        return newton_schulz5(blend)
+
+
+@dataclass
+class AdamRule:
+    """Adam's update direction ``m_hat / (sqrt(v_hat) + eps)`` for the elements whose state is
+    given (``exp_avg``, ``exp_avg_sq`` before the step; ``step`` = steps taken so far).
+    Decoupled weight decay is left out: it does not depend on the gradient."""
+
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: int
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def direction(self, g: Tensor) -> Tensor:
+        b1, b2 = self.betas
+        g = g.float().reshape(self.exp_avg.shape)
+        t = self.step + 1
+        m = self.exp_avg.float() * b1 + g * (1.0 - b1)
+        v = self.exp_avg_sq.float() * b2 + g.square() * (1.0 - b2)
+        m_hat = m / (1.0 - b1 ** t)
+        v_hat = v / (1.0 - b2 ** t)
+        return m_hat / (v_hat.sqrt() + self.eps)
+
+
+def update_relative_error(rule, approx: Tensor, exact: Tensor) -> float:
+    """Relative error of the optimizer's next update when it sees ``approx`` instead of ``exact``."""
+    return relative_error(rule.direction(approx), rule.direction(exact))
+
+
+def errors_in_every_metric(approx: Tensor, exact: Tensor, *, whitener=None, rule=None) -> dict:
+    """``{"l2", "whitened", "optimizer"}``; ``whitened`` without a whitener and ``optimizer``
+    without a rule fall back to ``l2`` (a Euclidean layer's own metric; an optimizer GIFT
+    knows no update rule for) - ``rule_kind`` says which it was."""
+    l2 = relative_error(approx, exact)
+    return {
+        "l2": l2,
+        "whitened": whitened_relative_error(approx, exact, whitener) if whitener is not None else l2,
+        "optimizer": update_relative_error(rule, approx, exact) if rule is not None else l2,
+        "rule_kind": rule_kind(rule),
+    }
+
+
+def rule_kind(rule: Optional[object]) -> str:
+    if isinstance(rule, MuonRule):
+        return "muon"
+    if isinstance(rule, AdamRule):
+        return "adam"
+    return "l2"
+
+
+def roundtrip(G: Tensor, codec, whitener=None) -> Tensor:
+    """``G`` through one encode/decode of ``codec``, in ``whitener``'s coordinates if given."""
+    if whitener is None:
+        return codec.decode(codec.encode(G.float()))
+    return whitener.invert(codec.decode(codec.encode(whitener.apply(G.float()))))
+
+
+def judge_geometry(G: Tensor, codec, whitener, *, metric: str, rule=None) -> Tuple[dict, dict]:
+    """Errors of one round trip of ``G`` in Euclidean coordinates and in ``whitener``'s, each
+    in every metric (``whitened`` measured with ``whitener`` for both, so they compare).
+    ``metric`` names the one selection uses; returned here only to validate it."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    euclid = errors_in_every_metric(roundtrip(G, codec), G, whitener=whitener, rule=rule)
+    geo = errors_in_every_metric(roundtrip(G, codec, whitener), G, whitener=whitener, rule=rule)
+    return euclid, geo
