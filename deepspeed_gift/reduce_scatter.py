@@ -6,13 +6,24 @@ part of the flat bucket goes to which owner, and whether it belongs to a weight 
 rows can be whitened). Knows no wire details: codecs from ``formats`` turn fp32 into
 bytes, a ``Comm`` moves bytes.
 
-Wire layout of the message from rank ``src`` to owner ``dst`` for one bucket::
+The bucket is cut into *sections*, each encoded once by every rank and delivered to one
+or more ranks:
 
-    [16-byte control header][main-format payload][high-precision payload]
+* per owner ``dst``: its main-format section and its high-precision section (``others``);
+* per *shared* parameter (a slice list with ``copy_ranks``: a Muon matrix split across
+  partitions, which every owner of a slice must receive whole): one section holding the
+  whole matrix, so every row is whole and can be whitened, sent to every rank in
+  ``copy_ranks``.
+
+Wire layout of the message from rank ``src`` to rank ``dst`` for one bucket::
+
+    [16-byte control header][payload of every section delivered to dst, in plan order]
 
 The control header carries a hash of the bucket plan (layout, selected layers and
-whitener versions) so an owner fails loudly if ranks disagree on what they send. The
-owner's own contribution never goes through the codec (it is exact and costs no bytes).
+whitener versions) so an owner fails loudly if ranks disagree on what they send. An
+owner's own contribution to its own sections never goes through the codec (it is exact
+and costs no bytes); in a shared section every receiver decodes every contribution,
+its own included, and sums them in rank order, so all copies are bit-identical.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ class ParamSlice:
     param_key: int
     row_len: int = 0  # width ("in") of a 2-D weight whose rows may be whitened; 0 = not a matrix
     mode: str = MAIN  # GEO: whiten whole rows; MAIN: main format as is; HIGH: others=bf16/fp32
+    copy_ranks: Tuple[int, ...] = ()  # non-empty: every listed rank receives the whole parameter
 
 
 @dataclass(frozen=True)
@@ -52,16 +64,31 @@ class Piece:
     numel: int
     param_key: int
     rows: int = 0  # > 0: ``rows`` whole rows of length numel // rows, whitened
-    slice_index: int = -1  # index of the ParamSlice it came from (for compact outputs)
+    slice_index: int = -1  # index of the ParamSlice it came from (-1: a whole shared parameter)
     slice_start: int = 0  # offset of this piece inside that slice
 
 
 @dataclass
-class OwnerPlan:
-    main: List[Piece] = field(default_factory=list)
-    high: List[Piece] = field(default_factory=list)
-    main_numel: int = 0
-    high_numel: int = 0
+class Section:
+    """Pieces encoded together with one codec and delivered to every rank in ``dests``."""
+
+    dests: Tuple[int, ...]
+    high: bool
+    pieces: List[Piece] = field(default_factory=list)
+    numel: int = 0
+
+    @property
+    def shared(self) -> bool:
+        return len(self.dests) > 1
+
+    @property
+    def key(self):
+        """Names the section across steps (error-feedback residuals): the owner, or the copy set."""
+        return self.dests if self.shared else self.dests[0]
+
+    def add(self, piece: Piece) -> None:
+        self.pieces.append(piece)
+        self.numel += piece.numel
 
 
 def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
@@ -87,28 +114,71 @@ def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
     return runs
 
 
+def shared_parameter_pieces(slices: Sequence[ParamSlice]) -> Dict[Tuple[Tuple[int, ...], bool], List[Piece]]:
+    """One whole-parameter piece per shared parameter, grouped by (copy set, high)."""
+    spans: Dict[int, List[ParamSlice]] = {}
+    for s in slices:
+        if s.copy_ranks:
+            spans.setdefault(s.param_key, []).append(s)
+    groups: Dict[Tuple[Tuple[int, ...], bool], List[Piece]] = {}
+    for key, parts in spans.items():
+        parts.sort(key=lambda s: s.param_offset)
+        first = parts[0]
+        start = first.bucket_offset - first.param_offset
+        numel = sum(s.numel for s in parts)
+        if first.param_offset != 0 or any(s.bucket_offset != start + s.param_offset for s in parts) \
+                or len({(s.copy_ranks, s.mode, s.row_len) for s in parts}) != 1:
+            raise RuntimeError(f"deepspeed_gift: shared parameter {key} is not one contiguous run of the bucket "
+                               "with one copy set and mode")
+        rows = numel // first.row_len if first.mode == GEO and first.row_len > 0 else 0
+        piece = Piece(start, numel, key, rows, -1, 0)
+        groups.setdefault((tuple(first.copy_ranks), first.mode == HIGH), []).append(piece)
+    return groups
+
+
 class BucketPlan:
-    """Where every element of a bucket goes, per owner, and how it is packed."""
+    """Where every element of a bucket goes, as sections, and what each rank receives."""
 
     def __init__(self, slices: Sequence[ParamSlice], world_size: int, versions: Dict[int, int]) -> None:
         self.slices = tuple(slices)
         self.world_size = world_size
-        self.owners = [OwnerPlan() for _ in range(world_size)]
+        owned = [(Section((d,), False), Section((d,), True)) for d in range(world_size)]
         for index, s in enumerate(self.slices):
-            owner = self.owners[s.dst]
+            if s.copy_ranks:
+                continue
+            section = owned[s.dst][s.mode == HIGH]
             for start, numel, rows in split_slice_rows(s):
-                piece = Piece(s.bucket_offset + start, numel, s.param_key, rows, index, start)
-                if s.mode == HIGH:
-                    owner.high.append(piece)
-                    owner.high_numel += numel
-                else:
-                    owner.main.append(piece)
-                    owner.main_numel += numel
+                section.add(Piece(s.bucket_offset + start, numel, s.param_key, rows, index, start))
+        self.sections: List[Section] = [sec for pair in owned for sec in pair]
+        for (dests, high), pieces in shared_parameter_pieces(self.slices).items():
+            section = Section(dests, high)
+            for p in pieces:
+                section.add(p)
+            self.sections.append(section)
+        self.sections = [sec for sec in self.sections if sec.numel]
+        self.to_rank = [[sec for sec in self.sections if d in sec.dests] for d in range(world_size)]
+        # Compact outputs of the slices of each shared parameter: (slice index, start in the parameter)
+        self.shared_outputs: Dict[int, List[Tuple[int, int]]] = {}
+        for index, s in enumerate(self.slices):
+            if s.copy_ranks:
+                self.shared_outputs.setdefault(s.param_key, []).append((index, s.param_offset))
         digest = hashlib.blake2b(repr((self.slices, sorted(versions.items()))).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
-        # Element positions of the main payloads depend only on which slices are HIGH: an
-        # error-feedback residual survives re-selection and refreshes under this key.
-        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH) for s in self.slices)
+        # Element positions of the main payloads depend only on which slices are HIGH or shared:
+        # an error-feedback residual survives re-selection and refreshes under this key.
+        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
+
+    def received_numel(self, rank: int) -> int:
+        return sum(sec.numel for sec in self.to_rank[rank])
+
+
+@dataclass
+class _Packed:
+    """What this rank made of one section: the fp32 values it contributes as the receiver
+    sees them (``own``; None when it does not receive the section) and the encoded bytes."""
+
+    own: Optional[torch.Tensor] = None
+    wire: Optional[torch.Tensor] = None
 
 
 class GiftReducer:
@@ -122,9 +192,8 @@ class GiftReducer:
         self.generator = generator
         self.error_feedback = error_feedback
         self._plans: Dict[tuple, BucketPlan] = {}
-        # (layout key, dst) -> (fp32 residual of the main payload, pieces, whiteners it is expressed in)
-        self.residuals: Dict[Tuple[tuple, int], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
-        self.last: Dict[str, float] = {}
+        # (layout key, section key) -> (fp32 residual of the main payload, pieces, whiteners it is expressed in)
+        self.residuals: Dict[Tuple[tuple, object], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
 
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
@@ -137,13 +206,14 @@ class GiftReducer:
         self._plans[key] = plan  # most recently used last
         return plan
 
-    def message_nbytes(self, owner: OwnerPlan) -> int:
-        n = CONTROL_HEADER_BYTES
-        if owner.main_numel:
-            n += self.main_codec.nbytes(owner.main_numel)
-        if owner.high_numel:
-            n += self.high_codec.nbytes(owner.high_numel)
-        return n
+    def codec_of(self, section: Section):
+        return self.high_codec if section.high else self.main_codec
+
+    def message_nbytes(self, plan: BucketPlan, dst: int) -> int:
+        """Bytes of the message every other rank sends to ``dst`` for this bucket."""
+        if not plan.to_rank[dst]:
+            return 0
+        return CONTROL_HEADER_BYTES + sum(self.codec_of(sec).nbytes(sec.numel) for sec in plan.to_rank[dst])
 
     # ---- packing --------------------------------------------------------------------
     @staticmethod
@@ -177,150 +247,176 @@ class GiftReducer:
         head = torch.tensor([plan.hash, step], dtype=torch.int64)
         return head.view(torch.uint8).to(device)
 
+    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: Dict, sample: bool) -> List[_Packed]:
+        """Step 1: every section this rank contributes to, transformed and (where it leaves
+        this rank) encoded once."""
+        me = self.comm.rank
+        packed = []
+        for sec in plan.sections:
+            t0 = time.perf_counter()
+            values = self._gather(tensor, sec.pieces, sec.numel, whiteners)
+            stats["transform_s"] += time.perf_counter() - t0
+            stats["elements"] += sec.numel
+            if sec.dests == (me,):  # my own section: exact, never on the wire
+                if sample:  # it skips the codec; count its non-finite inputs here
+                    stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(values)).sum())
+                packed.append(_Packed(own=values))
+                continue
+            t0 = time.perf_counter()
+            codec = self.codec_of(sec)
+            if sec.high:
+                wire = codec.encode_to_bytes(values)
+                own = codec.decode_from_bytes(wire, (sec.numel,)) if me in sec.dests else None
+            else:
+                if self.error_feedback:
+                    values = self._add_residual(plan, sec, values, whiteners)
+                payload = codec.encode(values, generator=self.generator)
+                wire = codec.payload_to_bytes(payload)
+                if sample:
+                    q = quantization_stats(values, payload, codec)
+                    for key in ("underflow", "saturated", "nonfinite"):
+                        stats[key] = stats.get(key, 0) + q[key]
+                    stats["quantized"] = stats.get("quantized", 0) + q["numel"]
+                decoded = codec.decode(payload) if (self.error_feedback or me in sec.dests) else None
+                own = decoded if me in sec.dests else None
+                if self.error_feedback:
+                    self._keep_residual(plan, sec, values.sub_(decoded), whiteners)
+            copies = sum(1 for d in sec.dests if d != me)
+            stats["elements_sent"] += copies * sec.numel
+            stats["bytes_high" if sec.high else "bytes_main"] += copies * wire.numel()
+            if not sec.high:
+                stats["bytes_scales"] = stats.get("bytes_scales", 0) + copies * codec.scale_nbytes(sec.numel)
+            stats["codec_s"] += time.perf_counter() - t0
+            packed.append(_Packed(own=own, wire=wire))
+        return packed
+
     # ---- the reduction --------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
                versions: Dict[int, int], *, divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> Dict:
         """Reduce ``tensor`` (a flat bucket, this rank's local gradients) so that every
-        slice owned by this rank holds the sum over ranks divided by ``divisor``.
+        slice owned by this rank holds the sum over ranks divided by ``divisor`` (and every
+        shared parameter this rank is a copy rank of holds it whole).
 
         ``outputs[i]`` (optional, owner side) is an extra fp32 destination for slice i:
         the result is added to it (DeepSpeed's compact fp32 gradient partition).
         Returns statistics for telemetry."""
-        comm = self.comm
-        me, world = comm.rank, comm.world_size
         plan = self.plan_for(slices, versions)
         exact = self._exact_reduction(tensor, plan, divisor) if sample else None
         stats = {"elements": 0, "elements_sent": 0, "bytes_main": 0, "bytes_high": 0, "bytes_header": 0,
                  "transform_s": 0.0, "codec_s": 0.0, "comm_s": 0.0}
+        packed = self._pack(tensor, plan, whiteners, stats, sample)
+        recv = self._exchange(plan, packed, step, tensor.device, stats)
+        totals = self._sum_at_owner(plan, packed, recv, step, stats)
+        t0 = time.perf_counter()
+        for sec, total in totals:
+            total.div_(divisor)
+            self._transform_rows(total, sec.pieces, whiteners, inverse=True)
+            self._scatter(tensor, total, sec, plan, outputs)
+        stats["transform_s"] += time.perf_counter() - t0
+        if exact is not None and totals:
+            result = torch.cat([total for _, total in totals])
+            stats["fidelity_err_sq"] = float((result - exact).square().sum())
+            stats["fidelity_ref_sq"] = float(exact.square().sum())
+        return stats
 
-        # 1. Pack one message per owner (own chunk kept exact, in fp32).
+    def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: Dict) -> torch.Tensor:
+        """Step 2: one all-to-all; the message to ``dst`` holds every section it receives."""
+        me, world = self.comm.rank, self.comm.world_size
+        index = {id(sec): i for i, sec in enumerate(plan.sections)}
         messages, sizes = [], []
-        own_main = own_high = None
-        for dst, owner in enumerate(plan.owners):
-            t0 = time.perf_counter()
-            main = self._gather(tensor, owner.main, owner.main_numel, whiteners) if owner.main_numel else None
-            high = self._gather(tensor, owner.high, owner.high_numel, whiteners) if owner.high_numel else None
-            stats["transform_s"] += time.perf_counter() - t0
-            stats["elements"] += owner.main_numel + owner.high_numel
-            if dst != me:
-                stats["elements_sent"] += owner.main_numel + owner.high_numel
-            if dst == me:
-                own_main, own_high = main, high
-                if sample:  # the own chunk skips the codec; count its non-finite inputs too
-                    for t in (main, high):
-                        if t is not None:
-                            stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(t)).sum())
-                messages.append(torch.empty(0, dtype=torch.uint8, device=tensor.device))
+        for dst in range(world):
+            if dst == me or not plan.to_rank[dst]:
+                messages.append(torch.empty(0, dtype=torch.uint8, device=device))
                 sizes.append(0)
                 continue
-            t0 = time.perf_counter()
-            parts = [self._control_header(plan, step, tensor.device)]
-            if main is not None:
-                if self.error_feedback:
-                    main = self._add_residual(plan, dst, main, whiteners)
-                payload = self.main_codec.encode(main, generator=self.generator)
-                parts.append(self.main_codec.payload_to_bytes(payload))  # before main is reused below
-                if sample:
-                    q = quantization_stats(main, payload, self.main_codec)
-                    for key in ("underflow", "saturated", "nonfinite"):
-                        stats[key] = stats.get(key, 0) + q[key]
-                    stats["quantized"] = stats.get("quantized", 0) + q["numel"]
-                if self.error_feedback:
-                    residual = main.sub_(self.main_codec.decode(payload))
-                    if bool(torch.isfinite(residual).all()):
-                        self.residuals[(plan.layout_key, dst)] = (residual, owner.main, dict(whiteners))
-                    else:  # an overflowing step (DeepSpeed skips it): its error must not leak into the next
-                        self.residuals.pop((plan.layout_key, dst), None)
-                stats["bytes_main"] += parts[-1].numel()
-                stats["bytes_scales"] = stats.get("bytes_scales", 0) + self.main_codec.scale_nbytes(owner.main_numel)
-            if high is not None:
-                parts.append(self.high_codec.encode_to_bytes(high))
-                stats["bytes_high"] += parts[-1].numel()
-            stats["bytes_header"] += CONTROL_HEADER_BYTES
-            stats["codec_s"] += time.perf_counter() - t0
+            parts = [self._control_header(plan, step, device)]
+            parts += [packed[index[id(sec)]].wire for sec in plan.to_rank[dst]]
             msg = torch.cat(parts)
-            expected = self.message_nbytes(owner)
+            expected = self.message_nbytes(plan, dst)
             if msg.numel() != expected:
                 raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
                                    f"plan expects {expected}; codec byte count is inconsistent")
+            stats["bytes_header"] += CONTROL_HEADER_BYTES
             messages.append(msg)
             sizes.append(msg.numel())
-
-        # 2. Exchange: what I send to each owner, and what each rank sends me.
-        mine = plan.owners[me]
-        my_size = self.message_nbytes(mine)
-        recv_sizes = [0 if src == me else my_size for src in range(world)]
+        my_size = self.message_nbytes(plan, me)
         t0 = time.perf_counter()
-        recv = comm.all_to_all_bytes(torch.cat(messages), sizes, recv_sizes, kind="payload")
+        recv = self.comm.all_to_all_bytes(torch.cat(messages), sizes,
+                                          [0 if src == me else my_size for src in range(world)], kind="payload")
         stats["comm_s"] += time.perf_counter() - t0
+        return recv
 
-        # 3. Owner: decode every source, sum in fp32, divide, map rows back.
+    def _sum_at_owner(self, plan: BucketPlan, packed: List[_Packed], recv: torch.Tensor, step: int,
+                      stats: Dict) -> List[Tuple[Section, torch.Tensor]]:
+        """Step 3: decode every source and sum in fp32 - my own section starting from my exact
+        contribution, a shared one in rank order from everyone's decoded contribution."""
+        me, world = self.comm.rank, self.comm.world_size
+        mine = plan.to_rank[me]
+        if not mine:
+            return []
         t0 = time.perf_counter()
-        total_main = own_main.clone() if own_main is not None else None
-        total_high = own_high.clone() if own_high is not None else None
+        index = {id(sec): i for i, sec in enumerate(plan.sections)}
+        my_size = self.message_nbytes(plan, me)
+        messages = {}
         pos = 0
         for src in range(world):
-            if src == me or my_size == 0:
-                continue
-            msg = recv.narrow(0, pos, my_size)
-            pos += my_size
-            self._check_header(msg, plan, src, step)
-            off = CONTROL_HEADER_BYTES
-            if mine.main_numel:
-                n = self.main_codec.nbytes(mine.main_numel)
-                total_main += self.main_codec.decode_from_bytes(msg.narrow(0, off, n), (mine.main_numel,))
-                off += n
-            if mine.high_numel:
-                n = self.high_codec.nbytes(mine.high_numel)
-                total_high += self.high_codec.decode_from_bytes(msg.narrow(0, off, n), (mine.high_numel,))
+            if src != me:
+                messages[src] = recv.narrow(0, pos, my_size)
+                self._check_header(messages[src], plan, src, step)
+                pos += my_size
+        totals = []
+        off = CONTROL_HEADER_BYTES
+        for sec in mine:
+            codec = self.codec_of(sec)
+            n = codec.nbytes(sec.numel)
+            own = packed[index[id(sec)]].own
+            total = own.clone() if not sec.shared else None
+            for src in range(world):
+                if src == me and not sec.shared:
+                    continue
+                part = own if src == me else codec.decode_from_bytes(messages[src].narrow(0, off, n), (sec.numel,))
+                total = part.clone() if total is None else total.add_(part)
+            off += n
+            totals.append((sec, total))
         stats["codec_s"] += time.perf_counter() - t0
+        return totals
 
-        t0 = time.perf_counter()
-        for total, pieces in ((total_main, mine.main), (total_high, mine.high)):
-            if total is None:
-                continue
-            total.div_(divisor)
-            self._transform_rows(total, pieces, whiteners, inverse=True)
-            self._scatter(tensor, total, pieces, plan, outputs)
-        stats["transform_s"] += time.perf_counter() - t0
-        if exact is not None:
-            result = torch.cat([t for t in (total_main, total_high) if t is not None])
-            stats["fidelity_err_sq"] = float((result - exact).square().sum())
-            stats["fidelity_ref_sq"] = float(exact.square().sum())
-        self.last = stats
-        return stats
-
-    def _add_residual(self, plan: BucketPlan, dst: int, main: torch.Tensor, whiteners) -> torch.Tensor:
+    def _add_residual(self, plan: BucketPlan, sec: Section, main: torch.Tensor, whiteners) -> torch.Tensor:
         """Add last step's quantization error, first moved into this step's coordinates when
         a refresh or re-selection changed the whiteners of some rows."""
-        entry = self.residuals.get((plan.layout_key, dst))
+        entry = self.residuals.get((plan.layout_key, sec.key))
         if entry is None:
             return main
         residual, pieces, used = entry
-        new_pieces = plan.owners[dst].main
-        if pieces != new_pieces or any(used.get(p.param_key) is not whiteners.get(p.param_key)
-                                       for p in new_pieces + pieces if p.rows):
+        if pieces != sec.pieces or any(used.get(p.param_key) is not whiteners.get(p.param_key)
+                                       for p in sec.pieces + pieces if p.rows):
             self._transform_rows(residual, pieces, used, inverse=True)
-            self._transform_rows(residual, new_pieces, whiteners, inverse=False)
+            self._transform_rows(residual, sec.pieces, whiteners, inverse=False)
         return main.add_(residual)
+
+    def _keep_residual(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, whiteners) -> None:
+        if bool(torch.isfinite(residual).all()):
+            self.residuals[(plan.layout_key, sec.key)] = (residual, sec.pieces, dict(whiteners))
+        else:  # an overflowing step (DeepSpeed skips it): its error must not leak into the next
+            self.residuals.pop((plan.layout_key, sec.key), None)
 
     def state_dict(self) -> dict:
         """Error-feedback residuals, moved to gradient coordinates (the whiteners they were
         made with are not saved; the next step maps them into its own), and the stochastic
         rounding generator."""
         residuals = []
-        for (layout_key, dst), (residual, pieces, used) in self.residuals.items():
+        for (layout_key, key), (residual, pieces, used) in self.residuals.items():
             grad_coords = residual.clone()
             self._transform_rows(grad_coords, pieces, used, inverse=True)
             flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start) for p in pieces]
-            residuals.append((layout_key, dst, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
+            residuals.append((layout_key, key, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
         gen = self.generator.get_state() if self.generator is not None else None
         return {"residuals": residuals, "generator": gen}
 
     def load_state_dict(self, state: dict, device) -> None:
-        self.residuals = {(layout_key, dst): (r.to(device), [Piece(*p) for p in pieces], {})
-                          for layout_key, dst, r, pieces in state["residuals"]}
+        self.residuals = {(layout_key, key): (r.to(device), [Piece(*p) for p in pieces], {})
+                          for layout_key, key, r, pieces in state["residuals"]}
         if state["generator"] is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
 
@@ -329,13 +425,20 @@ class GiftReducer:
         return sum(r.numel() * r.element_size() for r, _, _ in self.residuals.values())
 
     @staticmethod
-    def _scatter(tensor, total, pieces, plan, outputs) -> None:
+    def _scatter(tensor, total, sec: Section, plan: BucketPlan, outputs) -> None:
         pos = 0
-        for p in pieces:
+        for p in sec.pieces:
             result = total.narrow(0, pos, p.numel)
             tensor.narrow(0, p.bucket_offset, p.numel).copy_(result)
-            if outputs is not None and outputs[p.slice_index] is not None:
-                outputs[p.slice_index].narrow(0, p.slice_start, p.numel).add_(result)
+            if outputs is not None:
+                if p.slice_index >= 0:
+                    targets = [(p.slice_index, 0, p.slice_start)]
+                else:  # a whole shared parameter: each of its slices' outputs takes its part
+                    targets = [(i, start, 0) for i, start in plan.shared_outputs[p.param_key]]
+                for i, start, into in targets:
+                    if outputs[i] is not None:
+                        n = plan.slices[i].numel if p.slice_index < 0 else p.numel
+                        outputs[i].narrow(0, into, n).add_(result.narrow(0, start, n))
             pos += p.numel
 
     @staticmethod
@@ -348,14 +451,14 @@ class GiftReducer:
                 "the selected layers or the whitener versions")
 
     def _exact_reduction(self, tensor, plan: BucketPlan, divisor: float) -> Optional[torch.Tensor]:
-        """fp32 reduction of this owner's chunk (main pieces then high pieces, gradient
+        """fp32 reduction of every section this rank receives (in plan order, gradient
         coordinates) by a plain exchange; extra traffic on sampled steps, counted as telemetry."""
         comm = self.comm
         me, world = comm.rank, comm.world_size
         chunks, sizes, own = [], [], None
-        for dst, owner in enumerate(plan.owners):
-            pieces = [Piece(p.bucket_offset, p.numel, p.param_key) for p in owner.main + owner.high]
-            raw = self._gather(tensor, pieces, owner.main_numel + owner.high_numel, {})
+        for dst in range(world):
+            pieces = [Piece(p.bucket_offset, p.numel, p.param_key) for sec in plan.to_rank[dst] for p in sec.pieces]
+            raw = self._gather(tensor, pieces, plan.received_numel(dst), {})
             if dst == me:
                 own = raw
                 raw = raw[:0]

@@ -111,6 +111,7 @@ class GiftState:
         for name, module in self.geometry.modules.items():
             self.param_names[opt.get_param_id(module.weight)] = name
         self.native_average_tensor = opt.average_tensor
+        self._muon_class = _muon_optimizer_class()
         self.step_totals: Dict[str, float] = {}
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.records: List[dict] = []
@@ -182,6 +183,17 @@ class GiftState:
             return (GEO, w) if w is not None else (MAIN, None)
         return (HIGH if self.high_codec is not None else MAIN), None
 
+    def _copy_ranks(self, param, starts) -> tuple:
+        """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
+        matrix, so its ``average_tensor`` all-reduces a Muon matrix split across partitions to
+        every owner of a slice (``copy_ranks``). The same test as DeepSpeed's, so GIFT delivers
+        exactly what the native path would."""
+        if self._muon_class is None or len(starts) < 2:
+            return ()
+        if isinstance(self.opt.optimizer, self._muon_class) and getattr(param, "use_muon", False):
+            return tuple(sorted(pid for _, pid in starts))
+        return ()
+
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
         k = self.k
         if k < 0:
@@ -203,9 +215,11 @@ class GiftState:
                 self.geometry.capture(name, tensor.narrow(0, offset, numel).view(param.shape))
             starts = sorted((int(opt.grad_start_offset[group_idx][pid][param_id]), pid)
                             for pid in opt.param_to_partition_ids[group_idx][param_id])
+            copy_ranks = self._copy_ranks(param, starts)  # then delivered whole: every row is whole
             for j, (start, pid) in enumerate(starts):
                 end = starts[j + 1][0] if j + 1 < len(starts) else numel
-                slices.append(ParamSlice(pid, offset + start, end - start, start, param_id, row_len, mode))
+                slices.append(ParamSlice(pid, offset + start, end - start, start, param_id, row_len, mode,
+                                         copy_ranks))
                 outputs.append(opt._get_compact_grad_partition_slice(group_idx, pid, param_id, end - start))
             offset += numel
         if offset != tensor.numel():
@@ -267,6 +281,15 @@ class GiftState:
             events = [(f"Gift/{key}", float(v), self.engine.global_samples) for key, v in record.items()
                       if key != "step"]
             monitor.write_events(events)
+
+
+def _muon_optimizer_class():
+    """DeepSpeed's Muon optimizer class, or None on a DeepSpeed without it."""
+    try:
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    except ImportError:
+        return None
+    return MuonWithAuxAdam
 
 
 class _reduction_stream:

@@ -51,6 +51,9 @@ def ds_config(spec: dict) -> dict:
         "gradient_clipping": spec.get("clip", 0.0),
         "wall_clock_breakdown": False,
     }
+    if spec.get("optimizer") == "muon":  # DeepSpeed's MuonWithAuxAdam; its Adam half is torch's
+        cfg["optimizer"] = {"type": "Muon", "params": {"lr": spec.get("lr", 2e-2), "momentum": 0.95,
+                                                       "torch_adam": True}}
     if spec.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
         if spec.get("grad_accum_dtype"):
@@ -155,9 +158,17 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         if spec.get("save_at") == engine.global_steps and (i + 1) % ga == 0:
             engine.save_checkpoint(spec["save_dir"])
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    split = []  # Muon matrices that ZeRO's partitions cut (tests assert the case they cover happens)
+    if hasattr(opt, "param_to_partition_ids"):
+        for name, p in engine.module.named_parameters():
+            if getattr(p, "use_muon", False) and p.requires_grad:
+                group = next(i for i, g in enumerate(opt.bit16_groups) if any(q is p for q in g))
+                if len(opt.param_to_partition_ids[group][opt.get_param_id(p)]) > 1:
+                    split.append(name)
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0),
-              "step_times": step_times, "peak_rss_mib": rss_steps}
+              "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name

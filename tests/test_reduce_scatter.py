@@ -153,3 +153,51 @@ def test_ranks_that_disagree_on_whitener_versions_fail_loudly():
     messages = run_ranks(_disagree_body, 2)
     assert all("ranks disagree on the bucket layout, the selected layers or the whitener versions" in m
                for m in messages), messages
+
+
+def _shared_body(rank, world, fmt, error_feedback):
+    import torch.distributed as dist
+
+    from deepspeed_gift.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    shapes, slices, total = _layout(world)
+    # parameter 1 (5 x 32, whitened) is cut by the partitions: make it a shared (Muon) matrix
+    owners = tuple(sorted({s.dst for s in slices if s.param_key == 1}))
+    assert len(owners) > 1
+    slices = [ParamSlice(s.dst, s.bucket_offset, s.numel, s.param_offset, s.param_key, 32, GEO, owners)
+              if s.param_key == 1 else s for s in slices]
+    reducer = GiftReducer(TorchComm(), formats.get_format(fmt), formats.get_format("bf16"),
+                          error_feedback=error_feedback)
+    grads = [torch.randn(total, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+    outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in slices]
+    whiteners = _whiteners()
+    bucket = grads[rank].clone()
+    stats = {}
+    for step in range(2):  # the second step adds the first one's residual when error feedback is on
+        bucket = grads[rank].clone()
+        stats = reducer.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, step=step,
+                               outputs=outputs if step == 1 else None)
+    start = min(s.bucket_offset for s in slices if s.param_key == 1)
+    numel = 5 * 32
+    exact = torch.stack(grads).sum(0) / world
+    mine = [(s.param_offset, o) for s, o in zip(slices, outputs) if s.param_key == 1 and o is not None]
+    return (rank in owners, bucket[start:start + numel].clone(), exact[start:start + numel], mine,
+            stats["elements_sent"])
+
+
+def test_a_shared_matrix_reaches_every_copy_rank_whole_and_identical():
+    for fmt in ("fp32", "fp8_e4m3"):
+        for world in (2, 3):
+            per_rank = run_ranks(_shared_body, world, fmt, fmt != "fp32")
+            copies = [(got, exact, mine) for is_copy, got, exact, mine, _ in per_rank if is_copy]
+            assert len(copies) >= 2
+            first = copies[0][0]
+            for got, exact, mine in copies:
+                assert torch.equal(got, first)  # bit-identical at every copy rank, as an all-reduce gives
+                if fmt == "fp32":
+                    torch.testing.assert_close(got, exact, rtol=FP32_WHITENED_RTOL, atol=FP32_WHITENED_RTOL)
+                else:
+                    assert 0 < float((got - exact).norm() / exact.norm()) < 0.06
+                for start, out in mine:  # compact outputs receive only this rank's own slice
+                    torch.testing.assert_close(out, got[start:start + out.numel()])
