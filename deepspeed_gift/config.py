@@ -41,7 +41,11 @@ class GeometryConfig(_GiftModel):
     """Number of leading eigen-directions kept in the low-rank + diagonal fit."""
 
     damping: float = Field(1e-3, gt=0.0)
-    """Floor of the residual diagonal ``d`` (keeps ``S`` bounded)."""
+    """Floor of the residual diagonal ``d`` (keeps ``S`` bounded); see ``damping_mode``."""
+
+    damping_mode: Literal["absolute", "relative"] = "absolute"
+    """``absolute``: the floor is ``damping``; ``relative``: ``damping * mean(diag(A))``, the
+    same conditioning whatever the scale of the layer's inputs."""
 
     refresh_interval: int = Field(50, ge=1)
     """Steps between re-fits of the factors."""
@@ -75,6 +79,13 @@ class SelectionConfig(_GiftModel):
 
     max_layers: Optional[int] = Field(None, ge=1)
     """Keep at most this many layers (highest gain per transform FLOP first)."""
+
+    metric: Literal["optimizer", "l2", "whitened"] = "optimizer"
+    """The error a layer's gain is measured in: ``optimizer``: the relative error of the
+    update the configured optimizer takes from the gradient (Muon: Newton-Schulz of the
+    Nesterov momentum blend; Adam/AdamW: ``m_hat / (sqrt(v_hat) + eps)``, with the real
+    optimizer state; plain L2 for other optimizers); ``l2``: the gradient's plain relative
+    error; ``whitened``: its error in the whitener's norm ``||E S|| / ||G S||``."""
 
 
 class TelemetryConfig(_GiftModel):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from . import geometry as geo
+from . import metrics
 
 logger = logging.getLogger("deepspeed_gift")
 
@@ -52,6 +53,11 @@ class GeometryManager:
         self.whiteners: Dict[str, geo.Whitener] = {}
         self.active: set = set()
         self.gains: Dict[str, float] = {}
+        # Set by the optimizer seam: which rank captures a layer's gradient for the profile (one
+        # that holds the layer's optimizer state), and the update rule judged there.
+        self.capture_rank: Dict[str, int] = {}
+        self.rule_for = lambda name: None
+        self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
         self._hooks = []
         self._stats: Dict[str, geo.CovarianceEMA] = {}
         self._step_sum: Dict[str, torch.Tensor] = {}
@@ -59,7 +65,7 @@ class GeometryManager:
         self._stats_key: Dict[str, str] = {}  # module -> module whose input statistic it shares
         self._last_input = None  # (tensor, key) of the most recent hooked input
         self._lowrank: Dict[str, geo.LowRankDiag] = {}
-        self._captured: Dict[str, torch.Tensor] = {}
+        self._captured: Dict[str, tuple] = {}  # name -> (local gradient, the optimizer's rule then)
         self._check_widths()
         self.owner_of = balance_over_ranks({n: self.modules[n].in_features for n in self.names},
                                            self.comm.world_size)
@@ -143,16 +149,30 @@ class GeometryManager:
         self._step_count.clear()
 
     # ---- profile capture (called from the reduction on refresh steps) ----------------
+    def profiling(self) -> bool:
+        """Refresh steps judge every layer's coordinates: to select them (``layers: "auto"``) or,
+        with sampled telemetry, to report their errors in every metric."""
+        telemetry = self.cfg.telemetry
+        return self.kind != "identity" and (self.cfg.layers == "auto" or (telemetry.fidelity and telemetry.every > 0))
+
     def wants_capture(self, name: str) -> bool:
-        return (self.cfg.layers == "auto" and self.kind != "identity" and self.refresh_due(self.step)
-                and self.owner_of.get(name) == self.comm.rank)
+        return (self.profiling() and self.refresh_due(self.step)
+                and self.capture_rank.get(name, self.owner_of.get(name)) == self.comm.rank)
 
     def capture(self, name: str, grad2d: torch.Tensor) -> None:
+        """Keep this step's local gradient of ``name`` and the optimizer's rule with its state
+        now (the step about to run overwrites it)."""
         rows = grad2d.shape[0]
-        if rows > PROFILE_MAX_ROWS:
+        # The optimizer's update (Muon's orthogonalization, Adam's state over a ZeRO slice) is
+        # defined on the whole matrix; plain and whitened errors are row-wise, a sample will do
+        # when selection does not use the optimizer's metric (which is then not reported).
+        rule = None
+        if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS:
+            rule = self.rule_for(name)
+        else:
             index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
             grad2d = grad2d.index_select(0, index)
-        self._captured[name] = grad2d.detach().float().clone()
+        self._captured[name] = (grad2d.detach().float().clone(), rule)
 
     # ---- end of step ----------------------------------------------------------------
     def end_step(self, k: int) -> None:
@@ -163,7 +183,7 @@ class GeometryManager:
         previous = dict(self.whiteners)
         if self.kind == "kfac_input":
             self._refit()
-        if self.cfg.layers == "auto":
+        if self.profiling():
             self._profile_and_select(previous)
         self.version += 1
         for w in self.whiteners.values():
@@ -272,14 +292,21 @@ class GeometryManager:
             A = flat.view(dim, dim)
             if prev is not None:
                 A = geo.blend_low_rank(prev, A, factor_decay=fd)
-            return geo.fit_low_rank_diag(A, rank=self.gcfg.rank, damping=self.gcfg.damping,
+            return geo.fit_low_rank_diag(A, rank=self.gcfg.rank, damping=self._damping_floor(torch.diagonal(A)),
                                          method=self.gcfg.method, seed=self.cfg.seed)
         Y = flat[:dim * omega.shape[1]].view(dim, omega.shape[1])
         diag = flat[dim * omega.shape[1]:]
         if prev is not None:
             Y = fd * geo.low_rank_matmul(prev, omega) + (1.0 - fd) * Y
             diag = fd * geo.low_rank_diagonal(prev) + (1.0 - fd) * diag
-        return geo.nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self.gcfg.damping)
+        return geo.nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self._damping_floor(diag))
+
+    def _damping_floor(self, diag: torch.Tensor) -> float:
+        if self.gcfg.damping_mode == "absolute":
+            return self.gcfg.damping
+        mean = float(diag.double().mean())
+        # an all-zero input (a dead layer) still needs a positive floor
+        return self.gcfg.damping * mean if mean > 0 and mean == mean else self.gcfg.damping
 
     def _rebuild_whiteners(self, keys) -> None:
         """Whiteners of every module whose statistic is among ``keys``, from the shared factors
@@ -318,48 +345,47 @@ class GeometryManager:
         return shared
 
     # ---- auto selection -------------------------------------------------------------
-    def _roundtrip_error(self, G: torch.Tensor, whitener: Optional[geo.Whitener]) -> float:
-        codec = self.main_codec
-        if whitener is None:
-            back = codec.decode(codec.encode(G))
-        else:
-            back = whitener.invert(codec.decode(codec.encode(whitener.apply(G))))
-        return float((back - G).norm() / G.norm().clamp_min(1e-30))
-
     def _profile_and_select(self, previous: Dict[str, geo.Whitener]) -> None:
-        """Select the layers whose geometry lowers the round-trip error of this step's real
-        gradient. The whitener measured is the one fitted a refresh interval ago, not the
-        fresh one: that is how stale a whitener gets before its next refresh, and a fresh
+        """Judge each layer's coordinates on this step's real gradient, in every metric, and
+        (``layers: "auto"``) select the layers whose geometry lowers the error in
+        ``selection.metric``. The whitener judged is the one fitted a refresh interval ago, not
+        the fresh one: that is how stale a whitener gets before its next refresh, and a fresh
         fit judged on the gradient of its own step flatters layers whose input statistics
         drift (measured: selected on in-sample gains, such layers tripled the error)."""
-        gains = torch.zeros(len(self.names), 3, dtype=torch.float64)  # err_euclid, err_geo, measured
+        metric = self.cfg.selection.metric
+        table = torch.zeros(len(self.names), len(PROFILE_COLUMNS), dtype=torch.float64)
         for i, name in enumerate(self.names):
-            G = self._captured.get(name)
+            G, rule = self._captured.get(name, (None, None))
             w = previous.get(name)
             if G is None or w is None or not torch.isfinite(G).all() or G.abs().max() == 0:
                 continue
-            gains[i, 0] = self._roundtrip_error(G, None)
-            gains[i, 1] = self._roundtrip_error(G, w)
-            gains[i, 2] = 1.0
+            euclid, geom = metrics.judge_geometry(G, self.main_codec, w, metric=metric, rule=rule)
+            table[i] = torch.tensor([euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS]
+                                    + [1.0, float(RULE_CODES[metrics.rule_kind(rule)])], dtype=torch.float64)
         self._captured.clear()
-        self.comm.all_reduce_sum(gains, kind="control")
-        chosen = []
+        self.comm.all_reduce_sum(table, kind="control")
+        judged = {}
         for i, name in enumerate(self.names):
-            e_euc, e_geo, measured = gains[i].tolist()
-            if not measured or e_euc <= 0:
-                continue
-            gain = 1.0 - e_geo / e_euc
-            self.gains[name] = gain
-            if gain >= self.cfg.selection.min_gain:
-                chosen.append((gain, name))
-        chosen.sort(key=lambda t: (-t[0], t[1]))
-        if self.cfg.selection.max_layers is not None:
-            chosen = chosen[:self.cfg.selection.max_layers]
-        self.active = {name for _, name in chosen}
-        if self.comm.rank == 0:
-            logger.info("gift auto selection (version %d): %d of %d layers; gains %s", self.version + 1,
-                        len(self.active), len(self.names),
-                        ", ".join(f"{n}={self.gains[n]:+.2f}" for n in sorted(self.gains)))
+            row = dict(zip(PROFILE_COLUMNS, table[i].tolist()))
+            if row["measured"] and row["euclid_" + metric] > 0:
+                judged[name] = row
+        if self.cfg.layers == "auto":
+            chosen = []
+            for name, row in judged.items():
+                gain = 1.0 - row["geo_" + metric] / row["euclid_" + metric]
+                self.gains[name] = gain
+                if gain >= self.cfg.selection.min_gain:
+                    chosen.append((gain, name))
+            chosen.sort(key=lambda t: (-t[0], t[1]))
+            if self.cfg.selection.max_layers is not None:
+                chosen = chosen[:self.cfg.selection.max_layers]
+            self.active = {name for _, name in chosen}
+            if self.comm.rank == 0:
+                logger.info("gift auto selection by %s error (version %d): %d of %d layers; gains %s", metric,
+                            self.version + 1, len(self.active), len(self.names),
+                            ", ".join(f"{n}={self.gains[n]:+.2f}" for n in sorted(self.gains)))
+        if judged:
+            self.profile = summarize_profile(judged, self.active)
 
     # ---- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -418,3 +444,30 @@ def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int
         owner[name] = r
         load[r] += float(widths[name]) ** 2
     return owner
+
+
+PROFILE_COLUMNS = tuple([f"euclid_{m}" for m in metrics.METRICS] + [f"geo_{m}" for m in metrics.METRICS]
+                        + ["measured", "rule"])
+RULE_CODES = {"l2": 0, "adam": 1, "muon": 2}
+
+
+def summarize_profile(judged: Dict[str, dict], active) -> dict:
+    """Telemetry of one profile: per layer and on average over the judged layers, the error of
+    the coordinates in use (geometry for selected layers, Euclidean for the rest) and of
+    all-Euclidean, in each metric; which update rules the optimizer metric used."""
+    names = sorted(judged)
+    out = {"profile_layers": len([n for n in names if n in active]), "profile_judged": len(names)}
+    kind_of = {code: kind for kind, code in RULE_CODES.items()}
+    kinds = sorted({kind_of[int(judged[n]["rule"])] for n in names})
+    out["update_metric"] = "+".join(kinds) if kinds else "none"
+    if not names:
+        return out
+    for m, label in (("l2", "l2"), ("whitened", "whitened"), ("optimizer", "update")):
+        used = [judged[n][("geo_" if n in active else "euclid_") + m] for n in names]
+        euclid = [judged[n]["euclid_" + m] for n in names]
+        out[f"profile_{label}"] = sum(used) / len(used)
+        out[f"profile_{label}_euclid"] = sum(euclid) / len(euclid)
+    out["profile_per_layer"] = {n: {"selected": n in active,
+                                    **{k: round(v, 6) for k, v in judged[n].items() if k not in ("measured", "rule")}}
+                                for n in names}
+    return out

@@ -84,10 +84,14 @@ class AdamRule:
     step: int
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    start: Optional[int] = None  # the state covers flat elements [start, start + numel) of g (a ZeRO slice)
 
     def direction(self, g: Tensor) -> Tensor:
         b1, b2 = self.betas
-        g = g.float().reshape(self.exp_avg.shape)
+        g = g.float().reshape(-1)
+        if self.start is not None:
+            g = g.narrow(0, self.start, self.exp_avg.numel())
+        g = g.reshape(self.exp_avg.shape)
         t = self.step + 1
         m = self.exp_avg.float() * b1 + g * (1.0 - b1)
         v = self.exp_avg_sq.float() * b2 + g.square() * (1.0 - b2)

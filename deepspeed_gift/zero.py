@@ -24,6 +24,7 @@ from . import formats
 from .comm import make_comm
 from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
 from .layers import GeometryManager
+from .metrics import AdamRule, MuonRule
 from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice
 
 logger = logging.getLogger("deepspeed_gift")
@@ -112,6 +113,9 @@ class GiftState:
             self.param_names[opt.get_param_id(module.weight)] = name
         self.native_average_tensor = opt.average_tensor
         self._muon_class = _muon_optimizer_class()
+        self._layer_params = self._locate_layer_params()
+        self.geometry.capture_rank = {name: self._main_owner(*where) for name, where in self._layer_params.items()}
+        self.geometry.rule_for = self.update_rule
         self.step_totals: Dict[str, float] = {}
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.records: List[dict] = []
@@ -183,14 +187,76 @@ class GiftState:
             return (GEO, w) if w is not None else (MAIN, None)
         return (HIGH if self.high_codec is not None else MAIN), None
 
+    # ---- the optimizer's state, for errors in its metric ------------------------------
+    def _locate_layer_params(self) -> Dict[str, tuple]:
+        """Candidate layer name -> (weight, ZeRO group index, param id)."""
+        out = {}
+        for name, module in self.geometry.modules.items():
+            for g, group in enumerate(self.opt.bit16_groups):
+                if any(p is module.weight for p in group):
+                    out[name] = (module.weight, g, self.opt.get_param_id(module.weight))
+                    break
+        return out
+
+    def _main_owner(self, param, g: int, param_id: int) -> int:
+        """The partition holding the largest part of ``param`` (it judges the layer's profile:
+        it has the optimizer state there)."""
+        starts = sorted((int(self.opt.grad_start_offset[g][pid][param_id]), pid)
+                        for pid in self.opt.param_to_partition_ids[g][param_id])
+        sizes = [((starts[j + 1][0] if j + 1 < len(starts) else param.numel()) - start, -pid)
+                 for j, (start, pid) in enumerate(starts)]
+        return -max(sizes)[1]
+
+    def _is_muon(self, param) -> bool:
+        return (self._muon_class is not None and isinstance(self.opt.optimizer, self._muon_class)
+                and getattr(param, "use_muon", False))
+
+    def update_rule(self, name: str):
+        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
+        this rank (called during the reduction: the state before the step being run, which
+        the step then overwrites): Muon's momentum of the whole matrix, which every owner of a
+        slice holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT
+        does not model (its errors are then judged in plain L2)."""
+        where = self._layer_params.get(name)
+        if where is None:
+            return None
+        param, g, param_id = where
+        opt, me = self.opt, self.comm.rank
+        inner_group = opt.optimizer.param_groups[g]
+        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
+        if self._is_muon(param):
+            offset = 0
+            for t in opt.params_in_partition[g]:
+                if t is param:
+                    break
+                offset += t.numel()
+            else:
+                return None
+            buffer = state.get("momentum_buffer")
+            momentum = (torch.zeros(param.shape, device=param.device) if buffer is None
+                        else buffer.narrow(0, offset, param.numel()).view(param.shape).float().clone())
+            return MuonRule(momentum=momentum, beta=float(inner_group["momentum"]), nesterov=True)
+        if "betas" not in inner_group or param_id not in opt.grad_start_offset[g][me]:
+            return None
+        start = int(opt.grad_start_offset[g][me][param_id])
+        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
+        numel = min(param.numel() - start, int(opt.partition_size[g]) - dest)
+        if "exp_avg" in state and "exp_avg_sq" in state:
+            m = state["exp_avg"].narrow(0, dest, numel).float().clone()
+            v = state["exp_avg_sq"].narrow(0, dest, numel).float().clone()
+            step = int(float(state.get("step", 0)))
+        else:  # before the first step: Adam starts from zero moments
+            m = v = torch.zeros(numel, device=param.device)
+            step = 0
+        return AdamRule(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(inner_group["betas"]),
+                        eps=float(inner_group.get("eps", 1e-8)), start=start)
+
     def _copy_ranks(self, param, starts) -> tuple:
         """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
         matrix, so its ``average_tensor`` all-reduces a Muon matrix split across partitions to
         every owner of a slice (``copy_ranks``). The same test as DeepSpeed's, so GIFT delivers
         exactly what the native path would."""
-        if self._muon_class is None or len(starts) < 2:
-            return ()
-        if isinstance(self.opt.optimizer, self._muon_class) and getattr(param, "use_muon", False):
+        if len(starts) > 1 and self._is_muon(param):
             return tuple(sorted(pid for _, pid in starts))
         return ()
 
@@ -270,6 +336,9 @@ class GiftState:
                 record[key] = int(t[key])
         if t.get("quantized"):
             record["underflow_rate"] = t["underflow"] / t["quantized"]
+        profile, self.geometry.profile = self.geometry.profile, None
+        if profile:
+            record.update(profile)
         self.records.append(record)
         if len(self.records) > 1000:
             del self.records[:-1000]
@@ -279,7 +348,7 @@ class GiftState:
         if self.cfg.telemetry.monitor and monitor is not None and getattr(monitor, "enabled", False) \
                 and self.comm.rank == 0:
             events = [(f"Gift/{key}", float(v), self.engine.global_samples) for key, v in record.items()
-                      if key != "step"]
+                      if key != "step" and isinstance(v, (int, float))]
             monitor.write_events(events)
 
 

@@ -24,6 +24,8 @@ DOCUMENTED_EXAMPLES = [
     {"backend": "mpi"}, {"others": "bf16", "selection": {"min_gain": 0.1, "max_layers": 4}},
     {"geometry": {"solver": "cholesky", "method": "eigh", "collect_interval": 5}},
     {"telemetry": {"every": 0, "jsonl": "gift.jsonl", "monitor": False}, "seed": 3, "start_step": 10},
+    {"selection": {"metric": "whitened"}, "geometry": {"damping_mode": "relative"}},
+    {"selection": {"metric": "l2"}}, {"selection": {"metric": "optimizer"}},
 ]
 
 
@@ -50,6 +52,8 @@ def test_defaults_resolve():
 # (block, key path that must be named, text that says what is allowed)
 BAD = [
     ({"format": "fp9"}, "gift.format", "fp8_e4m3"),
+    ({"selection": {"metric": "adam"}}, "gift.selection.metric", "'optimizer', 'l2' or 'whitened'"),
+    ({"geometry": {"damping_mode": "scaled"}}, "gift.geometry.damping_mode", "'absolute' or 'relative'"),
     ({"format": 8}, "gift.format", "fp8_e4m3"),
     ({"block_size": -1}, "gift.block_size", "greater than or equal to 0"),
     ({"block_size": "128"}, "gift.block_size", "integer"),

@@ -1,0 +1,117 @@
+"""The optimizer's metric reads the real optimizer state: the update rule GIFT builds for a
+layer predicts the step DeepSpeed actually takes (Muon's whole-matrix momentum, Adam's
+moments of a ZeRO slice), and ``layers: "auto"`` judges layers in it."""
+
+import pytest
+import torch
+
+from deepspeed_gift import metrics
+from launch.spawn import run_ranks
+
+LOSSLESS = {"format": "fp32", "geometry": {"kind": "hadamard"}, "layers": "all", "telemetry": {"every": 0}}
+# DeepSpeed's Muon runs the Gram form of Newton-Schulz, ours the standard quintic form
+# (mathematically the same map); both in fp32 on CPU, so directions agree to ~1e-4.
+MUON_DIRECTION_RTOL = 2e-3
+# torch's Adam and the rule compute m_hat / (sqrt(v_hat) + eps) in a different order.
+ADAM_DIRECTION_RTOL = 1e-4
+
+
+def _predict_body(rank, world, spec):
+    import torch.distributed as dist
+
+    from launch.common import batches, build_engine
+
+    engine = build_engine(spec)
+    gift = engine.gift
+    local = {}
+    for name, module in gift.geometry.modules.items():
+        module.weight.register_hook(lambda g, name=name: local.__setitem__(name, g.detach().clone()) or g)
+    out = []
+    for step, tokens in enumerate(batches(engine.global_rank, 4, 2, 32)):
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        if step < 3:
+            engine.step()
+            continue
+        mine = sorted(n for n, r in gift.geometry.capture_rank.items() if r == rank)
+        rules = {n: gift.update_rule(n) for n in mine}  # state before this step
+        before = {n: m.weight.detach().clone() for n, m in gift.geometry.modules.items()}
+        avg = {}
+        for name in sorted(local):
+            g = local[name].clone()
+            dist.all_reduce(g)
+            avg[name] = g / world
+        engine.step()
+        lr = engine.optimizer.optimizer.param_groups[0]["lr"]
+        for name in mine:
+            rule = rules[name]
+            delta = (gift.geometry.modules[name].weight.detach() - before[name])
+            if isinstance(rule, metrics.MuonRule):
+                rows, cols = delta.shape
+                scale = (rows / cols) ** 0.5 if rows > cols else 1.0
+                predicted = -lr * scale * rule.direction(avg[name])
+                out.append((name, "muon", metrics.relative_error(delta, predicted)))
+            else:
+                n = rule.exp_avg.numel()
+                taken = delta.reshape(-1).narrow(0, rule.start, n)
+                group = engine.optimizer.optimizer.param_groups[-1]
+                decay = group["lr"] * group.get("weight_decay", 0.0) * before[name].reshape(-1).narrow(0, rule.start, n)
+                predicted = -group["lr"] * rule.direction(avg[name]) - decay  # AdamW's decoupled decay
+                out.append((name, "adam", metrics.relative_error(taken, predicted)))
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adam"])
+def test_update_rule_predicts_the_step_deepspeed_takes(optimizer):
+    spec = dict(stage=2, steps=4, bucket=20000, optimizer=optimizer, gift=LOSSLESS,
+                lr=2e-2 if optimizer == "muon" else 3e-3)
+    results = run_ranks(_predict_body, 2, spec)
+    seen = {kind for per_rank in results for _, kind, _ in per_rank}
+    # under Muon, lm_head is in the Adam half: both rules are exercised
+    assert seen == ({"muon", "adam"} if optimizer == "muon" else {"adam"})
+    for per_rank in results:
+        for name, kind, err in per_rank:
+            assert err <= (MUON_DIRECTION_RTOL if kind == "muon" else ADAM_DIRECTION_RTOL), (name, kind, err)
+
+
+def test_rules_see_what_plain_l2_does_not():
+    # A gradient with a few strong input directions: the same relative L2 error put along the
+    # strong directions (as whitening does) or along weak ones (as Euclidean block scaling
+    # leaves it) is far apart after Newton-Schulz, which amplifies weak directions.
+    g = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(64, 64, generator=g)).Q
+    spectrum = torch.logspace(0, -3, 64)
+    G = torch.randn(32, 64, generator=g) @ torch.diag(spectrum) @ U.T
+    noise = torch.randn(32, 64, generator=g)
+    strong = noise @ torch.diag(spectrum) @ U.T
+    weak = noise @ torch.diag(spectrum.flip(0)) @ U.T
+    strong *= 0.01 * G.norm() / strong.norm()
+    weak *= 0.01 * G.norm() / weak.norm()
+    rule = metrics.MuonRule(momentum=torch.zeros_like(G), beta=0.0, nesterov=False)
+    assert metrics.relative_error(G + strong, G) == pytest.approx(metrics.relative_error(G + weak, G), rel=1e-6)
+    assert metrics.update_relative_error(rule, G + weak, G) > 5 * metrics.update_relative_error(rule, G + strong, G)
+
+
+def _auto_body(rank, world, spec):
+    from launch.common import train
+
+    result = train(rank, world, spec)
+    return [r for r in result["records"] if "profile_update" in r], result["active"], result["gains"]
+
+
+def test_auto_selects_layers_by_the_muon_update_error():
+    gift = {"format": "nvfp4", "layers": "auto", "geometry": {"rank": 8, "refresh_interval": 2},
+            "selection": {"min_gain": 0.0, "metric": "optimizer"}, "telemetry": {"every": 1}}
+    spec = dict(stage=2, steps=5, bucket=20000, optimizer="muon", gift=gift)
+    (profiles, active, gains), _ = run_ranks(_auto_body, 2, spec)
+    assert len(profiles) == 2  # refreshes at steps 2 and 4 judge the whiteners of 0 and 2
+    last = profiles[-1]
+    assert last["update_metric"] == "adam+muon" and last["profile_judged"] == 15
+    assert last["profile_layers"] == len(active) > 0
+    for name, row in last["profile_per_layer"].items():
+        gain = 1 - row["geo_optimizer"] / row["euclid_optimizer"]
+        assert gain == pytest.approx(gains[name], rel=1e-4, abs=1e-5)  # per-layer rows keep 6 digits
+        assert row["selected"] == (gain >= 0.0)
+    # the selection's own metric can only improve on all-Euclidean at the step it was judged on
+    assert last["profile_update"] < last["profile_update_euclid"]
+    assert 0 < last["profile_l2_euclid"] < 0.3 and 0 < last["profile_whitened"] < 0.3
