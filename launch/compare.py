@@ -1,22 +1,32 @@
 """    .venv/bin/python launch/compare.py
 
 Runs several ds_configs on the same model, data, seed and steps; writes report.md and a
-loss-curve PNG and prints where they are. By default: every stage-2 config in
-``ds_configs/`` except the ``mpi``-backend variant (bf16 baseline; Euclidean and GIFT at
-FP8 e5m2 per-tensor, FP8 e4m3 per-block and NVFP4; GIFT FP8 forced on all layers), the
-``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo), 250
-steps: about 10 minutes on 2 CPU cores. Other choices:
+loss-curve PNG and prints where they are. By default (``DEFAULT_SUITE``): under AdamW the
+bf16 baseline and Euclidean vs GIFT at FP8 e5m2 per-tensor (the paper's pair) and at NVFP4;
+under DeepSpeed's Muon the bf16 baseline and Euclidean vs GIFT at FP8 e5m2 per-tensor; the
+``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo), 250 steps:
+about 9 minutes on 2 idle CPU cores, 15 with other jobs on the machine. Other choices:
 
+    .venv/bin/python launch/compare.py --all        # every stage-2 config of ds_configs/ (~14 min idle)
     .venv/bin/python launch/compare.py --configs ds_configs/bf16_baseline_zero1.json ds_configs/gift_fp8_zero1.json
     .venv/bin/python launch/compare.py --preset tiny --steps 20 --out-dir runs/quick
+    .venv/bin/python launch/compare.py --seeds 3 --configs ds_configs/muon_euclid_fp8_e5m2_tensor_zero2.json \\
+        ds_configs/muon_gift_fp8_e5m2_tensor_zero2.json --out-dir runs/seeds
 
 Each config runs in its own set of ranks (``launch.spawn.run_ranks`` calling
 ``launch/pretrain.py``'s ``main``), so one that fails or hangs is reported as such and
-the next still runs. Writes, under ``--out-dir``: ``report.md`` (final train/validation
-loss and gap to the bf16 baseline, next-token accuracy, wire bytes per gradient element,
-sampled fidelity, step time and ratio to the baseline; GIFT vs Euclidean at the same
-format), ``loss_curves.png`` (needs matplotlib), ``results.json`` and one metrics JSONL
-per run in ``runs/``.
+the next still runs. ``--seeds N`` runs every config with seeds ``--seed`` .. ``--seed``+N-1
+(a seed sets the model's initialization and the order of the training batches; the
+validation batches are the same for every seed) and adds mean +- std of the final
+validation loss per config and, for each GIFT-vs-Euclidean pair at the same format and
+optimizer, whether the difference of the means exceeds two standard errors.
+
+Writes, under ``--out-dir``: ``report.md`` (final train/validation loss and gap to the bf16
+baseline of the same optimizer, next-token accuracy, wire bytes per gradient element,
+sampled fidelity, GIFT's selection profile where the records have it, step time and ratio
+to the baseline; GIFT vs Euclidean at the same format, under AdamW and under Muon; the
+seed statistics), ``loss_curves.png`` (needs matplotlib), ``results.json`` (every run,
+per seed) and one metrics JSONL per run in ``runs/``.
 """
 
 from __future__ import annotations
@@ -35,17 +45,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from launch.pretrain import finite, read_metrics, resolve_path, run_rank, summarize  # noqa: E402
+from launch.pretrain import (PROFILE_ERRORS, finite, read_metrics, resolve_path, run_rank,  # noqa: E402
+                             summarize)
 from launch.spawn import run_ranks  # noqa: E402
 
-# Sized by measurement: the 8 default configs, small preset, 2 ranks on 2 CPU cores, ~10 min.
+# lr for the small preset (the configs ship 3e-4, for 300M+ models); Muon's matrices keep the
+# configs' muon_lr 0.02, which also suits the small preset (250 steps: val loss 1.855; 0.05: 1.865)
 DEFAULTS = dict(preset="small", steps=250, seq_len=128, micro_batch=4, lr=2e-3, eval_every=25, eval_batches=4)
+# Sized by measurement (small preset, 250 steps, 2 ranks on 2 CPU cores): an AdamW run ~50 s
+# idle, ~90 s with other jobs on the machine; a Muon run ~90 s / ~150 s (Newton-Schulz of every
+# matrix: 1.6x AdamW's CPU time per step). The e4m3 per-block pair, GIFT on all layers and the
+# Muon NVFP4 pair stay available through --all / --configs.
+DEFAULT_SUITE = (
+    "bf16_baseline_zero2", "euclid_fp8_e5m2_tensor_zero2", "gift_fp8_e5m2_tensor_zero2",
+    "euclid_nvfp4_zero2", "gift_nvfp4_ef_zero2",
+    "muon_bf16_baseline_zero2", "muon_euclid_fp8_e5m2_tensor_zero2", "muon_gift_fp8_e5m2_tensor_zero2",
+)
 RUN_TIMEOUT_S = 900
+# A GIFT-vs-Euclidean difference of means counts when it exceeds this many standard errors.
+SE_THRESHOLD = 2.0
 
 
-def default_configs() -> list:
-    """Stage-2 configs that differ in format/geometry: all ``*.json`` in ds_configs/ with
-    ZeRO stage 2 and not the mpi backend; the baseline (no gift block) first."""
+def stage2_configs() -> list:
+    """Every stage-2 config in ds_configs/ except the mpi-backend variant."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))):
         with open(path) as f:
@@ -57,16 +79,25 @@ def default_configs() -> list:
     return sorted(out, key=_report_order)
 
 
+def default_configs() -> list:
+    """``DEFAULT_SUITE``, baseline of each optimizer first."""
+    paths = [os.path.join("ds_configs", name + ".json") for name in DEFAULT_SUITE]
+    return sorted(paths, key=_report_order)
+
+
 FORMAT_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "nvfp4", "int4", "bf16", "fp32")
+OPTIMIZER_ORDER = ("adamw", "adam", "muon")
 
 
 def _report_order(path: str):
-    """Baseline first, then by format, each Euclidean run before its GIFT variants."""
+    """By optimizer; within one, the baseline first, then by format, each Euclidean run before
+    its GIFT variants."""
     g = describe_gift(path)
+    opt = OPTIMIZER_ORDER.index(g["optimizer"]) if g["optimizer"] in OPTIMIZER_ORDER else len(OPTIMIZER_ORDER)
     if g["wire"] == "native":
-        return (0,)
-    return (1, FORMAT_ORDER.index(g["format"]), g["block"], g["geometry"] != "identity", str(g["layers"]) == "all",
-            path)
+        return (opt, 0)
+    return (opt, 1, FORMAT_ORDER.index(g["format"]), g["block"], g["geometry"] != "identity",
+            str(g["layers"]) == "all", path)
 
 
 def is_baseline(path: str) -> bool:
@@ -80,22 +111,32 @@ def config_label(path: str) -> str:
 
 
 def describe_gift(path: str) -> dict:
-    """Format / block / geometry of a config, to pair GIFT with Euclidean runs."""
+    """Optimizer and format / block / geometry of a config, to pair GIFT with Euclidean runs."""
     import deepspeed_gift
 
     with open(resolve_path(path)) as f:
-        cfg = deepspeed_gift.get_gift_config(json.load(f))
+        raw = json.load(f)
+    cfg = deepspeed_gift.get_gift_config(raw)
+    optimizer = str(raw.get("optimizer", {}).get("type", "none")).lower()
     if not cfg.enabled:
-        return {"wire": "native"}
-    return {"wire": "gift", "format": cfg.format, "block": cfg.effective_block_size, "scale": cfg.scale,
-            "geometry": cfg.geometry.kind, "error_feedback": cfg.error_feedback, "layers": cfg.layers}
+        return {"wire": "native", "optimizer": optimizer}
+    return {"wire": "gift", "optimizer": optimizer, "format": cfg.format, "block": cfg.effective_block_size,
+            "scale": cfg.scale, "geometry": cfg.geometry.kind, "error_feedback": cfg.error_feedback,
+            "layers": cfg.layers}
 
 
-def run_one(path: str, args, metrics_path: str) -> dict:
-    argv = ["--ds-config", path, "--preset", args.preset, "--steps", str(args.steps), "--seed", str(args.seed),
+def optimizer_name(g: dict) -> str:
+    return {"adamw": "AdamW", "adam": "Adam", "muon": "Muon"}.get(g["optimizer"], g["optimizer"])
+
+
+def run_one(path: str, args, metrics_path: str, seed: int) -> dict:
+    argv = ["--ds-config", path, "--preset", args.preset, "--steps", str(args.steps), "--seed", str(seed),
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--lr", str(args.lr),
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
             "--log-every", str(args.log_every), "--metrics", metrics_path, "--no-progress"]
+    desc = describe_gift(path)
+    if args.muon_lr is not None and desc["optimizer"] == "muon":
+        argv += ["--muon-lr", str(args.muon_lr)]
     if args.data:
         argv += ["--data", *args.data]
     if args.tokenizer:
@@ -110,7 +151,7 @@ def run_one(path: str, args, metrics_path: str) -> dict:
     except Exception as exc:  # a failed run is a result, not the end of the comparison
         error = str(exc)
     wall = time.perf_counter() - t0
-    result = {"config": path, "label": config_label(path), "wall_s": wall, "gift": describe_gift(path)}
+    result = {"config": path, "label": config_label(path), "seed": seed, "wall_s": wall, "gift": desc}
     result["load_avg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     metrics = read_metrics(metrics_path) if os.path.exists(metrics_path) else None
     if metrics and metrics["train"]:
@@ -124,6 +165,8 @@ def run_one(path: str, args, metrics_path: str) -> dict:
             result["params"] = metrics["start"]["params"]
             result["tokens_per_step"] = metrics["start"]["tokens_per_step"]
             result["corpus"] = metrics["start"]["corpus"]
+            opt = metrics["start"]["ds_config"].get("optimizer", {}).get("params", {})
+            result["lr"], result["muon_lr"] = opt.get("lr"), opt.get("muon_lr")
     result["status"] = status_of(result, metrics, error, args.steps)
     if error:
         result["error"] = error.strip().splitlines()[-1][:300] if error.strip() else "failed"
@@ -143,6 +186,52 @@ def status_of(result: dict, metrics, error, steps: int) -> str:
     if result.get("final_train_loss") is not None and result["final_train_loss"] > losses[0]:
         return "diverged"  # ended above where it started
     return "ok"
+
+
+# ---- seeds ------------------------------------------------------------------------------
+def combine_seeds(runs: list) -> dict:
+    """One config's runs (one per seed) as one result: numbers are means over the runs that
+    finished normally, ``final_val_losses`` keeps the per-seed values. With one seed, the run."""
+    if len(runs) == 1:
+        return dict(runs[0], seeds=[runs[0]["seed"]])
+    ok = [r for r in runs if r["status"] == "ok"]
+    out = {k: runs[0][k] for k in ("config", "label", "gift")}
+    out["seeds"] = [r["seed"] for r in runs]
+    out["status"] = "ok" if len(ok) == len(runs) else f"{len(ok)}/{len(runs)} ok"
+    for key in {k for r in ok for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}:
+        values = [r[key] for r in ok if finite(r.get(key))]
+        if key not in ("seed", "wall_s") and values:
+            out[key] = statistics.fmean(values)
+    for key in ("update_metric", "params", "tokens_per_step", "corpus", "lr", "muon_lr"):
+        if ok and ok[0].get(key) is not None:
+            out[key] = ok[0][key]
+    # a run that stopped early may still have a validation loss from before it stopped
+    out["final_val_losses"] = {r["seed"]: r.get("final_val_loss") if r["status"] == "ok" else None for r in runs}
+    return out
+
+
+def seed_stats(values: list) -> dict:
+    """n, mean and sample standard deviation of the finite values."""
+    xs = [v for v in values if finite(v)]
+    return {"n": len(xs), "mean": statistics.fmean(xs) if xs else None,
+            "std": statistics.stdev(xs) if len(xs) > 1 else None}
+
+
+def seed_verdict(gift_values: list, euclid_values: list) -> dict:
+    """GIFT minus Euclidean difference of mean validation loss against
+    ``SE_THRESHOLD * sqrt(s_g^2/n_g + s_e^2/n_e)``; lower loss is better."""
+    g, e = seed_stats(gift_values), seed_stats(euclid_values)
+    out = {"gift": g, "euclid": e, "diff": None, "se": None}
+    if g["n"] < 2 or e["n"] < 2:
+        out["verdict"] = "not enough seeds (needs 2 finished runs per side)"
+        return out
+    out["diff"] = g["mean"] - e["mean"]
+    out["se"] = math.sqrt(g["std"] ** 2 / g["n"] + e["std"] ** 2 / e["n"])
+    if abs(out["diff"]) > SE_THRESHOLD * out["se"]:
+        out["verdict"] = "GIFT better" if out["diff"] < 0 else "Euclidean better"
+    else:
+        out["verdict"] = f"no difference at {SE_THRESHOLD:g} SE"
+    return out
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -169,18 +258,25 @@ def wire_name(g: dict) -> str:
     return f"{geo} {g['format']} {block}{layers}" + (" + EF" if g.get("error_feedback") else "")
 
 
-def report_table(results: list) -> list:
-    base = next((r for r in results if r["gift"].get("wire") == "native" and r["status"] == "ok"), None)
-    rows = ["| config | wire | status | train loss | vs bf16 | val loss | vs bf16 | val acc | B/elem | "
-            "fidelity err | geo layers | step s | x bf16 | cpu s | x bf16 |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def baseline_of(r: dict, results: list):
+    """The finished native run with the same optimizer (and seed, when runs have one)."""
+    return next((b for b in results if b["gift"].get("wire") == "native" and b["status"] == "ok"
+                 and b["gift"]["optimizer"] == r["gift"]["optimizer"] and b.get("seed") == r.get("seed")), None)
+
+
+def report_table(results: list, with_seed: bool = False) -> list:
+    rows = ["| config | optim | " + ("seed | " if with_seed else "") + "wire | status | train loss | vs bf16 | "
+            "val loss | vs bf16 | val acc | B/elem | fidelity err | geo layers | step s | x bf16 | cpu s | x bf16 |",
+            "|---|---|" + ("---:|" if with_seed else "") + "---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "---:|---:|---:|"]
     for r in results:
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
         if r.get("error"):
             status += f" ({r['error'].replace('|', '/')[:120]})"
-        b = base or {}
+        b = baseline_of(r, results) or {}
         rows.append("| " + " | ".join([
-            r["label"], wire_name(r["gift"]), status,
+            r["label"], optimizer_name(r["gift"]), *([str(r["seed"])] if with_seed else []),
+            wire_name(r["gift"]), status,
             _f(r.get("final_train_loss")), _gap(r.get("final_train_loss"), b.get("final_train_loss")),
             _f(r.get("final_val_loss")), _gap(r.get("final_val_loss"), b.get("final_val_loss")),
             _f(r.get("final_val_acc")), _f(r.get("bytes_per_elem"), ".3f"),
@@ -193,14 +289,63 @@ def report_table(results: list) -> list:
     return rows
 
 
+def has_profile(r: dict) -> bool:
+    return any(finite(r.get(k)) for k in PROFILE_ERRORS)
+
+
+def _profile_value(r: dict, metric: str) -> str:
+    """``in use`` error of one profile metric, with ``/ all-Euclidean`` where recorded."""
+    used, euclid = r.get(f"profile_{metric}"), r.get(f"profile_{metric}_euclid")
+    return _f(used, ".2e") + (f" / {_f(euclid, '.2e')}" if finite(euclid) else "")
+
+
+def _profile_layers(r: dict) -> str:
+    layers, judged = r.get("profile_layers"), r.get("profile_judged")
+    return _f(layers, "g") + (f" of {judged:g}" if finite(judged) else "")
+
+
+def profile_text(r: dict) -> str:
+    """GIFT's selection profile: plain L2 first, then the whitened norm and the optimizer's
+    update (an update error alone would hide what the wire itself lost)."""
+    metric = r.get("update_metric") or "optimizer"
+    n = r.get("profile_refreshes")
+    both = finite(r.get("profile_l2_euclid"))
+    return (f"L2 {_profile_value(r, 'l2')}, whitened {_profile_value(r, 'whitened')}, "
+            f"{metric} update {_profile_value(r, 'update')}" + (" (in use / all-Euclidean)" if both else "")
+            + f", {_profile_layers(r)} layers selected" + (f", mean of {n:g} refreshes" if finite(n) else ""))
+
+
+def telemetry_table(results: list) -> list:
+    """Gradient errors of the GIFT-wire runs: the sampled fidelity (plain L2 against an exact
+    reduction) beside the selection profile, where the records carry one."""
+    wired = [r for r in results if r["gift"].get("wire") == "gift"]
+    if not wired:
+        return []
+    lines = ["| config | optim | wire | fidelity err (L2) | profile L2 | profile whitened | profile update | "
+             "update metric | layers selected |", "|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in wired:
+        lines.append("| " + " | ".join([
+            r["label"], optimizer_name(r["gift"]), wire_name(r["gift"]), _f(r.get("fidelity_rel_err"), ".2e"),
+            _profile_value(r, "l2"), _profile_value(r, "whitened"), _profile_value(r, "update"),
+            str(r.get("update_metric") or "-"), _profile_layers(r)]) + " |")
+    if not any(has_profile(r) for r in wired):
+        lines += ["", "No run recorded a selection profile (`profile_*` fields: GIFT versions before them, or "
+                      "no refresh reached); the fidelity column is the plain L2 error only."]
+    return lines
+
+
 def _pair_line(g: dict, e: dict) -> str:
     fg, fe = g.get("fidelity_rel_err"), e.get("fidelity_rel_err")
     parts = [f"val loss {_f(g.get('final_val_loss'))} vs {_f(e.get('final_val_loss'))} "
              f"({_gap(g.get('final_val_loss'), e.get('final_val_loss'))})",
              f"train loss {_f(g.get('final_train_loss'))} vs {_f(e.get('final_train_loss'))}",
-             f"fidelity err {_f(fg, '.2e')} vs {_f(fe, '.2e')}"
+             f"fidelity err (L2) {_f(fg, '.2e')} vs {_f(fe, '.2e')}"
              + (f" ({fg / fe:.2f}x)" if finite(fe) and finite(fg) and fe > 0 else "")]
-    geo = f"geometry on {g.get('geometry_layers', '-')} layers at the end"
+    for side, r in (("GIFT", g), ("Euclidean", e)):
+        if has_profile(r):
+            parts.append(f"{side} selection profile: {profile_text(r)}")
+    layers = g.get("geometry_layers")
+    geo = f"geometry on {_f(layers, 'g')} layers at the end"
     gains = g.get("geometry_gains")
     if gains:
         geo += (f" (auto profile, 1 - err_geometry/err_euclidean per layer: best {max(gains.values()):+.2f}, "
@@ -212,9 +357,9 @@ def _pair_line(g: dict, e: dict) -> str:
     return line
 
 
-def pairs(results: list) -> list:
-    """GIFT (kfac_input) runs next to the Euclidean run with the same format, block and scale."""
-    lines = []
+def matched_pairs(results: list) -> list:
+    """(GIFT kfac_input run, Euclidean run) with the same optimizer, format, block and scale."""
+    out = []
     for g in results:
         gg = g["gift"]
         if gg.get("wire") != "gift" or gg["geometry"] != "kfac_input":
@@ -222,36 +367,90 @@ def pairs(results: list) -> list:
         for e in results:
             ee = e["gift"]
             if (ee.get("wire") == "gift" and ee["geometry"] == "identity"
-                    and (ee["format"], ee["block"], ee["scale"]) == (gg["format"], gg["block"], gg["scale"])):
-                lines.append(_pair_line(g, e))
-    return lines
+                    and (ee["optimizer"], ee["format"], ee["block"], ee["scale"])
+                    == (gg["optimizer"], gg["format"], gg["block"], gg["scale"])):
+                out.append((g, e))
+    return out
 
 
-def write_report(results: list, args, path: str, plot_path, plot_note: str, wall: float) -> None:
+def pairs(results: list, optimizer: str = None) -> list:
+    return [_pair_line(g, e) for g, e in matched_pairs(results)
+            if optimizer is None or g["gift"]["optimizer"] == optimizer]
+
+
+def seed_section(runs: list, combined: list, args) -> tuple:
+    """Report lines and the JSON rows of the seed statistics."""
+    seeds = sorted({r["seed"] for r in runs})
+    lines = [f"## Seeds: final validation loss over {len(seeds)} seeds ({', '.join(map(str, seeds))})", "",
+             "A seed sets the model's initialization and the order of the training batches; every config runs "
+             "with every seed and the validation batches are the same. std = sample standard deviation; a run "
+             "that did not finish is left out of n.", "",
+             "| config | optim | wire | n | mean val loss | std | per seed |", "|---|---|---|---:|---:|---:|---|"]
+    by_config = []
+    for c in combined:
+        values = [c["final_val_losses"][s] for s in c["seeds"]]
+        st = seed_stats(values)
+        by_config.append({"config": c["config"], "label": c["label"], "optimizer": c["gift"]["optimizer"],
+                          "seeds": c["seeds"], "final_val_loss": values, **st})
+        lines.append("| " + " | ".join([
+            c["label"], optimizer_name(c["gift"]), wire_name(c["gift"]), str(st["n"]), _f(st["mean"]),
+            _f(st["std"]), ", ".join(f"{s}: {_f(v)}" for s, v in zip(c["seeds"], values))]) + " |")
+    lines += ["", f"GIFT vs Euclidean at the same format and optimizer: difference of mean validation loss "
+                  f"(GIFT - Euclidean, negative = GIFT lower) against {SE_THRESHOLD:g} standard errors "
+                  f"sqrt(s_g^2/n_g + s_e^2/n_e).", ""]
+    verdicts = []
+    for g, e in matched_pairs(combined):
+        v = seed_verdict([g["final_val_losses"][s] for s in g["seeds"]],
+                         [e["final_val_losses"][s] for s in e["seeds"]])
+        verdicts.append({"gift_config": g["label"], "euclid_config": e["label"], "optimizer": g["gift"]["optimizer"],
+                         **v})
+        gs, es = v["gift"], v["euclid"]
+        note = (" (the GIFT side also has error feedback)"
+                if g["gift"].get("error_feedback") != e["gift"].get("error_feedback") else "")
+        lines.append(
+            f"- {optimizer_name(g['gift'])}, {wire_name(g['gift'])} vs {wire_name(e['gift'])}{note}: "
+            f"{_f(gs['mean'])} ± {_f(gs['std'])} (n={gs['n']}) vs {_f(es['mean'])} ± {_f(es['std'])} "
+            f"(n={es['n']}), difference {_f(v['diff'], '+.4f')}, {SE_THRESHOLD:g} SE = "
+            f"{_f(v['se'] * SE_THRESHOLD if finite(v['se']) else None)}: **{v['verdict']}**")
+    if not verdicts:
+        lines.append("- no GIFT/Euclidean pair at the same format and optimizer among these configs")
+    lines.append("")
+    return lines, by_config, verdicts
+
+
+def write_report(runs: list, combined: list, args, path: str, plot_path, plot_note: str, wall: float) -> dict:
+    """Writes report.md; returns the seed statistics (empty with one seed)."""
     import deepspeed
     import torch
 
-    first = next((r for r in results if r.get("params")), {})
+    n_seeds = len({r["seed"] for r in runs})
+    first = next((r for r in runs if r.get("params")), {})
+    muon_lrs = sorted({r["muon_lr"] for r in runs if r.get("muon_lr") is not None})
+    seeds = (f"seed {args.seed}" if n_seeds == 1
+             else f"seeds {args.seed}..{args.seed + n_seeds - 1} (every config with every seed)")
     lines = [
         "# GIFT comparison report", "",
-        f"{len(results)} configs, same model, data, seed and steps; written by `launch/compare.py` "
-        f"in {wall / 60:.1f} min.", "",
+        f"{len(combined)} configs, same model, data and steps, {seeds}; {len(runs)} runs written by "
+        f"`launch/compare.py` in {wall / 60:.1f} min.", "",
         f"- model: Llama preset `{args.preset}`"
         + (f", {first['params'] / 1e6:.2f}M parameters" if first.get("params") else ""),
         f"- data: {first.get('corpus', 'see runs/')}",
         f"- {args.world_size} ranks, {args.steps} steps, micro batch {args.micro_batch} x seq {args.seq_len}"
         + (f" = {first['tokens_per_step']} tokens/step" if first.get("tokens_per_step") else "")
-        + f", peak lr {args.lr} (warmup + cosine), seed {args.seed}",
+        + f", peak lr {args.lr} (warmup + cosine)"
+        + (f"; Muon: lr {args.lr} for the parameters it leaves to Adam (embeddings, head, norms), "
+           f"{', '.join(f'{x:g}' for x in muon_lrs)} for its matrices" if muon_lrs else ""),
         f"- validation every {args.eval_every} steps on {args.eval_batches} batches per rank (fixed held-out files)",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU (gloo)'}; "
         f"torch {torch.__version__}, deepspeed {deepspeed.__version__}",
         "- 1-minute load average before / after each run (step times are wall clock: other work on the "
-        "machine inflates them): " + ", ".join(f"{r['label']} {r['load_avg'][0]:.1f}/{r['load_avg'][1]:.1f}"
-                                               for r in results),
-        "", *report_table(results), "",
+        "machine inflates them): " + ", ".join(f"{r['label']}{'/' + str(r['seed']) if n_seeds > 1 else ''} "
+                                               f"{r['load_avg'][0]:.1f}/{r['load_avg'][1]:.1f}" for r in runs),
+        "", *report_table(runs, with_seed=n_seeds > 1), "",
         "Columns: train loss = mean of the last 10 steps; val loss / val acc = last validation (loss and "
-        "next-token accuracy on held-out text); vs bf16 = gap to the baseline in %; B/elem = bytes on the wire per "
+        "next-token accuracy on held-out text); vs bf16 = gap in % to the bf16 baseline with the same optimizer"
+        + (" and seed" if n_seeds > 1 else "") + "; B/elem = bytes on the wire per "
         "gradient element over the run, scales, headers and geometry exchange included (native bf16 = 2); "
         "fidelity err = relative L2 error of the reduced gradient against an exact fp32 reduction, mean over "
         "sampled steps; geo layers = layers in the geometry branch at the end; step s = median wall-clock step "
@@ -260,24 +459,63 @@ def write_report(results: list, args, path: str, plot_path, plot_note: str, wall
         "quantization arithmetic is not hidden behind a fast network: read them as overhead, not as a speed-up; "
         "GIFT pays off where communication, not arithmetic, bounds the step).", "",
     ]
-    if any(r["gift"].get("error_feedback") for r in results):
+    if any(r["gift"].get("error_feedback") for r in runs):
         lines += ["With error feedback the sampled fidelity error includes the residual carried over from the "
                   "previous step (what is sent is this step's gradient plus that residual), so it is larger by "
                   "design and comparable only between runs that both use error feedback.", ""]
-    pair_lines = pairs(results)
-    if pair_lines:
-        lines += ["## GIFT vs Euclidean at the same format", "", *pair_lines, ""]
-    failed = [r for r in results if r["status"] != "ok"]
+    telemetry = telemetry_table(combined)
+    if telemetry:
+        lines += ["## Gradient error", "",
+                  "fidelity err: plain relative L2 error of the reduced gradient (sampled steps). Profile: GIFT's "
+                  "judgement of its layer selection at each refresh, the round-trip error of the coordinates in use "
+                  "(whitened for selected layers, Euclidean for the others) in plain L2, in the whitened norm and "
+                  "in the update the configured optimizer takes (update metric: the rule measured, e.g. `muon` = "
+                  "Newton-Schulz of the momentum, `adam`; `adam+muon` when both halves of Muon were judged), "
+                  "averaged over the judged layers and then over refreshes; `a / b` = in use / all-Euclidean "
+                  "where recorded; layers selected = at the last refresh."
+                  + (" Means over seeds." if n_seeds > 1 else ""), "", *telemetry, ""]
+    mean_note = [f"Numbers are means over {n_seeds} seeds.", ""] if n_seeds > 1 else []
+    for optimizer in sorted({r["gift"]["optimizer"] for r in combined},
+                            key=lambda o: OPTIMIZER_ORDER.index(o) if o in OPTIMIZER_ORDER else 99):
+        pair_lines = pairs(combined, optimizer)
+        if not pair_lines:
+            continue
+        if optimizer == "muon":
+            lines += ["## Muon: GIFT vs Euclidean at the same format", "",
+                      "DeepSpeed's Muon (`MuonWithAuxAdam`: Newton-Schulz updates for the hidden matrices, Adam for "
+                      "embeddings, head and norms); under ZeRO-2 each owner orthogonalizes the reduced gradient, "
+                      "so what the wire loses reaches the update through the Newton-Schulz map.", ""]
+            muon_base = next((c for c in combined if c["gift"]["wire"] == "native"
+                              and c["gift"]["optimizer"] == "muon"), None)
+            adam_base = next((c for c in combined if c["gift"]["wire"] == "native"
+                              and c["gift"]["optimizer"] in ("adamw", "adam")), None)
+            if muon_base and adam_base:
+                lines += [f"bf16 baselines: Muon val loss {_f(muon_base.get('final_val_loss'))} vs AdamW "
+                          f"{_f(adam_base.get('final_val_loss'))} "
+                          f"({_gap(muon_base.get('final_val_loss'), adam_base.get('final_val_loss'))}).", ""]
+        else:
+            lines += [f"## GIFT vs Euclidean at the same format ({optimizer_name({'optimizer': optimizer})})", ""]
+        lines += [*mean_note, *pair_lines, ""]
+    stats = {}
+    if n_seeds > 1:
+        seed_lines, by_config, verdicts = seed_section(runs, combined, args)
+        lines += seed_lines
+        stats = {"by_config": by_config, "pairs": verdicts}
+    failed = [r for r in runs if r["status"] != "ok"]
     if failed:
         lines += ["## Runs that did not finish normally", ""]
         for r in failed:
-            lines.append(f"- `{r['label']}`: {r['status']}" + (f": {r['error']}" if r.get("error") else ""))
+            lines.append(f"- `{r['label']}`" + (f" seed {r['seed']}" if n_seeds > 1 else "") + f": {r['status']}"
+                         + (f": {r['error']}" if r.get("error") else ""))
         lines.append("")
     lines += ["## Loss curves", ""]
+    if n_seeds > 1:
+        lines += [f"Seed {args.seed} only.", ""]
     lines.append(f"![loss curves]({os.path.basename(plot_path)})" if plot_path else plot_note)
     lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
+    return stats
 
 
 def _moving_average(values, window: int) -> list:
@@ -289,8 +527,8 @@ def _moving_average(values, window: int) -> list:
 
 
 def plot(results: list, path: str):
-    """Train loss (smoothed), its difference to the baseline, validation loss; returns
-    (path or None, note)."""
+    """Train loss (smoothed), its difference to the baseline of the same optimizer, validation
+    loss; returns (path or None, note)."""
     try:
         import matplotlib
 
@@ -300,11 +538,15 @@ def plot(results: list, path: str):
         return None, ("matplotlib is not installed, so no plot was drawn "
                       "(pip install matplotlib, or pip install -e '.[train]').")
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5))
-    base = next((r for r in results if r["gift"].get("wire") == "native" and r.get("curve")), None)
-    base_curve = dict(zip([s for s, _ in base["curve"]], _moving_average([v for _, v in base["curve"]], 25))) \
-        if base else {}
+    base_curves = {}
+    for b in results:
+        if b["gift"].get("wire") == "native" and b.get("curve"):
+            base_curves.setdefault(b["gift"]["optimizer"], (b, dict(zip(
+                [s for s, _ in b["curve"]], _moving_average([v for _, v in b["curve"]], 25)))))
     tails = []
-    for r in results:
+    # the default cycle has 10 colours; more runs than that would share one
+    colors = plt.get_cmap("tab10" if len(results) <= 10 else "tab20").colors
+    for i, r in enumerate(results):
         curve = [(s, v) for s, v in r.get("curve", []) if math.isfinite(v)]
         if not curve:
             continue
@@ -312,19 +554,22 @@ def plot(results: list, path: str):
         smooth = _moving_average(list(losses), 10)
         tails += smooth[len(smooth) // 10:]
         label = r["label"] + ("" if r["status"] == "ok" else f" [{r['status']}]")
-        line, = ax1.plot(steps, smooth, label=label, lw=1.3)
+        style = "--" if r["gift"]["optimizer"] == "muon" else "-"
+        line, = ax1.plot(steps, smooth, style, color=colors[i % len(colors)], label=label, lw=1.3)
+        base, base_curve = base_curves.get(r["gift"]["optimizer"], (None, {}))
         if base_curve and r is not base:
             diff = [(s, v - base_curve[s]) for s, v in zip(steps, _moving_average(list(losses), 25))
                     if s in base_curve]
             if diff:
-                ax2.plot(*zip(*diff), color=line.get_color(), lw=1.3, label=label)
+                ax2.plot(*zip(*diff), style, color=line.get_color(), lw=1.3, label=label)
         if r.get("val_curve"):
-            ax3.plot(*zip(*r["val_curve"]), marker="o", ms=3, color=line.get_color(), label=label)
+            ax3.plot(*zip(*r["val_curve"]), style, marker="o", ms=3, color=line.get_color(), label=label)
     if tails:  # the first steps (loss ~ ln vocab) would flatten the part worth reading
         ax1.set_ylim(min(tails) - 0.02 * (max(tails) - min(tails) + 1e-3), max(tails))
-    ax1.set(title="train loss (10-step moving average)", xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax1.set(title="train loss (10-step moving average; dashed: Muon)", xlabel="step",
+            ylabel="cross-entropy (nats/token)")
     ax2.axhline(0.0, color="black", lw=0.8)
-    ax2.set(title="train loss minus bf16 baseline (25-step moving averages)", xlabel="step",
+    ax2.set(title="train loss minus the bf16 baseline of its optimizer (25-step moving averages)", xlabel="step",
             ylabel="difference (nats/token)")
     ax3.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)")
     for ax in (ax1, ax2, ax3):
@@ -340,50 +585,67 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description="Run several ds_configs on the same model, data, seed and steps; "
                                             "write report.md and a loss-curve PNG.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--configs", nargs="+", help="ds_config paths (default: stage-2 configs of ds_configs/ "
-                                                "that differ in format/geometry)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--configs", nargs="+", help="ds_config paths (default: DEFAULT_SUITE, see the docstring)")
+    which.add_argument("--all", action="store_true", help="every stage-2 config of ds_configs/ (not the mpi one)")
     p.add_argument("--out-dir", default=os.path.join("runs", "compare"))
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--preset", default=DEFAULTS["preset"])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
     p.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"])
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"],
+                   help="peak lr (AdamW; under Muon the lr of what Muon leaves to Adam)")
+    p.add_argument("--muon-lr", type=float, help="peak lr of Muon's matrices (default: each Muon config's muon_lr)")
     p.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
     p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"])
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--seeds", type=int, default=1, help="run every config with seeds --seed .. --seed + N - 1 and "
+                                                        "report mean +- std and GIFT-vs-Euclidean verdicts")
     p.add_argument("--data", nargs="+", help="passed to pretrain.py (default: embedded corpus)")
     p.add_argument("--tokenizer", help="passed to pretrain.py (default: bytes)")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds per run before it is killed")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds: got {args.seeds}; must be >= 1")
 
-    configs = args.configs or default_configs()
+    configs = args.configs or (stage2_configs() if args.all else default_configs())
     missing = [c for c in configs if not os.path.exists(resolve_path(c))]
     if missing:
         raise SystemExit(f"--configs: not found: {missing}")
     os.makedirs(os.path.join(args.out_dir, "runs"), exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
-    results = []
-    for i, path in enumerate(configs, 1):
-        print(f"[compare] {i}/{len(configs)}: {path}", flush=True)
-        r = run_one(path, args, os.path.join(args.out_dir, "runs", config_label(path) + ".jsonl"))
-        print(f"[compare] {r['label']}: {r['status']}, val loss {_f(r.get('final_val_loss'))}, "
-              f"{_f(r.get('bytes_per_elem'), '.3f')} B/elem, {r['wall_s']:.0f} s"
-              + (f"\n{r['error_full']}" if r.get("error_full") else ""), flush=True)
-        results.append(r)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    runs = []
+    # seed-major: an interrupted study still has complete comparisons for its first seeds
+    for seed in seeds:
+        for path in configs:
+            name = config_label(path) + (f"_seed{seed}" if args.seeds > 1 else "")
+            print(f"[compare] {len(runs) + 1}/{len(configs) * len(seeds)}: {path}"
+                  + (f" seed {seed}" if args.seeds > 1 else ""), flush=True)
+            r = run_one(path, args, os.path.join(args.out_dir, "runs", name + ".jsonl"), seed)
+            print(f"[compare] {r['label']}: {r['status']}, val loss {_f(r.get('final_val_loss'))}, "
+                  f"{_f(r.get('bytes_per_elem'), '.3f')} B/elem, {r['wall_s']:.0f} s"
+                  + (f"\n{r['error_full']}" if r.get("error_full") else ""), flush=True)
+            runs.append(r)
     wall = time.perf_counter() - t0
-    plot_path, note = plot(results, os.path.join(args.out_dir, "loss_curves.png"))
+    combined = [combine_seeds([r for r in runs if r["config"] == path]) for path in configs]
+    plot_path, note = plot([r for r in runs if r["seed"] == seeds[0]], os.path.join(args.out_dir, "loss_curves.png"))
     report = os.path.join(args.out_dir, "report.md")
-    write_report(results, args, report, plot_path, note, wall)
+    stats = write_report(runs, combined, args, report, plot_path, note, wall)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "wall_s": wall,
-                   "results": [{k: v for k, v in r.items() if k != "error_full"} for r in results]}, f, indent=1)
-    print("\n".join(report_table(results)))
-    print(f"[compare] {len(results)} runs in {wall / 60:.1f} min; report: {os.path.abspath(report)}")
+        json.dump({"args": vars(args), "wall_s": wall, "seeds": seeds,
+                   "results": [{k: v for k, v in r.items() if k != "error_full"} for r in runs],
+                   "seed_stats": stats}, f, indent=1)
+    print("\n".join(report_table(runs, with_seed=args.seeds > 1)))
+    for v in stats.get("pairs", []):
+        print(f"[compare] {v['gift_config']} vs {v['euclid_config']}: {v['verdict']}")
+    print(f"[compare] {len(runs)} runs in {wall / 60:.1f} min; report: {os.path.abspath(report)}")
     print(f"[compare] plot: {os.path.abspath(plot_path)}" if plot_path else f"[compare] NO PLOT: {note}")
-    return {"report": report, "plot": plot_path, "results": results, "wall_s": wall}
+    return {"report": report, "plot": plot_path, "results": runs, "combined": combined, "seed_stats": stats,
+            "wall_s": wall}
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ Other launchers run the same script (see ``launch/run_deepspeed.sh``, ``launch/r
 Model: ``--preset`` tiny (CPU, seconds) | small | 300m | 600m (32 layers, hidden 1280,
 FFN 3456, sequence 2048), or ``--model-config`` (a HF config json or directory).
 Data: the embedded standard-library corpus, or ``--data`` (see ``launch/data.py``).
-Batch and learning rate: ``--micro-batch``, ``--grad-accum`` and ``--lr`` override the
-config's ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` and
-``optimizer.params.lr``; the config's ``train_batch_size`` is dropped (DeepSpeed derives
-it). Without a ``scheduler`` in the config, the learning rate warms up linearly for
-``--warmup`` steps and decays by a cosine to ``--min-lr-ratio`` at ``--steps``.
+Batch and learning rate: ``--micro-batch``, ``--grad-accum``, ``--lr`` and ``--muon-lr``
+override the config's ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+``optimizer.params.lr`` and (Muon configs) ``optimizer.params.muon_lr``; the config's
+``train_batch_size`` is dropped (DeepSpeed derives it). Without a ``scheduler`` in the
+config, the learning rate warms up linearly for ``--warmup`` steps and decays by a cosine to
+``--min-lr-ratio`` at ``--steps``.
 
 Logs (rank 0): train loss, learning rate, step time, tokens/s, GIFT wire bytes per
 gradient element and sampled fidelity; validation loss and next-token accuracy every
@@ -79,7 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, help="micro steps per optimizer step (default: config's, else 1)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: preset's: tiny 128, small 256, "
                                                "300m/600m 2048)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: config's optimizer.params.lr)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: config's optimizer.params.lr; with Muon "
+                                            "that is the lr of the parameters Muon leaves to Adam when the config "
+                                            "sets muon_lr)")
+    p.add_argument("--muon-lr", type=float, help="peak learning rate of Muon's matrices (Muon configs only; "
+                                                 "default: config's optimizer.params.muon_lr)")
     p.add_argument("--warmup", type=int, help="linear warmup steps (default: min(100, steps // 10))")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
     p.add_argument("--eval-every", type=int, default=50, help="validation every N steps (0: only at the end)")
@@ -125,7 +130,32 @@ def load_ds_config(args) -> dict:
     cfg["gradient_accumulation_steps"] = args.grad_accum or cfg.get("gradient_accumulation_steps", 1)
     if args.lr is not None:
         cfg.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = args.lr
+    if args.muon_lr is not None:
+        if not is_muon(cfg):
+            raise SystemExit(f"--muon-lr: {args.ds_config} uses optimizer "
+                             f"{cfg.get('optimizer', {}).get('type')!r}; --muon-lr needs \"type\": \"Muon\"")
+        cfg["optimizer"].setdefault("params", {})["muon_lr"] = args.muon_lr
     return cfg
+
+
+def is_muon(ds_config: dict) -> bool:
+    return str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
+def keep_muon_compile_working() -> None:
+    """DeepSpeed's Muon update is ``torch.compile``d; on CPU inductor builds it with a C++
+    compiler (cached under /tmp/torchinductor_$USER: ~15 s the first time on the small preset,
+    then steps ~1.3x faster than eager). Without a compiler that would fail: run it eagerly."""
+    import shutil
+
+    compilers = [os.environ.get("CXX"), "g++", "clang++", "c++"]
+    if any(c and shutil.which(c) for c in compilers):
+        return
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    print("warning: no C++ compiler (CXX, g++, clang++, c++) found; DeepSpeed's Muon update runs eagerly "
+          "(torch.compile disabled), about 1.3x slower per step on CPU", file=sys.stderr)
 
 
 def model_config(args, vocab_size: int):
@@ -217,6 +247,14 @@ def evaluate(engine, batches, device) -> dict:
     return {"val_loss": loss / n, "val_acc": hits / n}
 
 
+# Written by GIFT on refresh steps where the layer selection is profiled: mean relative errors
+# over the judged layers of the coordinates in use (and, ``_euclid``, of all-Euclidean ones) in
+# plain L2, in the whitened norm and in the configured optimizer's update; layers selected and
+# judged; which update rule was measured. Any of them may be absent (older GIFT).
+PROFILE_ERRORS = tuple(f"profile_{m}{side}" for side in ("", "_euclid") for m in ("l2", "whitened", "update"))
+PROFILE_KEYS = (*PROFILE_ERRORS, "profile_layers", "profile_judged", "update_metric")
+
+
 def gift_step_telemetry(engine, step_index: int) -> dict:
     """The GIFT record of optimizer step ``step_index`` (0-based), or the native wire size."""
     gift = getattr(engine, "gift", None)
@@ -227,7 +265,7 @@ def gift_step_telemetry(engine, step_index: int) -> dict:
         return {"bytes_per_elem": float(engine.communication_data_type.itemsize), "wire": "native"}
     out = {k: rec[k] for k in ("bytes_per_elem", "bytes_per_elem_run", "fidelity_rel_err", "geometry_layers",
                                "geometry_version", "underflow_rate", "saturated", "comm_s", "codec_s",
-                               "transform_s") if k in rec}
+                               "transform_s", *PROFILE_KEYS) if rec.get(k) is not None}
     out["wire"] = "gift"
     return out
 
@@ -332,10 +370,30 @@ def summarize(train_records: list, eval_records: list, tail: int = 10, skip: int
     if train_records:
         last_rec = train_records[-1]
         out["bytes_per_elem"] = last_rec.get("bytes_per_elem_run", last_rec.get("bytes_per_elem"))
+    out.update(summarize_profile(train_records))
     if eval_records:
         out["final_val_loss"] = eval_records[-1]["val_loss"]
         out["final_val_acc"] = eval_records[-1]["val_acc"]
         out["eval_step"] = eval_records[-1]["step"]
+    return out
+
+
+def summarize_profile(train_records: list) -> dict:
+    """Means over the refreshes that carried a selection profile, the last layer count and
+    update rule; nothing for runs written before GIFT recorded profiles."""
+    profiled = [r for r in train_records if any(r.get(k) is not None for k in PROFILE_KEYS)]
+    if not profiled:
+        return {}
+    # a refresh is one geometry version, whether GIFT wrote its profile once or on every step after
+    out = {"profile_refreshes": len({r.get("geometry_version", r["step"]) for r in profiled})}
+    for key in PROFILE_ERRORS:
+        values = [r[key] for r in profiled if finite(r.get(key))]
+        if values:
+            out[key] = statistics.fmean(values)
+    for key in ("profile_layers", "profile_judged", "update_metric"):
+        last = next((r[key] for r in reversed(profiled) if r.get(key) is not None), None)
+        if last is not None:
+            out[key] = last
     return out
 
 
@@ -355,6 +413,8 @@ def main(argv=None) -> dict:
     init_distributed(args.dist_backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_config = load_ds_config(args)
+    if is_muon(ds_config) and not torch.cuda.is_available():
+        keep_muon_compile_working()
     gift_cfg = deepspeed_gift.get_gift_config(ds_config)  # a bad gift block fails here, on every rank
     corpus = gift_data.build_corpus(args.data, args.tokenizer, val_fraction=args.val_fraction,
                                     text_field=args.text_field)

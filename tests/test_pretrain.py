@@ -81,6 +81,54 @@ def test_pretrain_gift_and_baseline_two_ranks(stage, tmp_path):
     assert gift["start"]["gift"]["format"] == "fp8_e4m3" and native["start"]["gift"] is None
 
 
+def test_pretrain_muon_with_gift_two_ranks(tmp_path):
+    # DeepSpeed's Muon under ZeRO-2 with GIFT attached, whitening refitted every 2 steps so the
+    # geometry branch is in play within the run.
+    with open(_config("muon_gift_fp8_e5m2_tensor_zero2.json")) as f:
+        spec = json.load(f)
+    muon_lr = spec["optimizer"]["params"]["muon_lr"]
+    spec["gift"].update(layers="all", geometry=dict(spec["gift"]["geometry"], rank=8, refresh_interval=2),
+                        telemetry=dict(every=2, fidelity=True))
+    cfg = tmp_path / "muon_gift.json"
+    cfg.write_text(json.dumps(spec))
+    argv = ["--ds-config", str(cfg), "--steps", "6", "--metrics", str(tmp_path / "m.jsonl"), *QUICK]
+    ((s0,), (s1,)) = run_ranks(_train_many, 2, [argv], timeout=RUN_TIMEOUT_S)
+    assert s0["status"] == "ok" and s0["losses"] == s1["losses"] and len(s0["losses"]) == 6
+    assert all(math.isfinite(x) for x in s0["losses"]) and s0["losses"][-1] < s0["losses"][0]
+    m = read_metrics(str(tmp_path / "m.jsonl"))
+    assert m["start"]["ds_config"]["optimizer"]["type"] == "Muon"
+    # DeepSpeed puts Muon's matrices in the first param group: its lr is muon_lr, not --lr
+    assert m["train"][0]["lr"] == pytest.approx(muon_lr)
+    assert all(r["wire"] == "gift" and r["bytes_per_elem"] > 1.0 for r in m["train"])
+    assert min(r["bytes_per_elem"] for r in m["train"]) < 1.1  # FP8 between refreshes
+    sampled = [r["fidelity_rel_err"] for r in m["train"] if "fidelity_rel_err" in r]
+    assert len(sampled) >= 2 and all(0.0 < x < 1.0 for x in sampled)
+    assert m["train"][-1]["geometry_version"] >= 2 and m["train"][-1]["geometry_layers"] > 0
+    profiled = [r for r in m["train"] if "profile_update" in r]
+    assert all(math.isfinite(r["profile_l2"]) for r in profiled)  # plain L2 always beside the update error
+    assert m["end"]["status"] == "ok"
+
+
+def test_muon_lr_flag_and_eager_fallback_without_a_compiler(monkeypatch, capsys):
+    import torch._dynamo
+
+    from launch import pretrain
+
+    args = pretrain.parse_args(["--ds-config", _config("muon_bf16_baseline_zero2.json"), "--lr", "1e-3",
+                                "--muon-lr", "0.05"])
+    params = pretrain.load_ds_config(args)["optimizer"]["params"]
+    assert (params["lr"], params["muon_lr"]) == (1e-3, 0.05)
+    with pytest.raises(SystemExit, match="--muon-lr needs"):
+        pretrain.load_ds_config(pretrain.parse_args(["--ds-config", _config("bf16_baseline_zero2.json"),
+                                                     "--muon-lr", "0.05"]))
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    pretrain.keep_muon_compile_working()
+    assert torch._dynamo.config.disable is True
+    assert "no C++ compiler" in capsys.readouterr().err
+
+
 def test_resume_continues_the_loss_curve(tmp_path):
     # GIFT with state in play at the checkpoint: whiteners refitted every 2 steps on every
     # layer, NVFP4 error-feedback residuals. The checkpoint holds them, the data depends on
@@ -170,7 +218,8 @@ def test_compare_writes_report_and_plot_and_keeps_failed_runs(tmp_path):
     status = {r["label"]: r["status"] for r in res["results"]}
     assert status == {"bf16_baseline_zero2": "ok", "euclid_fp8_e4m3_block_zero2": "ok", "broken_rank": "failed"}
     report = (out / "report.md").read_text()
-    rows = [line for line in report.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    first_table = report[report.index("| config |"):].split("\n\n")[0].splitlines()
+    rows = [line for line in first_table if "---" not in line][1:]
     assert len(rows) == 3  # the failed run has its row
     base_row, fp8_row, broken_row = rows
     assert "+0.00%" in base_row and "1.00 |" in base_row
@@ -194,11 +243,69 @@ def test_compare_default_configs_are_stage2_format_variants():
     configs = compare.default_configs()
     assert compare.is_baseline(configs[0])
     assert all("_zero2" in c and "mpi" not in c for c in configs)
-    kinds = {(g["format"], g["block"], g["geometry"], g["error_feedback"], str(g["layers"]))
-             for g in map(compare.describe_gift, configs[1:])}
-    assert len(kinds) == len(configs) - 1  # no two differ only in backend or stage
-    assert ("fp8_e5m2", 0, "identity", False, "all") in kinds
-    assert ("fp8_e4m3", 128, "kfac_input", False, "auto") in kinds
+    descs = [compare.describe_gift(c) for c in configs]
+    kinds = {(g["optimizer"], g["format"], g["block"], g["geometry"], g["error_feedback"], str(g["layers"]))
+             for g in descs if g["wire"] == "gift"}
+    assert len(kinds) == sum(g["wire"] == "gift" for g in descs)  # no two differ only in backend or stage
+    for optimizer in ("adamw", "muon"):  # each optimizer: its baseline, then the paper's pair
+        assert {"optimizer": optimizer, "wire": "native"} in descs
+        assert (optimizer, "fp8_e5m2", 0, "identity", False, "all") in kinds
+        assert (optimizer, "fp8_e5m2", 0, "kfac_input", False, "auto") in kinds
+    order = [g["optimizer"] for g in descs]
+    assert order == sorted(order, key=compare.OPTIMIZER_ORDER.index)
+    assert set(configs) < set(compare.stage2_configs())
+
+
+def _quick_compare_args(out):
+    return ["--out-dir", str(out), "--preset", "tiny", "--steps", "3", "--seq-len", "32", "--micro-batch", "2",
+            "--eval-every", "3", "--eval-batches", "1", "--timeout", str(RUN_TIMEOUT_S)]
+
+
+def test_compare_seeds_mean_std_and_verdict_from_the_per_seed_values(tmp_path, monkeypatch):
+    from launch import compare
+
+    # Muon's update eager in the spawned ranks: tracing it costs each tiny run ~5 s, and the
+    # compiled path is exercised by test_pretrain_muon_with_gift_two_ranks
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    euclid, gift = "muon_euclid_fp8_e5m2_tensor_zero2", "muon_gift_fp8_e5m2_tensor_zero2"
+    out = tmp_path / "out"
+    res = compare.main(["--configs", _config(euclid + ".json"), _config(gift + ".json"), "--seeds", "2",
+                        "--seed", "5", *_quick_compare_args(out)])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["seeds"] == [5, 6] and len(saved["results"]) == 4
+    assert all(r["status"] == "ok" for r in saved["results"])
+    per_seed = {(r["label"], r["seed"]): r["final_val_loss"] for r in saved["results"]}
+    assert per_seed[(euclid, 5)] != per_seed[(euclid, 6)]  # the seed changes init and data
+    assert sorted(os.listdir(out / "runs")) == sorted(f"{c}_seed{s}.jsonl" for c in (euclid, gift) for s in (5, 6))
+    report = (out / "report.md").read_text()
+    assert "## Seeds: final validation loss over 2 seeds (5, 6)" in report
+    assert "## Muon: GIFT vs Euclidean at the same format" in report
+
+    stats = {}
+    for label in (euclid, gift):
+        values = [per_seed[(label, 5)], per_seed[(label, 6)]]
+        mean, std = sum(values) / 2, abs(values[0] - values[1]) / math.sqrt(2)  # sample std of two values
+        stats[label] = (mean, std)
+        row = next(line for line in report.splitlines() if line.startswith(f"| {label} |") and "5: " in line)
+        assert f"| 2 | {mean:.4f} | {std:.4f} | 5: {values[0]:.4f}, 6: {values[1]:.4f} |" in row
+    (mg, sg), (me, se_) = stats[gift], stats[euclid]
+    diff, se = mg - me, math.sqrt(sg ** 2 / 2 + se_ ** 2 / 2)
+    verdict = ("no difference at 2 SE" if abs(diff) <= 2 * se else "GIFT better" if diff < 0 else "Euclidean better")
+    line = next(x for x in report.splitlines() if x.startswith("- Muon, GIFT fp8_e5m2 per-tensor"))
+    assert f"{mg:.4f} ± {sg:.4f} (n=2) vs {me:.4f} ± {se_:.4f} (n=2)" in line
+    assert f"difference {diff:+.4f}, 2 SE = {2 * se:.4f}: **{verdict}**" in line
+    (pair,) = res["seed_stats"]["pairs"]
+    assert pair["verdict"] == verdict and pair["diff"] == pytest.approx(diff) and pair["se"] == pytest.approx(se)
+    assert saved["seed_stats"]["by_config"][0]["final_val_loss"] == [per_seed[(euclid, 5)], per_seed[(euclid, 6)]]
+
+
+def test_seed_verdict_rules():
+    from launch import compare
+
+    assert compare.seed_verdict([1.0, 1.2], [2.0, 2.2])["verdict"] == "GIFT better"  # diff -1, 2 SE 0.28
+    assert compare.seed_verdict([2.0, 2.2], [1.0, 1.2])["verdict"] == "Euclidean better"
+    assert compare.seed_verdict([1.0, 1.4], [1.1, 1.5])["verdict"] == "no difference at 2 SE"
+    assert compare.seed_verdict([1.0, float("nan")], [1.0, 1.1])["verdict"].startswith("not enough seeds")
 
 
 # ---- data -------------------------------------------------------------------------------
@@ -307,3 +414,15 @@ def test_shipped_configs_validate():
     ef = deepspeed_gift.get_gift_config(json.load(open(_config("gift_nvfp4_ef_zero2.json"))))
     assert ef.format == "nvfp4" and ef.error_feedback and ef.geometry.kind == "kfac_input"
     assert deepspeed_gift.get_gift_config(json.load(open(_config("gift_fp8_mpi_zero2.json")))).backend == "mpi"
+    # the Muon pairs differ from each other only in geometry, and from their AdamW twins only in the optimizer
+    for euclid, gift, adamw in (("muon_euclid_fp8_e5m2_tensor_zero2", "muon_gift_fp8_e5m2_tensor_zero2",
+                                 "gift_fp8_e5m2_tensor_zero2"),
+                                ("muon_euclid_nvfp4_zero2", "muon_gift_nvfp4_zero2", "euclid_nvfp4_zero2")):
+        e, g = (json.load(open(_config(name + ".json"))) for name in (euclid, gift))
+        assert e["optimizer"] == g["optimizer"] and e["optimizer"]["type"] == "Muon"
+        assert {k: v for k, v in e.items() if k != "gift"} == {k: v for k, v in g.items() if k != "gift"}
+        ge, gg = deepspeed_gift.get_gift_config(e), deepspeed_gift.get_gift_config(g)
+        assert (ge.format, ge.block_size, ge.error_feedback) == (gg.format, gg.block_size, gg.error_feedback)
+        assert (ge.geometry.kind, gg.geometry.kind) == ("identity", "kfac_input")
+        twin = json.load(open(_config(adamw + ".json")))
+        assert twin["optimizer"]["type"] == "AdamW" and twin["zero_optimization"] == g["zero_optimization"]
