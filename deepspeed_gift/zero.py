@@ -161,7 +161,18 @@ class GiftState:
         mine = f"gift_rank{self.comm.rank}.pt"
         if mine not in saved or len(saved) != self.comm.world_size:
             mine = saved[self.comm.rank % len(saved)]
-        self.load_state_dict(torch.load(os.path.join(folder, mine), map_location="cpu", weights_only=False))
+        path = os.path.join(folder, mine)
+        try:
+            # GIFT's state is tensors, numbers, strings and containers: nothing in it needs
+            # pickle's code execution, so a file that asks for it is refused.
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises UnpicklingError or RuntimeError by version
+            raise ValueError(f"gift: {path} is not a GIFT checkpoint file that loads as plain data "
+                             f"(tensors, numbers, strings, containers): {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        if not isinstance(state, dict):
+            raise ValueError(f"gift: {path} holds a {type(state).__name__}, not GIFT's state dict")
+        self.load_state_dict(state)
 
     # ---- step bookkeeping -----------------------------------------------------------
     @property

@@ -17,14 +17,17 @@ GIFT = {"format": "int4", "rounding": "stochastic", "error_feedback": True, "lay
         "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1}}
 
 
-def test_resume_continues_the_loss_curve_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_resume_continues_the_loss_curve_exactly(tmp_path, optimizer):
+    # Under Muon, split matrices travel as shared sections with their own error-feedback residuals.
     save_dir = str(tmp_path / "ckpt")
-    base = dict(stage=2, steps=6, bucket=30000, gift=GIFT)
+    base = dict(stage=2, steps=6, bucket=30000, gift=GIFT, optimizer=optimizer)
     full, first = run_ranks(train_many, 2, [base, dict(base, steps=3, save_at=3, save_dir=save_dir)])[0]
     assert sorted(f for f in os.listdir(os.path.join(save_dir, "global_step3")) if f.startswith("gift")) == \
         ["gift_rank0.pt", "gift_rank1.pt"]
     (resumed,) = run_ranks(train_many, 2, [dict(base, resume=save_dir)])[0]
     assert first["losses"] == full["losses"][:3]
+    assert bool(full["split_muon"]) == (optimizer == "muon")
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=RESUME_LOSS_RTOL)
     assert resumed["version"] == full["version"] and resumed["active"] == full["active"]
     assert resumed["active"]  # geometry was in use across the save
@@ -46,3 +49,25 @@ def test_resume_on_another_world_size_keeps_geometry(tmp_path):
         assert resumed["version"] == first["version"] + 1  # carried over, plus the refresh at step 4
         assert resumed["active"] == first["active"] and resumed["active"]
         assert len(resumed["losses"]) == 2 and all(x == x for x in resumed["losses"])
+
+
+class _Payload:
+    """Stands for anything a pickle could run on load."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_a_checkpoint_file_that_needs_pickle_code_is_refused(tmp_path):
+    import torch
+
+    save_dir = str(tmp_path / "ckpt")
+    base = dict(stage=2, steps=2, bucket=30000, gift=GIFT)
+    run_ranks(train_many, 2, [dict(base, save_at=2, save_dir=save_dir)])
+    for rank in (0, 1):
+        path = os.path.join(save_dir, "global_step2", f"gift_rank{rank}.pt")
+        state = torch.load(path, weights_only=True)
+        state["geometry"]["extra"] = _Payload()
+        torch.save(state, path)
+    with pytest.raises(RuntimeError, match="is not a GIFT checkpoint file that loads as plain data"):
+        run_ranks(train_many, 2, [dict(base, steps=3, resume=save_dir)])
