@@ -312,7 +312,7 @@ def profile_text(r: dict) -> str:
     both = finite(r.get("profile_l2_euclid"))
     return (f"L2 {_profile_value(r, 'l2')}, whitened {_profile_value(r, 'whitened')}, "
             f"{metric} update {_profile_value(r, 'update')}" + (" (in use / all-Euclidean)" if both else "")
-            + f", {_profile_layers(r)} layers selected" + (f", mean of {n:g} refreshes" if finite(n) else ""))
+            + (f", {_profile_layers(r)} layers selected" if finite(r.get("profile_layers")) else "") + (f", mean of {n:g} refresh{'es' if n != 1 else ''}" if finite(n) else ""))
 
 
 def telemetry_table(results: list) -> list:
