@@ -142,20 +142,14 @@ def is_muon(ds_config: dict) -> bool:
     return str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
 
 
-def keep_muon_compile_working() -> None:
-    """DeepSpeed's Muon update is ``torch.compile``d; on CPU inductor builds it with a C++
-    compiler (cached under /tmp/torchinductor_$USER: ~15 s the first time on the small preset,
-    then steps ~1.3x faster than eager). Without a compiler that would fail: run it eagerly."""
-    import shutil
-
-    compilers = [os.environ.get("CXX"), "g++", "clang++", "c++"]
-    if any(c and shutil.which(c) for c in compilers):
-        return
+def run_muon_update_eagerly() -> None:
+    """DeepSpeed ``torch.compile``s Muon's update; on CPU inductor builds it with the system C++
+    compiler. Measured on the small preset (2 ranks): compiled 0.230 s CPU per step, eager 0.245,
+    but every run pays ~6 s of tracing (and ~15 s of C++ build the first time on a machine), so
+    eager is as fast over a 250-step run and needs no compiler."""
     import torch._dynamo
 
     torch._dynamo.config.disable = True
-    print("warning: no C++ compiler (CXX, g++, clang++, c++) found; DeepSpeed's Muon update runs eagerly "
-          "(torch.compile disabled), about 1.3x slower per step on CPU", file=sys.stderr)
 
 
 def model_config(args, vocab_size: int):
@@ -414,7 +408,7 @@ def main(argv=None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_config = load_ds_config(args)
     if is_muon(ds_config) and not torch.cuda.is_available():
-        keep_muon_compile_working()
+        run_muon_update_eagerly()
     gift_cfg = deepspeed_gift.get_gift_config(ds_config)  # a bad gift block fails here, on every rank
     corpus = gift_data.build_corpus(args.data, args.tokenizer, val_fraction=args.val_fraction,
                                     text_field=args.text_field)
