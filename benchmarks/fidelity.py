@@ -1,52 +1,78 @@
-"""python benchmarks/fidelity.py --preset small --ranks 4
+"""python benchmarks/fidelity.py --preset small --ranks 4 [--optimizer muon]
 
-Gradient fidelity of every wire format x geometry, measured on real gradients.
+Gradient fidelity of every wire format x geometry, measured on real gradients, in plain L2,
+in the whitened norm and in the error of the update the optimizer takes.
 
 What it does, in order:
 
 1. Builds the model (``--preset`` tiny/small Llama from ``launch.common``, ``--model-config``
    for any HF causal-LM config json, or ``--hf-model`` for a local pretrained directory;
    nothing is downloaded; tokens are bytes of the Python standard library's sources) and
-   trains it with plain AdamW, global batch ``ranks x micro`` sequences, so the gradients
-   are not only those of the initialization. Input statistics are collected as the plugin
-   does: every ``--collect-interval`` steps (and on capture steps) the rank-averaged
-   ``x x^T`` of every ``nn.Linear`` input (forward pre-hooks; q/k/v and gate/up share one)
-   goes into an EMA (``--stats-decay``; 0 = one step's statistics).
+   trains it, global batch ``ranks x micro`` sequences, so the gradients are not only those
+   of the initialization. ``--optimizer adamw``: torch AdamW on everything. ``--optimizer
+   muon``: as DeepSpeed's MuonWithAuxAdam splits a model, matrices whose name holds neither
+   "embed" nor "lm_head" train with Muon (momentum ``--muon-momentum``, Nesterov, update
+   ``NS5(lerp(g, m', beta)) * sqrt(max(1, rows / cols))``, ``--muon-lr``), the rest with the
+   same AdamW. Input statistics are collected as the plugin does: every
+   ``--collect-interval`` steps (and on capture steps) the rank-averaged ``x x^T`` of every
+   ``nn.Linear`` input (forward pre-hooks; q/k/v and gate/up share one) goes into an EMA
+   (``--stats-decay``; 0 = one step's statistics).
 2. Three capture steps t0, t1, t2, ``--refresh-interval`` steps apart after
    ``--train-steps``: ``--ranks`` simulated ranks run their own micro-batch, and every
-   rank's gradient of every ``nn.Linear`` weight is kept; the optimizer then steps on the
-   exact average (training goes on as it would). A refresh on a capture step fits
-   ``fit_low_rank_diag`` to the statistics at that step.
+   rank's gradient of every ``nn.Linear`` weight is kept, with the optimizer's state before
+   the step; the optimizer then steps on the exact average (training goes on as it would).
+   A refresh on a capture step fits ``fit_low_rank_diag`` to the statistics at that step,
+   with a floor on the residual diagonal of ``--damping`` (``--damping-mode absolute``) or
+   ``--damping`` times the mean of ``diag(A)`` of that statistic (``relative``).
 3. Reduction at t2 for every format x geometry, as the plugin does it: each rank sends
    ``Z_r = G_r S`` encoded once; the owner decodes, sums in fp32 with its own contribution
    exact (it never goes through the codec), divides by the number of ranks and maps back
    with ``S^{-1}``. The kfac whiteners are the ones fitted at t1, a refresh interval
    earlier: as stale as the plugin's get before their next refresh. Compared with the
-   exact fp32 average: relative L2 error, cosine, max abs error / max abs exact,
-   saturation and underflow rates (``quantization_stats``), per layer and in aggregate.
-4. The error in the optimizer's metric, from AdamW's real state (``exp_avg``,
-   ``exp_avg_sq``, step count, from the training so far): ``Adam upd`` is the relative L2
-   error of the next update direction ``m_hat / (sqrt(v_hat) + eps)`` computed with the
-   reduced instead of the exact gradient (decoupled weight decay left out: it does not
-   depend on the gradient); ``Adam g/sqrt(v)`` is the gradient's own error in Adam's
-   diagonal metric, ``|(g_q - g) / (sqrt(v_hat) + eps)|`` over ``|g / (sqrt(v_hat) + eps)|``
-   with the state before t2. Both weight small-gradient coordinates up, so formats that
-   flush them to zero (underflow) look worse here than in plain L2.
-5. ``layers: "auto"`` as the plugin runs it: at the refresh on t1, each layer's whitener
+   exact fp32 average (``deepspeed_gift.metrics`` does the measuring), per layer and in
+   aggregate:
+
+   * ``rel L2``, cosine, max abs error / max abs exact, saturation and underflow rates;
+   * ``whitened``: ``||E S|| / ||G S||`` with one ruler for every row, the whitener of
+     ``--auto-geometry`` fitted at t1 (``S^T A_hat S = I``, so this is the norm
+     ``tr(E A^-1 E^T)`` in which GIFT's error is isotropic);
+   * ``NS5(G)``: the error of Muon's Newton-Schulz output of the gradient alone;
+     ``NS5(M+G)``: of Muon's real next update, Nesterov blend with the momentum before t2
+     (``metrics.MuonRule``). Under ``--optimizer muon`` both cover the Muon layers; under
+     ``adamw`` they are a what-if on every layer, the momentum an EMA (beta
+     ``--muon-momentum``) of that run's gradients;
+   * ``Adam upd``: the error of AdamW's next direction ``m_hat / (sqrt(v_hat) + eps)`` from
+     its real state (``metrics.AdamRule``; weight decay left out: it does not depend on the
+     gradient), and ``Adam g/sqrt(v)``, the gradient's own error in Adam's diagonal metric
+     with the state before t2; both cover the layers AdamW trains. They weight
+     small-gradient coordinates up, so formats that flush them to zero look worse here;
+   * ``opt``: every layer in the update of the optimizer that trains it.
+
+   Layers combine as ``sqrt(sum err^2 / sum ref^2)`` for L2, whitened and Adam (the big
+   layers weigh most, as in the norm of the whole gradient) and as the mean of per-layer
+   relative errors for NS5 and opt (a Newton-Schulz output's norm is ~sqrt(min(out, in))
+   whatever the gradient's scale, so a sum of squares would only count layer widths).
+4. ``layers: "auto"`` as the plugin runs it: at the refresh on t1, each layer's whitener
    fitted at the previous refresh (t0) is judged on t1's local gradient of the rank that
-   owns the layer, gain = 1 - err_geo / err_euclid (round trip through the format); layers
-   with gain >= ``--min-gain`` use the geometry, with the whitener fitted at t1, until the
-   next refresh, i.e. at t2. The aggregate at t2 with that selection is shown next to
-   all-Euclidean, all-geometry and the oracle (per layer the better of the two, judged
-   in-sample at t2: the best any selection could do). ``WORSE`` marks where auto loses to
-   Euclidean, with the selected layers that did.
+   owns the layer with ``metrics.judge_geometry`` (one round trip through the format) in
+   ``--selection-metric``: ``optimizer`` (the update of the layer's own optimizer, from its
+   state at t1: ``MuonRule`` with the real momentum, or ``AdamRule``), ``l2`` or
+   ``whitened`` (the judged whitener's norm); gain = 1 - err_geo / err_euclid. Layers with
+   gain >= ``--min-gain`` use the geometry, with the whitener fitted at t1, until the next
+   refresh, i.e. at t2. The aggregate at t2 with that selection is shown in every metric
+   next to all-Euclidean, and in the selection metric next to all-geometry and the oracle
+   (per layer the better of the two, judged in-sample at t2: the best any selection could
+   do). ``WORSE`` marks where auto loses to Euclidean in the selection metric, with the
+   selected layers that did.
 
 Simplifications against the plugin, on purpose: the unit of encoding is one layer of one
 rank (the plugin encodes per owner chunk, which may span layers, so per-tensor scales,
 e5m2 with block 0 and nvfp4's global scale, cover more there); the fit is exact
 (``fit_low_rank_diag``; the plugin uses a Nystrom sketch for wide layers and blends with
 the previous factors, ``factor_decay``); every row is whitened (the plugin keeps rows cut by
-a partition boundary Euclidean); layer i is owned by rank ``i % ranks``.
+a partition boundary Euclidean); layer i is owned by rank ``i % ranks``; Newton-Schulz runs
+in fp32 in training and in the metrics (DeepSpeed runs it in bf16/fp16, a rounding the
+metrics would otherwise mistake for communication error).
 ``--all-quantized`` also puts the owner's contribution through the codec (an all-reduce,
 as in the paper). Saturation counts elements coded at the format's largest magnitude: with
 per-block amax scales every nonzero block has one (about 1/block_size).
@@ -75,6 +101,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepspeed_gift import geometry as geo  # noqa: E402
+from deepspeed_gift import metrics as fm  # noqa: E402
 from deepspeed_gift.formats import FORMAT_NAMES, get_format, quantization_stats  # noqa: E402
 from launch.common import PRESETS, corpus_bytes  # noqa: E402
 
@@ -82,6 +109,20 @@ from launch.common import PRESETS, corpus_bytes  # noqa: E402
 # 128 for int; 0: one scale per encoded tensor, the paper's e5m2 layout).
 FORMAT_BLOCKS: Dict[str, Optional[int]] = {"fp8_e4m3": 128, "fp8_e5m2": 0, "nvfp4": None, "int8": None, "int4": None}
 DEFAULT_KFAC = ("structured:8", "structured:32", "cholesky:32")
+
+# Every error column: JSON key -> (printed label, how layers combine). "rms" is
+# sqrt(sum err^2 / sum ref^2); "mean" the mean of per-layer relative errors (see the docstring).
+COLUMNS: Dict[str, Tuple[str, str]] = {
+    "rel_l2": ("rel L2", "rms"),
+    "whitened_rel_err": ("whitened", "rms"),
+    "muon_ns_rel_err": ("NS5(G)", "mean"),
+    "muon_update_rel_err": ("NS5(M+G)", "mean"),
+    "optimizer_rel_err": ("opt", "mean"),
+    "adam_update_rel_err": ("Adam upd", "rms"),
+    "adam_metric_rel_err": ("Adam g/sqrt(v)", "rms"),
+}
+# --selection-metric -> the column it reads at t2.
+SELECTION_COLUMN = {"optimizer": "optimizer_rel_err", "l2": "rel_l2", "whitened": "whitened_rel_err"}
 
 
 # ------------------------------------------------------------------------------ model and data
@@ -181,27 +222,135 @@ class MomentHooks:
         return out
 
 
+# ------------------------------------------------------------------------------- optimizers
+
+
+def trains_with_muon(name: str, param: Tensor) -> bool:
+    """DeepSpeed's split for MuonWithAuxAdam (``deepspeed.set_optimizer_flags``): matrices
+    whose name holds neither "embed" nor "lm_head" go to Muon, everything else to Adam."""
+    return param.dim() >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+
+
+class Muon(torch.optim.Optimizer):
+    """The Muon half of DeepSpeed's MuonWithAuxAdam on whole matrices (no ZeRO partition):
+    ``m <- lerp(m, g, 1 - beta)``, update ``NS5(lerp(g, m, beta)) * sqrt(max(1, rows / cols))``,
+    decoupled weight decay. State key ``momentum_buffer``, as DeepSpeed's."""
+
+    def __init__(self, params, *, lr: float, momentum: float, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta, lr = group["momentum"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                m = state["momentum_buffer"].lerp_(p.grad, 1.0 - beta)
+                g = p.grad.reshape(len(p), -1)  # conv filters as DeepSpeed flattens them
+                update = fm.newton_schulz5(g.lerp(m.reshape_as(g), beta))
+                update.mul_(max(1.0, g.shape[0] / g.shape[1]) ** 0.5)
+                p.mul_(1.0 - lr * group["weight_decay"]).add_(update.view_as(p), alpha=-lr)
+
+
+@dataclass
+class LayerRules:
+    """One layer's optimizer state before a step, as ``deepspeed_gift.metrics`` rules."""
+
+    trained_by: str  # "muon" | "adamw"
+    muon: Optional[fm.MuonRule]  # real momentum, a what-if EMA under --optimizer adamw, None for Adam layers under muon
+    adam: Optional[fm.AdamRule]  # AdamW's state where AdamW trains the layer
+
+    @property
+    def own(self):
+        return self.muon if self.trained_by == "muon" else self.adam
+
+
+class Training:
+    """The run's optimizers stepped together, each with the same linear warm-up.
+
+    ``--optimizer adamw``: one torch AdamW, as before. ``muon``: ``Muon`` on the matrices
+    ``trains_with_muon`` picks and the same AdamW on the rest. Under ``adamw`` every Linear
+    weight also gets a what-if Muon momentum (an EMA of its averaged gradients), so that the
+    NS5(M+G) column exists for both optimizers."""
+
+    def __init__(self, model: nn.Module, layers: List[Tuple[str, nn.Linear]], args):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        use_muon = args.optimizer == "muon"
+        muon_params = [p for n, p in named if use_muon and trains_with_muon(n, p)]
+        muon_ids = {id(p) for p in muon_params}
+        adam_params = [p for _, p in named if id(p) not in muon_ids]
+        self.muon = Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum) if muon_params else None
+        self.adamw = torch.optim.AdamW(adam_params, lr=args.lr) if adam_params else None
+        self.optimizers = [o for o in (self.muon, self.adamw) if o is not None]
+        warmup = max(args.warmup, 1)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: min(1.0, (k + 1) / warmup))
+                           for o in self.optimizers]
+        self.beta = args.muon_momentum
+        self.layers = layers
+        self.trained_by = {n: "muon" if id(m.weight) in muon_ids else "adamw" for n, m in layers}
+        self.what_if = {} if use_muon else {n: torch.zeros_like(m.weight) for n, m in layers}
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for n, m in self.layers:
+            if n in self.what_if and m.weight.grad is not None:
+                self.what_if[n].lerp_(m.weight.grad, 1.0 - self.beta)
+        for o in self.optimizers:
+            o.step()
+        for s in self.schedulers:
+            s.step()
+
+    def rules(self) -> Dict[str, LayerRules]:
+        """Every Linear weight's state now (copies: the step that follows changes it)."""
+        out = {}
+        for n, m in self.layers:
+            p = m.weight
+            muon = adam = None
+            if self.trained_by[n] == "muon":
+                momentum = self.muon.state[p].get("momentum_buffer", torch.zeros_like(p))
+                muon = fm.MuonRule(momentum=momentum.clone(), beta=self.beta)
+            else:
+                if n in self.what_if:
+                    muon = fm.MuonRule(momentum=self.what_if[n].clone(), beta=self.beta)
+                state, group = self.adamw.state.get(p, {}), self.adamw.param_groups[0]
+                adam = fm.AdamRule(
+                    exp_avg=state["exp_avg"].clone() if "exp_avg" in state else torch.zeros_like(p),
+                    exp_avg_sq=state["exp_avg_sq"].clone() if "exp_avg_sq" in state else torch.zeros_like(p),
+                    step=int(state["step"]) if "step" in state else 0,
+                    betas=tuple(group["betas"]), eps=group["eps"])
+            out[n] = LayerRules(self.trained_by[n], muon, adam)
+        return out
+
+
 @dataclass
 class Capture:
     grads: Dict[str, Tensor]  # name -> (ranks, out, in) per-rank gradients
     moments: Dict[str, Tensor]  # key -> (in, in), this step's moments averaged over ranks
-    adam: Optional[Dict[str, dict]]  # name -> optimizer state before this step's update
+    rules: Optional[Dict[str, LayerRules]]  # name -> optimizer state before this step's update
     loss: float
     stats: Optional[Dict[str, Tensor]] = None  # key -> (in, in), the statistic a refresh here fits (EMA)
 
 
-def train_step(model, opt, sched, hooks: MomentHooks, tokens: Tensor, collect: bool) -> float:
-    opt.zero_grad(set_to_none=True)
+def train_step(model, training: Training, hooks: MomentHooks, tokens: Tensor, collect: bool) -> float:
+    training.zero_grad()
     hooks.active = collect
     loss = model(input_ids=tokens, labels=tokens).loss
     hooks.active = False
     loss.backward()
-    opt.step()
-    sched.step()
+    training.step()
     return float(loss.detach())
 
 
-def capture_step(model, opt, sched, layers, hooks: MomentHooks, batches: List[Tensor], want_adam: bool) -> Capture:
+def capture_step(model, training: Training, layers, hooks: MomentHooks, batches: List[Tensor],
+                 want_rules: bool) -> Capture:
     """One data-parallel step, rank by rank: per-rank gradients and input moments, then an
     optimizer step on the exact average (what every rank would hold after a native all-reduce)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -210,7 +359,7 @@ def capture_step(model, opt, sched, layers, hooks: MomentHooks, batches: List[Te
     moments: Dict[str, Tensor] = {}
     losses = []
     for tokens in batches:
-        opt.zero_grad(set_to_none=True)
+        training.zero_grad()
         hooks.active = True
         loss = model(input_ids=tokens, labels=tokens).loss
         hooks.active = False
@@ -224,23 +373,13 @@ def capture_step(model, opt, sched, layers, hooks: MomentHooks, batches: List[Te
         for k, a in hooks.take().items():
             moments[k] = a if k not in moments else moments[k].add_(a)
     ranks = len(batches)
-    adam = None
-    if want_adam:
-        adam = {}
-        group = opt.param_groups[0]
-        for n, m in layers:
-            state = opt.state.get(m.weight, {})
-            adam[n] = {"step": int(state["step"]) if "step" in state else 0,
-                       "m": state["exp_avg"].clone() if "exp_avg" in state else torch.zeros_like(m.weight),
-                       "v": state["exp_avg_sq"].clone() if "exp_avg_sq" in state else torch.zeros_like(m.weight),
-                       "betas": tuple(group["betas"]), "eps": group["eps"]}
+    rules = training.rules() if want_rules else None
     for t, p in zip(total, params):
         p.grad = t.div_(ranks)
-    opt.step()
-    sched.step()
+    training.step()
     return Capture(grads={n: torch.stack(g) for n, g in per_rank.items()},
                    moments={k: a.div_(ranks) for k, a in moments.items()},
-                   adam=adam, loss=sum(losses) / ranks)
+                   rules=rules, loss=sum(losses) / ranks)
 
 
 # ------------------------------------------------------------------------------- geometries
@@ -273,14 +412,32 @@ def parse_kfac(items: List[str]) -> List[GeometrySpec]:
 
 class WhitenerFactory:
     """Whiteners per capture, geometry and layer; one low-rank fit per (capture, statistic,
-    rank), shared by the solvers and by modules that read the same input."""
+    rank), shared by the solvers and by modules that read the same input.
 
-    def __init__(self, layers, key_of: Dict[str, str], damping: float):
+    The residual diagonal's floor is ``damping`` (``mode="absolute"``, the plugin's
+    ``geometry.damping``) or ``damping * mean(diag(A))`` (``"relative"``), so that a layer whose
+    inputs are small (o_proj, down_proj) is not floored at a level meant for unit-scale ones."""
+
+    def __init__(self, layers, key_of: Dict[str, str], damping: float, mode: str):
         self.layers = layers
         self.key_of = key_of
         self.damping = damping
+        self.mode = mode
         self.sorted_names = sorted(n for n, _ in layers)
         self._fits: Dict[tuple, geo.LowRankDiag] = {}
+        self.floors: Dict[int, Dict[str, float]] = {}  # capture -> statistic key -> floor used
+
+    def floor(self, capture: int, key: str, A: Tensor) -> float:
+        if self.mode == "absolute":
+            value = self.damping
+        else:
+            value = self.damping * float(A.diagonal().double().mean())
+            if not value > 0:
+                raise SystemExit(f"--damping-mode relative: statistic {key!r} has mean diagonal "
+                                 f"{float(A.diagonal().mean())!r}, so the floor would be {value!r}; "
+                                 "use --damping-mode absolute")
+        self.floors.setdefault(capture, {})[key] = value
+        return value
 
     def build(self, spec: GeometrySpec, capture: int, stats: Dict[str, Tensor]) -> Dict[str, geo.Whitener]:
         out = {}
@@ -295,7 +452,7 @@ class WhitenerFactory:
                 lrd = self._fits.get((capture, key, rank))
                 if lrd is None:
                     lrd = self._fits[(capture, key, rank)] = geo.fit_low_rank_diag(
-                        stats[key], rank=rank, damping=self.damping)
+                        stats[key], rank=rank, damping=self.floor(capture, key, stats[key]))
                 out[name] = geo.whitener_from_low_rank(lrd, spec.solver)
         return out
 
@@ -309,9 +466,9 @@ def reduce_ranks(G: Tensor, codec, whitener: geo.Whitener, *, owner: Optional[in
 
     Every rank but ``owner`` sends ``Z_r = G_r S`` encoded once; the owner decodes, sums in
     fp32 with its own exact ``Z``, divides by the number of ranks and maps back with
-    ``S^{-1}``. ``owner=None`` quantizes every rank (an all-reduce); with one rank it is the
-    round trip ``S^{-1} deq(q(G S))``. ``Z`` may be passed when already computed;
-    ``stats`` adds ``quantization_stats`` counts (saturated, underflow) of every payload.
+    ``S^{-1}``. ``owner=None`` quantizes every rank (an all-reduce). ``Z`` may be passed when
+    already computed; ``stats`` adds ``quantization_stats`` counts (saturated, underflow) of
+    every payload.
     """
     if Z is None:
         Z = whitener.apply(G)
@@ -331,81 +488,92 @@ def reduce_ranks(G: Tensor, codec, whitener: geo.Whitener, *, owner: Optional[in
     return whitener.invert(total.div_(Z.shape[0])), counts
 
 
-def adam_direction(g: Tensor, state: dict) -> Tensor:
-    """AdamW's next update direction for gradient ``g`` (weight decay and lr left out)."""
-    b1, b2 = state["betas"]
-    t = state["step"] + 1
-    m = state["m"].mul(b1).add_(g, alpha=1 - b1)
-    v = state["v"].mul(b2).addcmul_(g, g, value=1 - b2)
-    return (m / (1 - b1 ** t)).div_(v.div_(1 - b2 ** t).sqrt_().add_(state["eps"]))
-
-
-def adam_metric(state: dict, g_exact: Tensor) -> Tensor:
+def adam_scale(rule: fm.AdamRule, g_exact: Tensor) -> Tensor:
     """``1 / (sqrt(v_hat) + eps)`` of the state before this step (the exact gradient's own
     magnitude when there is no state yet)."""
-    if state["step"] == 0:
-        return 1.0 / (g_exact.abs() + state["eps"])
-    b2 = state["betas"][1]
-    return 1.0 / (state["v"] / (1 - b2 ** state["step"])).sqrt_().add_(state["eps"])
-
-
-class LayerReference:
-    """The exact average of one layer and what the comparisons need from it."""
-
-    def __init__(self, exact: Tensor, adam_state: dict):
-        self.exact = exact
-        self.state = adam_state
-        self.u_exact = adam_direction(exact, adam_state)
-        self.metric = adam_metric(adam_state, exact)
-        flat = exact.reshape(-1)
-        self.ref_sq = float(flat.double().square().sum())
-        self.adam_ref_sq = float(self.u_exact.double().square().sum())
-        self.pre_ref_sq = float((exact * self.metric).double().square().sum())
-        self.max_ref = float(exact.abs().max())
-
-
-SUM_KEYS = ("err_sq", "ref_sq", "dot", "q_sq", "adam_err_sq", "adam_ref_sq", "pre_err_sq", "pre_ref_sq",
-            "sent", "saturated", "underflow")
+    if rule.step == 0:
+        return 1.0 / (g_exact.abs() + rule.eps)
+    v_hat = rule.exp_avg_sq.float() / (1.0 - rule.betas[1] ** rule.step)
+    return 1.0 / (v_hat.sqrt() + rule.eps)
 
 
 def _sq(x: Tensor) -> float:
-    x = x.reshape(-1)
-    return float(torch.dot(x, x))
+    return float(x.double().square().sum())
+
+
+class LayerReference:
+    """The exact average of one layer and what every comparison with it needs, computed once
+    (the exact side of each metric: the whitened gradient, NS5 outputs, Adam's direction)."""
+
+    def __init__(self, exact: Tensor, rules: LayerRules, ruler: geo.Whitener):
+        self.exact = exact
+        self.rules = rules
+        self.ruler = ruler
+        self.ref_sq = _sq(exact)
+        self.max_ref = float(exact.abs().max())
+        self.whitened_ref_sq = _sq(ruler.apply(exact))
+        self.ns = fm.newton_schulz5(exact) if rules.muon is not None else None
+        self.muon = rules.muon.direction(exact) if rules.muon is not None else None
+        if rules.adam is not None:
+            self.adam = rules.adam.direction(exact)
+            self.scale = adam_scale(rules.adam, exact)
+            self.scaled = exact * self.scale
 
 
 def compare(avg: Tensor, ref: LayerReference, counts: Dict[str, int]) -> dict:
-    """Sums (additive over layers) and maxima of one layer's reduced vs exact gradient.
-    fp32 dot products: their rounding (~1e-6 relative) is far below what is measured."""
-    diff = avg - ref.exact
-    du = adam_direction(avg, ref.state).sub_(ref.u_exact)
-    out = {"err_sq": _sq(diff), "ref_sq": ref.ref_sq, "dot": float(torch.dot(avg.reshape(-1), ref.exact.reshape(-1))),
-           "q_sq": _sq(avg), "adam_err_sq": _sq(du), "adam_ref_sq": ref.adam_ref_sq,
-           "max_err": float(diff.abs().max()), "max_ref": ref.max_ref}
-    out.update(pre_err_sq=_sq(diff.mul_(ref.metric)), pre_ref_sq=ref.pre_ref_sq)
+    """One layer's reduced vs exact gradient: per-metric relative errors (``rel``) with the
+    reference's squared norm (``ref``, the weight of an "rms" aggregate), and the sums and
+    maxima of cosine, max error and the codec counters."""
+    exact, rules = ref.exact, ref.rules
+    rel = {"rel_l2": fm.relative_error(avg, exact),
+           "whitened_rel_err": fm.whitened_relative_error(avg, exact, ref.ruler)}
+    weight = {"rel_l2": ref.ref_sq, "whitened_rel_err": ref.whitened_ref_sq}
+    if rules.muon is not None:
+        rel["muon_ns_rel_err"] = fm.relative_error(fm.newton_schulz5(avg), ref.ns)
+        rel["muon_update_rel_err"] = fm.relative_error(rules.muon.direction(avg), ref.muon)
+    if rules.adam is not None:
+        rel["adam_update_rel_err"] = fm.relative_error(rules.adam.direction(avg), ref.adam)
+        rel["adam_metric_rel_err"] = fm.relative_error(avg * ref.scale, ref.scaled)
+        weight.update(adam_update_rel_err=_sq(ref.adam), adam_metric_rel_err=_sq(ref.scaled))
+    rel["optimizer_rel_err"] = rel["muon_update_rel_err" if rules.trained_by == "muon" else "adam_update_rel_err"]
+    out = {"rel": rel, "ref": weight, "dot": float(torch.dot(avg.reshape(-1).double(), exact.reshape(-1).double())),
+           "q_sq": _sq(avg), "ref_sq": ref.ref_sq, "max_err": float((avg - exact).abs().max()), "max_ref": ref.max_ref}
     out.update(counts)
     return out
 
 
-def _ratio(a: float, b: float) -> float:
-    return math.sqrt(a / b) if b > 0 else 0.0
+def combine(key: str, parts: List[dict]) -> Optional[float]:
+    """One column over the layers that have it (``COLUMNS`` says how); None if none has."""
+    have = [p for p in parts if key in p["rel"]]
+    if not have:
+        return None
+    if COLUMNS[key][1] == "mean":
+        return sum(p["rel"][key] for p in have) / len(have)
+    ref = sum(p["ref"][key] for p in have)
+    err = sum(p["rel"][key] ** 2 * p["ref"][key] for p in have)
+    return math.sqrt(err / ref) if ref > 0 else 0.0
 
 
 def metrics(parts: List[dict]) -> dict:
-    """Relative errors from summed parts (one layer, or several for an aggregate)."""
-    s = {k: sum(p[k] for p in parts) for k in SUM_KEYS}
+    """Every column from one layer's parts or several (an aggregate)."""
+    s = {k: sum(p[k] for p in parts) for k in ("dot", "q_sq", "ref_sq", "sent", "saturated", "underflow")}
     max_err = max(p["max_err"] for p in parts)
     max_ref = max(p["max_ref"] for p in parts)
     denom = math.sqrt(s["q_sq"] * s["ref_sq"])
-    return {
-        "rel_l2": _ratio(s["err_sq"], s["ref_sq"]),
+    out = {key: combine(key, parts) for key in COLUMNS}
+    out.update({
         "cosine": s["dot"] / denom if denom > 0 else 1.0,
         "max_err_rel": max_err / max_ref if max_ref > 0 else 0.0,
         "saturation_rate": s["saturated"] / s["sent"] if s["sent"] else 0.0,
         "underflow_rate": s["underflow"] / s["sent"] if s["sent"] else 0.0,
-        "adam_update_rel_err": _ratio(s["adam_err_sq"], s["adam_ref_sq"]),
-        "adam_metric_rel_err": _ratio(s["pre_err_sq"], s["pre_ref_sq"]),
         "elements_sent": int(s["sent"]),
-    }
+        "layers_per_column": {key: sum(key in p["rel"] for p in parts) for key in COLUMNS},
+    })
+    return out
+
+
+def _gain(geo_err: Optional[float], euclid_err: Optional[float]) -> float:
+    return 1.0 - geo_err / euclid_err if euclid_err else 0.0
 
 
 # ------------------------------------------------------------------------------------ output
@@ -415,44 +583,71 @@ def short(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def print_aggregate(results, formats, geoms, ranks: int, owner_note: str) -> None:
+def _num(x: Optional[float], width: int, digits: int = 4) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
+
+
+# Update columns of the aggregate table: the NS pair first under Muon, Adam's pair first under AdamW.
+def _update_columns(optimizer: str) -> List[str]:
+    muon = ["muon_ns_rel_err", "muon_update_rel_err"]
+    adam = ["adam_update_rel_err", "adam_metric_rel_err"]
+    return muon + ["optimizer_rel_err"] + adam if optimizer == "muon" else adam + ["optimizer_rel_err"] + muon
+
+
+def print_aggregate(results, formats, geoms, ranks: int, owner_note: str, optimizer: str, ruler: str,
+                    coverage: Dict[str, int], n_layers: int) -> None:
     print(f"\nAggregate over all Linear weights at t2 ({ranks} ranks, {owner_note})")
-    head = (f"{'format':<9} {'geometry':<19} {'rel L2':>8} {'cosine':>9} {'max err':>8} {'sat %':>7} "
-            f"{'uflow %':>8} {'Adam upd':>9} {'Adam g/sqrt(v)':>14}")
+    cover = ", ".join(f"{COLUMNS[k][0]} {coverage[k]}" for k in _update_columns(optimizer))
+    print(f"  whitened = ||E S|| / ||G S|| with the {ruler} whitener fitted at t1 for every row; layers per "
+          f"column: {cover} of {n_layers}")
+    print("  rel L2, whitened, Adam: sqrt(sum err^2 / sum ref^2) over layers; NS5(G), NS5(M+G), opt: mean of "
+          "per-layer relative errors" + ("" if optimizer == "muon" else
+                                         "; NS5 columns are a what-if (AdamW trains every layer)"))
+    cols = ["rel_l2", "whitened_rel_err"] + _update_columns(optimizer)
+    widths = {k: max(9, len(COLUMNS[k][0]) + 1) for k in cols}
+    head = (f"{'format':<9} {'geometry':<19} {'cosine':>9} {'max err':>8} {'sat %':>7} {'uflow %':>8}"
+            + "".join(f"{COLUMNS[k][0]:>{widths[k]}}" for k in cols))
     print(head)
     print("-" * len(head))
     for fkey in formats:
         for g in geoms:
             m = results[fkey][g.key]["aggregate"]
-            print(f"{fkey:<9} {g.label:<19} {m['rel_l2']:>8.4f} {m['cosine']:>9.6f} {m['max_err_rel']:>8.4f} "
-                  f"{100 * m['saturation_rate']:>7.3f} {100 * m['underflow_rate']:>8.3f} "
-                  f"{m['adam_update_rel_err']:>9.4f} {m['adam_metric_rel_err']:>14.4f}")
+            print(f"{fkey:<9} {g.label:<19} {m['cosine']:>9.6f} {m['max_err_rel']:>8.4f} "
+                  f"{100 * m['saturation_rate']:>7.3f} {100 * m['underflow_rate']:>8.3f}"
+                  + "".join(_num(m[k], widths[k]) for k in cols))
         print()
 
 
-def print_per_layer(results, auto, fkey: str, geoms, layers, auto_key: str) -> None:
-    print(f"Per layer, format {fkey}: rel L2 error at t2 per geometry; underflow %; auto gains of {auto_key}")
-    cols = "".join(f" {g.key:>9}" for g in geoms)
-    head = (f"{'layer':<26} {'out x in':>10}{cols} {'uf% id':>7} {'uf% ' + auto_key[-3:]:>8} "
-            f"{'gain t1':>8} {'gain t2':>8} {'auto':>5}")
+def print_per_layer(results, auto, fkey: str, layers, auto_key: str, trained_by: Dict[str, str],
+                    selection_col: str) -> None:
+    cols = ["rel_l2", "whitened_rel_err", "muon_ns_rel_err", "optimizer_rel_err"]
+    print(f"Per layer, format {fkey}: identity / {auto_key} (fitted at t1) in {', '.join(COLUMNS[k][0] for k in cols)}"
+          f" (opt: the layer's own optimizer's update); auto gains of {auto_key} in {COLUMNS[selection_col][0]}")
+    head = (f"{'layer':<26} {'out x in':>10} {'opt':>5}" + "".join(f" {COLUMNS[k][0] + ' id/geo':>17}" for k in cols)
+            + f" {'gain t1':>8} {'gain t2':>8} {'auto':>5}")
     print(head)
     print("-" * len(head))
     a = auto[fkey][auto_key]
     for name, module in layers:
-        errs = "".join(f" {results[fkey][g.key]['layers'][name]['rel_l2']:>9.4f}" for g in geoms)
-        uf_id = results[fkey]["identity"]["layers"][name]["underflow_rate"]
-        uf_geo = results[fkey][auto_key]["layers"][name]["underflow_rate"]
+        eu = results[fkey]["identity"]["layers"][name]
+        ge = results[fkey][auto_key]["layers"][name]
+        pairs = "".join(f" {_num(eu[k], 8)}/{_num(ge[k], 8).strip():<8}" for k in cols)
         shape = f"{module.out_features}x{module.in_features}"
-        print(f"{short(name):<26} {shape:>10}{errs} {100 * uf_id:>7.3f} {100 * uf_geo:>8.3f} "
+        print(f"{short(name):<26} {shape:>10} {trained_by[name]:>5}{pairs} "
               f"{a['gains_heldout'][name]:>+8.3f} {a['gains_t2'][name]:>+8.3f} "
               f"{'geo' if name in a['selected'] else '-':>5}")
     print()
 
 
-def print_auto(auto, formats, kfac, n_layers: int, min_gain: float) -> None:
-    print(f"layers: \"auto\" (gain >= {min_gain} judged on t1 with the t0 whitener; applied at t2 with the t1 one)")
-    head = (f"{'format':<9} {'geometry':<19} {'sel':>6} {'euclid':>8} {'auto':>8} {'all-geo':>8} {'oracle':>8} "
-            f"{'Adam eu':>8} {'Adam au':>8}  verdict")
+def print_auto(auto, formats, kfac, n_layers: int, min_gain: float, selection_metric: str, optimizer: str) -> None:
+    col = SELECTION_COLUMN[selection_metric]
+    shown = ["rel_l2", "whitened_rel_err", "muon_update_rel_err" if optimizer == "muon" else "adam_update_rel_err",
+             "optimizer_rel_err"]
+    print(f"layers: \"auto\" judged in {selection_metric} ({COLUMNS[col][0]}; gain >= {min_gain} on t1 with the t0 "
+          f"whitener; applied at t2 with the t1 one). Aggregates at t2, Euclidean -> auto per metric; all-geometry "
+          f"and oracle in {COLUMNS[col][0]}")
+    head = (f"{'format':<9} {'geometry':<19} {'sel':>6}" + "".join(f" {COLUMNS[k][0] + ' eu->au':>19}" for k in shown)
+            + f" {'all-geo':>8} {'oracle':>8}  verdict")
     print(head)
     print("-" * len(head))
     worse = []
@@ -460,22 +655,22 @@ def print_auto(auto, formats, kfac, n_layers: int, min_gain: float) -> None:
         for g in kfac:
             a = auto[fkey][g.key]
             agg = a["aggregate"]
-            e, au = agg["euclidean"]["rel_l2"], agg["auto"]["rel_l2"]
+            e, au = agg["euclidean"][col], agg["auto"][col]
             verdict = "ok" if au <= e else f"WORSE {100 * (au / e - 1):+.3f}%"
             if au > e:
                 worse.append((fkey, g, a))
-            print(f"{fkey:<9} {g.label:<19} {len(a['selected']):>3}/{n_layers:<2} {e:>8.4f} {au:>8.4f} "
-                  f"{agg['geometry']['rel_l2']:>8.4f} {agg['oracle']['rel_l2']:>8.4f} "
-                  f"{agg['euclidean']['adam_update_rel_err']:>8.4f} {agg['auto']['adam_update_rel_err']:>8.4f}  "
-                  f"{verdict}")
+            pairs = "".join(f" {_num(agg['euclidean'][k], 9)}->{_num(agg['auto'][k], 8).strip():<8}" for k in shown)
+            print(f"{fkey:<9} {g.label:<19} {len(a['selected']):>3}/{n_layers:<2}{pairs} "
+                  f"{_num(agg['geometry'][col], 8)} {_num(agg['oracle'][col], 8)}  {verdict}")
     if worse:
-        print("\nwhere auto loses to Euclidean (selected layers that are worse at t2):")
+        print(f"\nwhere auto loses to Euclidean in {COLUMNS[col][0]} (selected layers that are worse at t2, "
+              "gain t1 -> t2):")
         for fkey, g, a in worse:
             bad = ", ".join(f"{short(n)} ({a['gains_heldout'][n]:+.2f} -> {a['gains_t2'][n]:+.2f})"
                             for n in a["regressed"])
             print(f"  {fkey} {g.label}: {bad}")
     else:
-        print("\nauto is never worse than Euclidean here.")
+        print(f"\nauto is never worse than Euclidean in {COLUMNS[col][0]} here.")
 
 
 # -------------------------------------------------------------------------------------- main
@@ -490,24 +685,36 @@ def parse_args(argv):
     p.add_argument("--ranks", type=int, default=4, help="simulated data-parallel ranks")
     p.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--train-steps", type=int, default=300, help="AdamW steps before the first capture")
+    p.add_argument("--train-steps", type=int, default=300, help="optimizer steps before the first capture")
     p.add_argument("--refresh-interval", type=int, default=50,
                    help="steps from one capture to the next (geometry.refresh_interval)")
     p.add_argument("--collect-interval", type=int, default=10,
                    help="input statistics are collected every this many steps (geometry.collect_interval)")
     p.add_argument("--stats-decay", type=float, default=0.95,
                    help="EMA of the statistics (geometry.stats_decay); 0 fits one step's statistics")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                   help="adamw: AdamW on everything; muon: DeepSpeed's MuonWithAuxAdam split (Muon on hidden "
+                        "matrices, AdamW on embeddings, lm_head, norms)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (the Adam half under muon)")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate")
+    p.add_argument("--muon-momentum", type=float, default=0.95,
+                   help="Muon's beta (also the what-if momentum's under adamw)")
     p.add_argument("--warmup", type=int, default=20, help="linear lr warm-up steps")
     p.add_argument("--damping", type=float, default=1e-3, help="geometry.damping of the kfac fits")
+    p.add_argument("--damping-mode", default="absolute", choices=("absolute", "relative"),
+                   help="absolute: floor the residual diagonal at --damping (the plugin's rule); relative: at "
+                        "--damping * mean(diag(A)) of each statistic")
     p.add_argument("--kfac", nargs="+", default=list(DEFAULT_KFAC), metavar="SOLVER:RANK",
                    help="kfac_input variants (solver structured|cholesky, rank; clamped to the layer width)")
     p.add_argument("--formats", nargs="+", default=list(FORMAT_BLOCKS), choices=FORMAT_NAMES,
                    help="wire formats (the five by default; bf16/fp32 also accepted, default block sizes)")
     p.add_argument("--per-layer-format", default="fp8_e4m3", choices=FORMAT_NAMES)
     p.add_argument("--auto-geometry", default=None,
-                   help="kfac variant whose gains the per-layer table shows, e.g. kfac_s32 "
-                        "(default: the second --kfac entry)")
+                   help="kfac variant whose gains the per-layer table shows and whose t1 whitener is the "
+                        "whitened column's ruler, e.g. kfac_s32 (default: the second --kfac entry)")
+    p.add_argument("--selection-metric", default="optimizer", choices=tuple(SELECTION_COLUMN),
+                   help="what auto's gain is judged in: the layer's optimizer's update, plain L2, or the "
+                        "whitened norm")
     p.add_argument("--min-gain", type=float, default=0.05, help="selection.min_gain of layers: auto")
     p.add_argument("--all-quantized", action="store_true",
                    help="quantize the owner's contribution too (all-reduce; the plugin keeps it exact)")
@@ -521,7 +728,124 @@ def parse_args(argv):
             or args.train_steps < 0 or not 0.0 <= args.stats_decay < 1.0:
         raise SystemExit("need --ranks, --micro, --refresh-interval, --collect-interval >= 1, --seq >= 2, "
                          "--train-steps >= 0, 0 <= --stats-decay < 1")
+    if not 0.0 <= args.muon_momentum < 1.0 or not args.damping > 0:
+        raise SystemExit(f"need 0 <= --muon-momentum < 1 and --damping > 0, got {args.muon_momentum} and "
+                         f"{args.damping}")
     return args
+
+
+def select_layers(local: Dict[str, Tensor], codec, whiteners: Dict[str, geo.Whitener],
+                  rules: Dict[str, LayerRules], metric: str) -> Dict[str, float]:
+    """Held-out gain of every layer's geometry in ``metric``, judged by one round trip of the
+    owner's local gradient with ``metrics.judge_geometry`` and the layer's own update rule."""
+    gains = {}
+    for n, G in local.items():
+        euclid, geom = fm.judge_geometry(G, codec, whiteners[n], metric=metric, rule=rules[n].own)
+        gains[n] = _gain(geom[metric], euclid[metric])
+    return gains
+
+
+@dataclass
+class TrainedRun:
+    """Step 1's product: the trained model's layers, its three captures and how it got there."""
+
+    model_label: str
+    layers: List[Tuple[str, nn.Linear]]
+    key_of: Dict[str, str]  # layer -> the statistic it reads (q/k/v and gate/up share one)
+    trained_by: Dict[str, str]
+    caps: List[Capture]
+    losses: List[float]
+    capture_at: List[int]
+    opt_note: str
+    seconds: float
+
+
+def train_and_capture(args) -> TrainedRun:
+    """Train (statistics collected as the plugin does) and capture t0, t1, t2."""
+    t_start = time.perf_counter()
+    model, model_label = build_model(args)
+    layers = linear_layers(model)
+    hooks = MomentHooks(layers)
+    training = Training(model, layers, args)
+    samplers = [Sampler(args.seq, args.seed * 9973 + r) for r in range(args.ranks)]
+    capture_at = [args.train_steps + j * args.refresh_interval for j in range(3)]
+    emas: Dict[str, geo.CovarianceEMA] = {}
+
+    def fold(moments: Dict[str, Tensor]) -> None:
+        for key, a in moments.items():
+            ema = emas.get(key)
+            if ema is None:
+                ema = emas[key] = geo.CovarianceEMA(a.shape[0], decay=args.stats_decay)
+            ema.update_from_moment(a)
+
+    losses, caps = [], []
+    for k in range(capture_at[-1] + 1):
+        if k in capture_at:
+            cap = capture_step(model, training, layers, hooks, [s.batch(args.micro) for s in samplers],
+                               want_rules=k != capture_at[0])  # t1 for selection, t2 for the reference
+            fold(cap.moments)
+            cap.stats = {key: ema.value().clone() for key, ema in emas.items()}
+            caps.append(cap)
+            losses.append(cap.loss)
+        else:
+            tokens = torch.cat([s.batch(args.micro) for s in samplers])  # the global batch: rank moments averaged
+            losses.append(train_step(model, training, hooks, tokens, collect=k % args.collect_interval == 0))
+            fold(hooks.take())
+    n_muon = sum(t == "muon" for t in training.trained_by.values())
+    opt_note = (f"Muon (lr {args.muon_lr}, momentum {args.muon_momentum}) on {n_muon} of {len(layers)} Linear "
+                f"weights + AdamW (lr {args.lr})" if args.optimizer == "muon" else f"AdamW (lr {args.lr})")
+    return TrainedRun(model_label, layers, dict(hooks.key_of), dict(training.trained_by), caps, losses, capture_at,
+                      opt_note, time.perf_counter() - t_start)
+
+
+def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner_of, ruler_key: str):
+    """Step 2: every format x geometry reduced at t2 with the whiteners fitted at t1.
+    Returns (results as printed, per-layer ``compare`` parts: format -> geometry -> layer)."""
+    names = [n for n, _ in run.layers]
+    G2 = run.caps[2].grads
+    whiteners_t1 = {g.key: factory.build(g, 1, run.caps[1].stats) for g in geoms}
+    ruler = whiteners_t1[ruler_key]
+    refs = {n: LayerReference(G2[n].mean(0), run.caps[2].rules[n], ruler[n]) for n in names}
+    parts = {f: {g.key: {} for g in geoms} for f in codecs}
+    for g in geoms:
+        ws = whiteners_t1[g.key]
+        for n in names:
+            Z = ws[n].apply(G2[n])
+            for f, codec in codecs.items():
+                avg, counts = reduce_ranks(G2[n], codec, ws[n], owner=owner_of[n], Z=Z)
+                parts[f][g.key][n] = compare(avg, refs[n], counts)
+    results = {f: {g.key: {"aggregate": metrics(list(parts[f][g.key].values())),
+                           "layers": {n: metrics([parts[f][g.key][n]]) for n in names}} for g in geoms}
+               for f in codecs}
+    return results, parts
+
+
+def simulate_auto(run: TrainedRun, factory: WhitenerFactory, kfac, codecs, parts, args) -> dict:
+    """Step 3: gains of the t0 whiteners on t1's owner-local gradient, selection applied at t2."""
+    names = [n for n, _ in run.layers]
+    sel_col = SELECTION_COLUMN[args.selection_metric]
+    local = {n: run.caps[1].grads[n][i % args.ranks] for i, n in enumerate(names)}
+    auto = {f: {} for f in codecs}
+    for g in kfac:
+        ws0 = factory.build(g, 0, run.caps[0].stats)
+        for f, codec in codecs.items():
+            gains = select_layers(local, codec, ws0, run.caps[1].rules, args.selection_metric)
+            eu, ge = parts[f]["identity"], parts[f][g.key]
+            selected = [n for n in names if gains[n] >= args.min_gain]
+            oracle = [n for n in names if ge[n]["rel"][sel_col] < eu[n]["rel"][sel_col]]
+            agg = {"euclidean": metrics(list(eu.values())),
+                   "auto": metrics([ge[n] if n in selected else eu[n] for n in names]),
+                   "geometry": metrics(list(ge.values())),
+                   "oracle": metrics([ge[n] if n in oracle else eu[n] for n in names])}
+            auto[f][g.key] = {
+                "gains_heldout": gains,
+                "gains_t2": {n: _gain(ge[n]["rel"][sel_col], eu[n]["rel"][sel_col]) for n in names},
+                "selected": selected,
+                "regressed": [n for n in selected if ge[n]["rel"][sel_col] > eu[n]["rel"][sel_col]],
+                "aggregate": agg,
+                "worse_than_euclidean": agg["auto"][sel_col] > agg["euclidean"][sel_col],
+            }
+    return auto
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -538,116 +862,57 @@ def main(argv: Optional[List[str]] = None) -> int:
     auto_key = args.auto_geometry or (kfac[1].key if len(kfac) > 1 else kfac[0].key)
     if auto_key not in {g.key for g in kfac}:
         raise SystemExit(f"--auto-geometry {auto_key!r} is not one of {[g.key for g in kfac]}")
+    auto_spec = next(g for g in kfac if g.key == auto_key)
 
-    # 1. model, training (statistics collected as the plugin does), three captures
-    model, model_label = build_model(args)
-    layers = linear_layers(model)
-    names = [n for n, _ in layers]
-    hooks = MomentHooks(layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / max(args.warmup, 1)))
-    samplers = [Sampler(args.seq, args.seed * 9973 + r) for r in range(args.ranks)]
-    capture_at = [args.train_steps + j * args.refresh_interval for j in range(3)]
-    emas: Dict[str, geo.CovarianceEMA] = {}
-
-    def fold(moments: Dict[str, Tensor]) -> None:
-        for key, a in moments.items():
-            ema = emas.get(key)
-            if ema is None:
-                ema = emas[key] = geo.CovarianceEMA(a.shape[0], decay=args.stats_decay)
-            ema.update_from_moment(a)
-
-    losses, caps = [], []
-    for k in range(capture_at[-1] + 1):
-        if k in capture_at:
-            cap = capture_step(model, opt, sched, layers, hooks, [s.batch(args.micro) for s in samplers],
-                               want_adam=(k == capture_at[-1]))
-            fold(cap.moments)
-            cap.stats = {key: ema.value().clone() for key, ema in emas.items()}
-            caps.append(cap)
-            losses.append(cap.loss)
-        else:
-            tokens = torch.cat([s.batch(args.micro) for s in samplers])  # the global batch: rank moments averaged
-            losses.append(train_step(model, opt, sched, hooks, tokens, collect=k % args.collect_interval == 0))
-            fold(hooks.take())
-    t_model = time.perf_counter() - t_start
+    run = train_and_capture(args)
+    layers, names = run.layers, [n for n, _ in run.layers]
     n_params = sum(m.weight.numel() for _, m in layers)
     owner_of = {n: (None if args.all_quantized else i % args.ranks) for i, n in enumerate(names)}
     owner_note = "every rank quantized (all-reduce)" if args.all_quantized else "owner's own contribution exact"
     stats_note = (f"EMA {args.stats_decay} of moments every {args.collect_interval} steps" if args.stats_decay
                   else "one step's moments")
-    print(f"model: {model_label}, {len(layers)} Linear weights, {n_params / 1e6:.2f}M elements; ranks {args.ranks} x "
-          f"{args.micro} x {args.seq} tokens; {capture_at[-1] + 1} AdamW steps, captures t0, t1, t2 at steps "
-          f"{', '.join(map(str, capture_at))}; loss {losses[0]:.3f} -> {losses[-1]:.3f}; kfac statistics: "
-          f"{stats_note}; model + captures {time.perf_counter() - t_start:.1f} s")
+    damping_note = (f"{args.damping}" if args.damping_mode == "absolute"
+                    else f"{args.damping} x mean(diag(A))")
+    print(f"model: {run.model_label}, {len(layers)} Linear weights, {n_params / 1e6:.2f}M elements; ranks "
+          f"{args.ranks} x {args.micro} x {args.seq} tokens; {run.capture_at[-1] + 1} steps of {run.opt_note}; "
+          f"captures t0, t1, t2 at steps {', '.join(map(str, run.capture_at))}; loss {run.losses[0]:.3f} -> "
+          f"{run.losses[-1]:.3f}; kfac statistics: {stats_note}, damping floor {damping_note}; model + captures "
+          f"{run.seconds:.1f} s")
 
-    # 2. reduction at t2 for every format x geometry (kfac whiteners fitted at t1)
-    factory = WhitenerFactory(layers, hooks.key_of, args.damping)
-    G2 = caps[2].grads
-    refs = {n: LayerReference(G2[n].mean(0), caps[2].adam[n]) for n in names}
-    parts = {f: {} for f in formats}  # format -> geometry -> layer -> sums
-    whiteners_t1 = {}
-    for g in geoms:
-        ws = whiteners_t1[g.key] = factory.build(g, 1, caps[1].stats)
-        for f in formats:
-            parts[f][g.key] = {}
-        for n in names:
-            Z = ws[n].apply(G2[n])
-            for f in formats:
-                avg, counts = reduce_ranks(G2[n], codecs[f], ws[n], owner=owner_of[n], Z=Z)
-                parts[f][g.key][n] = compare(avg, refs[n], counts)
-    results = {f: {g.key: {"aggregate": metrics(list(parts[f][g.key].values())),
-                           "layers": {n: metrics([parts[f][g.key][n]]) for n in names}} for g in geoms}
-               for f in formats}
+    factory = WhitenerFactory(layers, run.key_of, args.damping, args.damping_mode)
+    results, parts = reduce_at_t2(run, factory, geoms, codecs, owner_of, auto_key)
+    t_reduce = time.perf_counter() - t_start - run.seconds
+    auto = simulate_auto(run, factory, kfac, codecs, parts, args)
 
-    # 3. auto: gains of the t0 whiteners on t1's owner-local gradient, selection applied at t2
-    def roundtrip_err(G: Tensor, codec, w) -> float:
-        return float((reduce_ranks(G[None], codec, w, owner=None, stats=False)[0] - G).norm())
-
-    local = {n: caps[1].grads[n][i % args.ranks] for i, n in enumerate(names)}
-    e_euc = {f: {n: roundtrip_err(local[n], codecs[f], whiteners_t1["identity"][n]) for n in names} for f in formats}
-    auto = {f: {} for f in formats}
-    for g in kfac:
-        ws0 = factory.build(g, 0, caps[0].stats)
-        for f in formats:
-            gains = {}
-            for n in names:
-                e_geo = roundtrip_err(local[n], codecs[f], ws0[n])
-                gains[n] = 1.0 - e_geo / e_euc[f][n] if e_euc[f][n] > 0 else 0.0
-            eu, ge = parts[f]["identity"], parts[f][g.key]
-            selected = [n for n in names if gains[n] >= args.min_gain]
-            oracle = [n for n in names if ge[n]["err_sq"] < eu[n]["err_sq"]]
-            agg = {"euclidean": metrics(list(eu.values())),
-                   "auto": metrics([ge[n] if n in selected else eu[n] for n in names]),
-                   "geometry": metrics(list(ge.values())),
-                   "oracle": metrics([ge[n] if n in oracle else eu[n] for n in names])}
-            auto[f][g.key] = {
-                "gains_heldout": gains,
-                "gains_t2": {n: 1.0 - _ratio(ge[n]["err_sq"], eu[n]["err_sq"]) if eu[n]["err_sq"] > 0 else 0.0
-                             for n in names},
-                "selected": selected,
-                "regressed": [n for n in selected if ge[n]["err_sq"] > eu[n]["err_sq"]],
-                "aggregate": agg,
-                "worse_than_euclidean": agg["auto"]["rel_l2"] > agg["euclidean"]["rel_l2"],
-            }
-
-    # 4. output
-    print_aggregate(results, formats, geoms, args.ranks, owner_note)
-    print_per_layer(results, auto, args.per_layer_format, geoms, layers, auto_key)
-    print_auto(auto, formats, kfac, len(names), args.min_gain)
+    coverage = results[formats[0]]["identity"]["aggregate"]["layers_per_column"]
+    print_aggregate(results, formats, geoms, args.ranks, owner_note, args.optimizer, auto_spec.label, coverage,
+                    len(names))
+    print_per_layer(results, auto, args.per_layer_format, layers, auto_key, run.trained_by,
+                    SELECTION_COLUMN[args.selection_metric])
+    print_auto(auto, formats, kfac, len(names), args.min_gain, args.selection_metric, args.optimizer)
     wall = time.perf_counter() - t_start
-    print(f"\nwall time {wall:.1f} s (model + captures {t_model:.1f} s, {torch.get_num_threads()} threads)")
+    print(f"\nwall time {wall:.1f} s (model + captures {run.seconds:.1f} s, reductions {t_reduce:.1f} s, "
+          f"{torch.get_num_threads()} threads)")
     if args.json is not None:
         out = {
             "command": [Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)),
-            "model": model_label,
+            "model": run.model_label,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "protocol": {"capture_steps": capture_at,
+            "protocol": {"capture_steps": run.capture_at,
+                         "training": run.opt_note,
                          "statistics": stats_note,
+                         "damping": damping_note,
                          "whitener_at_t2": "fitted at t1 on the rank-averaged statistics",
-                         "auto_gain": "t0 whitener judged on t1's owner-local gradient (round trip), "
-                                      "1 - err_geo / err_euclid",
+                         "whitened_ruler": f"{auto_spec.label} whitener fitted at t1, the same for every geometry",
+                         "auto_gain": f"t0 whitener judged on t1's owner-local gradient (metrics.judge_geometry, "
+                                      f"one round trip) in {args.selection_metric}, 1 - err_geo / err_euclid",
                          "owner_exact": not args.all_quantized,
+                         "aggregate": {k: how for k, (_, how) in COLUMNS.items()},
+                         "muon_ns": "relative error of NS5(G), fp32 Newton-Schulz, no momentum",
+                         "muon_update": "relative error of NS5(lerp(g, lerp(m, g, 1-beta), beta)), momentum before "
+                                        "t2" + ("" if args.optimizer == "muon" else
+                                                " (what-if: EMA of the AdamW run's averaged gradients)"),
+                         "optimizer_metric": "each layer in its own optimizer's update (muon_update or adam_update)",
                          "adam_update": "relative L2 error of m_hat/(sqrt(v_hat)+eps) after this step, AdamW's "
                                         "real state, weight decay excluded",
                          "adam_metric": "relative L2 error of g/(sqrt(v_hat)+eps), v_hat before this step"},
@@ -655,12 +920,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             "geometries": {g.key: {"kind": g.kind, "solver": g.solver, "rank": g.rank, "label": g.label}
                            for g in geoms},
             "layers": [{"name": n, "out": m.out_features, "in": m.in_features, "owner": owner_of[n],
-                        "statistic": hooks.key_of.get(n, n)} for n, m in layers],
-            "losses": losses,
+                        "statistic": run.key_of.get(n, n), "trained_by": run.trained_by[n]}
+                       for n, m in layers],
+            "damping_floors": {f"t{c}": floors for c, floors in sorted(factory.floors.items())},
+            "losses": run.losses,
             "results": results,
             "auto": auto,
             "wall_s": wall,
-            "model_and_capture_s": t_model,
+            "model_and_capture_s": run.seconds,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "machine": platform.machine(),
