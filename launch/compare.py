@@ -239,6 +239,11 @@ def _f(x, spec=".4f", none="-"):
     return format(x, spec) if finite(x) else none
 
 
+def _count(x) -> str:
+    """A layer count, or its mean over seeds to one decimal."""
+    return _f(x, "g" if finite(x) and float(x).is_integer() else ".1f")
+
+
 def _gap(x, base):
     if not (finite(x) and finite(base)) or base == 0:
         return "-"
@@ -301,7 +306,7 @@ def _profile_value(r: dict, metric: str) -> str:
 
 def _profile_layers(r: dict) -> str:
     layers, judged = r.get("profile_layers"), r.get("profile_judged")
-    return _f(layers, "g") + (f" of {judged:g}" if finite(judged) else "")
+    return _count(layers) + (f" of {judged:g}" if finite(judged) else "")
 
 
 def profile_text(r: dict) -> str:
@@ -345,7 +350,7 @@ def _pair_line(g: dict, e: dict) -> str:
         if has_profile(r):
             parts.append(f"{side} selection profile: {profile_text(r)}")
     layers = g.get("geometry_layers")
-    geo = f"geometry on {_f(layers, 'g')} layers at the end"
+    geo = f"geometry on {_count(layers)} layers at the end"
     gains = g.get("geometry_gains")
     if gains:
         geo += (f" (auto profile, 1 - err_geometry/err_euclidean per layer: best {max(gains.values()):+.2f}, "
