@@ -44,9 +44,6 @@ class Comm:
         """In-place sum over the group (float32 statistics, counters)."""
         raise NotImplementedError(f"{type(self).__name__}.all_reduce_sum")
 
-    def all_reduce_max(self, tensor: torch.Tensor, *, kind: str = "control") -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__}.all_reduce_max")
-
     def all_gather_bytes(self, blob: torch.Tensor, *, kind: str = "geometry") -> List[torch.Tensor]:
         """Every rank contributes a 1-D uint8 tensor of any length; all get all, in rank order."""
         raise NotImplementedError(f"{type(self).__name__}.all_gather_bytes")
@@ -90,12 +87,6 @@ class TorchComm(Comm):
     def all_reduce_sum(self, tensor, *, kind="geometry"):
         if self.world_size > 1:
             self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self.group)
-            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
-        return tensor
-
-    def all_reduce_max(self, tensor, *, kind="control"):
-        if self.world_size > 1:
-            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group)
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
@@ -212,12 +203,6 @@ class MpiComm(Comm):
         if tensor.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8):
             raise TypeError(f"MpiComm.all_reduce_sum supports float/int tensors, got {tensor.dtype}")
         self._allreduce(tensor, self._MPI.SUM)
-        if self.world_size > 1:
-            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
-        return tensor
-
-    def all_reduce_max(self, tensor, *, kind="control"):
-        self._allreduce(tensor, self._MPI.MAX)
         if self.world_size > 1:
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor

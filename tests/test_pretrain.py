@@ -139,7 +139,7 @@ def test_resume_continues_the_loss_curve(tmp_path):
                "--metrics", str(tmp_path / "resumed.jsonl"), *QUICK]
     (first,), _ = run_ranks(_train_many, 2, [full], timeout=RUN_TIMEOUT_S)
     assert first["resumed_from"] == 0 and len(first["losses"]) == 6
-    assert sorted(os.listdir(ckpt)) >= ["latest", "step3", "step6"]
+    assert {"latest", "step3", "step6"} <= set(os.listdir(ckpt))
     (second,), _ = run_ranks(_train_many, 2, [resumed], timeout=RUN_TIMEOUT_S)
     assert second["resumed_from"] == 3 and len(second["losses"]) == 3
     assert second["losses"] == pytest.approx(first["losses"][3:], rel=RESUME_RTOL)
