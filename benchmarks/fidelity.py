@@ -740,7 +740,7 @@ def select_layers(local: Dict[str, Tensor], codec, whiteners: Dict[str, geo.Whit
     owner's local gradient with ``metrics.judge_geometry`` and the layer's own update rule."""
     gains = {}
     for n, G in local.items():
-        euclid, geom = fm.judge_geometry(G, codec, whiteners[n], metric=metric, rule=rules[n].own)
+        euclid, geom = fm.judge_geometry(G, codec, whiteners[n], rule=rules[n].own)
         gains[n] = _gain(geom[metric], euclid[metric])
     return gains
 

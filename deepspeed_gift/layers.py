@@ -359,7 +359,7 @@ class GeometryManager:
             w = previous.get(name)
             if G is None or w is None or not torch.isfinite(G).all() or G.abs().max() == 0:
                 continue
-            euclid, geom = metrics.judge_geometry(G, self.main_codec, w, metric=metric, rule=rule)
+            euclid, geom = metrics.judge_geometry(G, self.main_codec, w, rule=rule)
             table[i] = torch.tensor([euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS]
                                     + [1.0, float(RULE_CODES[metrics.rule_kind(rule)])], dtype=torch.float64)
         self._captured.clear()

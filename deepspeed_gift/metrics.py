@@ -105,19 +105,6 @@ def update_relative_error(rule, approx: Tensor, exact: Tensor) -> float:
     return relative_error(rule.direction(approx), rule.direction(exact))
 
 
-def errors_in_every_metric(approx: Tensor, exact: Tensor, *, whitener=None, rule=None) -> dict:
-    """``{"l2", "whitened", "optimizer"}``; ``whitened`` without a whitener and ``optimizer``
-    without a rule fall back to ``l2`` (a Euclidean layer's own metric; an optimizer GIFT
-    knows no update rule for) - ``rule_kind`` says which it was."""
-    l2 = relative_error(approx, exact)
-    return {
-        "l2": l2,
-        "whitened": whitened_relative_error(approx, exact, whitener) if whitener is not None else l2,
-        "optimizer": update_relative_error(rule, approx, exact) if rule is not None else l2,
-        "rule_kind": rule_kind(rule),
-    }
-
-
 def rule_kind(rule: Optional[object]) -> str:
     if isinstance(rule, MuonRule):
         return "muon"
@@ -133,12 +120,20 @@ def roundtrip(G: Tensor, codec, whitener=None) -> Tensor:
     return whitener.invert(codec.decode(codec.encode(whitener.apply(G.float()))))
 
 
-def judge_geometry(G: Tensor, codec, whitener, *, metric: str, rule=None) -> Tuple[dict, dict]:
+def judge_geometry(G: Tensor, codec, whitener, *, rule=None) -> Tuple[dict, dict]:
     """Errors of one round trip of ``G`` in Euclidean coordinates and in ``whitener``'s, each
-    in every metric (``whitened`` measured with ``whitener`` for both, so they compare).
-    ``metric`` names the one selection uses; returned here only to validate it."""
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
-    euclid = errors_in_every_metric(roundtrip(G, codec), G, whitener=whitener, rule=rule)
-    geo = errors_in_every_metric(roundtrip(G, codec, whitener), G, whitener=whitener, rule=rule)
-    return euclid, geo
+    as ``{"l2", "whitened", "optimizer", "rule_kind"}``: ``whitened`` is measured with
+    ``whitener`` for both, so they compare; ``optimizer`` without a rule (an optimizer GIFT
+    knows no update rule for) falls back to ``l2``, and ``rule_kind`` says which it was.
+    The references (``G S``, the update from ``G``) are computed once for both."""
+    G = G.float()
+    ref_white = whitener.apply(G)
+    ref_update = rule.direction(G) if rule is not None else None
+
+    def errors(approx: Tensor) -> dict:
+        l2 = relative_error(approx, G)
+        return {"l2": l2, "whitened": relative_error(whitener.apply(approx), ref_white),
+                "optimizer": relative_error(rule.direction(approx), ref_update) if rule is not None else l2,
+                "rule_kind": rule_kind(rule)}
+
+    return errors(roundtrip(G, codec)), errors(roundtrip(G, codec, whitener))

@@ -156,7 +156,9 @@ class BucketPlan:
                 section.add(p)
             self.sections.append(section)
         self.sections = [sec for sec in self.sections if sec.numel]
-        self.to_rank = [[sec for sec in self.sections if d in sec.dests] for d in range(world_size)]
+        # indices into ``sections`` of what each rank receives, in message order
+        self.to_rank = [[i for i, sec in enumerate(self.sections) if d in sec.dests] for d in range(world_size)]
+        self.message_sizes: List[int] = []  # bytes every other rank sends to each rank (set by the reducer)
         # Compact outputs of the slices of each shared parameter: (slice index, start in the parameter)
         self.shared_outputs: Dict[int, List[Tuple[int, int]]] = {}
         for index, s in enumerate(self.slices):
@@ -168,8 +170,11 @@ class BucketPlan:
         # an error-feedback residual survives re-selection and refreshes under this key.
         self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
 
+    def sections_to(self, rank: int) -> List[Section]:
+        return [self.sections[i] for i in self.to_rank[rank]]
+
     def received_numel(self, rank: int) -> int:
-        return sum(sec.numel for sec in self.to_rank[rank])
+        return sum(sec.numel for sec in self.sections_to(rank))
 
 
 @dataclass
@@ -201,6 +206,7 @@ class GiftReducer:
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = BucketPlan(slices, self.comm.world_size, versions)
+            plan.message_sizes = [self._message_nbytes(plan, d) for d in range(self.comm.world_size)]
             while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older whitener versions
                 self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan  # most recently used last
@@ -209,11 +215,11 @@ class GiftReducer:
     def codec_of(self, section: Section):
         return self.high_codec if section.high else self.main_codec
 
-    def message_nbytes(self, plan: BucketPlan, dst: int) -> int:
+    def _message_nbytes(self, plan: BucketPlan, dst: int) -> int:
         """Bytes of the message every other rank sends to ``dst`` for this bucket."""
         if not plan.to_rank[dst]:
             return 0
-        return CONTROL_HEADER_BYTES + sum(self.codec_of(sec).nbytes(sec.numel) for sec in plan.to_rank[dst])
+        return CONTROL_HEADER_BYTES + sum(self.codec_of(sec).nbytes(sec.numel) for sec in plan.sections_to(dst))
 
     # ---- packing --------------------------------------------------------------------
     @staticmethod
@@ -323,7 +329,6 @@ class GiftReducer:
     def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: Dict) -> torch.Tensor:
         """Step 2: one all-to-all; the message to ``dst`` holds every section it receives."""
         me, world = self.comm.rank, self.comm.world_size
-        index = {id(sec): i for i, sec in enumerate(plan.sections)}
         messages, sizes = [], []
         for dst in range(world):
             if dst == me or not plan.to_rank[dst]:
@@ -331,16 +336,16 @@ class GiftReducer:
                 sizes.append(0)
                 continue
             parts = [self._control_header(plan, step, device)]
-            parts += [packed[index[id(sec)]].wire for sec in plan.to_rank[dst]]
+            parts += [packed[i].wire for i in plan.to_rank[dst]]
             msg = torch.cat(parts)
-            expected = self.message_nbytes(plan, dst)
+            expected = plan.message_sizes[dst]
             if msg.numel() != expected:
                 raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
                                    f"plan expects {expected}; codec byte count is inconsistent")
             stats["bytes_header"] += CONTROL_HEADER_BYTES
             messages.append(msg)
             sizes.append(msg.numel())
-        my_size = self.message_nbytes(plan, me)
+        my_size = plan.message_sizes[me]
         t0 = time.perf_counter()
         recv = self.comm.all_to_all_bytes(torch.cat(messages), sizes,
                                           [0 if src == me else my_size for src in range(world)], kind="payload")
@@ -352,12 +357,10 @@ class GiftReducer:
         """Step 3: decode every source and sum in fp32 - my own section starting from my exact
         contribution, a shared one in rank order from everyone's decoded contribution."""
         me, world = self.comm.rank, self.comm.world_size
-        mine = plan.to_rank[me]
-        if not mine:
+        if not plan.to_rank[me]:
             return []
         t0 = time.perf_counter()
-        index = {id(sec): i for i, sec in enumerate(plan.sections)}
-        my_size = self.message_nbytes(plan, me)
+        my_size = plan.message_sizes[me]
         messages = {}
         pos = 0
         for src in range(world):
@@ -367,10 +370,11 @@ class GiftReducer:
                 pos += my_size
         totals = []
         off = CONTROL_HEADER_BYTES
-        for sec in mine:
+        for i in plan.to_rank[me]:
+            sec = plan.sections[i]
             codec = self.codec_of(sec)
             n = codec.nbytes(sec.numel)
-            own = packed[index[id(sec)]].own
+            own = packed[i].own
             total = own.clone() if not sec.shared else None
             for src in range(world):
                 if src == me and not sec.shared:
@@ -457,7 +461,7 @@ class GiftReducer:
         me, world = comm.rank, comm.world_size
         chunks, sizes, own = [], [], None
         for dst in range(world):
-            pieces = [Piece(p.bucket_offset, p.numel, p.param_key) for sec in plan.to_rank[dst] for p in sec.pieces]
+            pieces = [Piece(p.bucket_offset, p.numel, p.param_key) for sec in plan.sections_to(dst) for p in sec.pieces]
             raw = self._gather(tensor, pieces, plan.received_numel(dst), {})
             if dst == me:
                 own = raw

@@ -209,14 +209,17 @@ class GiftState:
                     break
         return out
 
+    def _partition_runs(self, g: int, param_id: int, numel: int) -> List[tuple]:
+        """``(start, end, partition)`` of each ZeRO partition's run of a parameter, in order."""
+        starts = sorted((int(self.opt.grad_start_offset[g][pid][param_id]), pid)
+                        for pid in self.opt.param_to_partition_ids[g][param_id])
+        return [(start, starts[j + 1][0] if j + 1 < len(starts) else numel, pid)
+                for j, (start, pid) in enumerate(starts)]
+
     def _main_owner(self, param, g: int, param_id: int) -> int:
         """The partition holding the largest part of ``param`` (it judges the layer's profile:
         it has the optimizer state there)."""
-        starts = sorted((int(self.opt.grad_start_offset[g][pid][param_id]), pid)
-                        for pid in self.opt.param_to_partition_ids[g][param_id])
-        sizes = [((starts[j + 1][0] if j + 1 < len(starts) else param.numel()) - start, -pid)
-                 for j, (start, pid) in enumerate(starts)]
-        return -max(sizes)[1]
+        return -max((end - start, -pid) for start, end, pid in self._partition_runs(g, param_id, param.numel()))[1]
 
     def _is_muon(self, param) -> bool:
         return (self._muon_class is not None and isinstance(self.opt.optimizer, self._muon_class)
@@ -262,13 +265,13 @@ class GiftState:
         return AdamRule(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(inner_group["betas"]),
                         eps=float(inner_group.get("eps", 1e-8)), start=start)
 
-    def _copy_ranks(self, param, starts) -> tuple:
+    def _copy_ranks(self, param, runs) -> tuple:
         """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
         matrix, so its ``average_tensor`` all-reduces a Muon matrix split across partitions to
         every owner of a slice (``copy_ranks``). The same test as DeepSpeed's, so GIFT delivers
         exactly what the native path would."""
-        if len(starts) > 1 and self._is_muon(param):
-            return tuple(sorted(pid for _, pid in starts))
+        if len(runs) > 1 and self._is_muon(param):
+            return tuple(sorted(pid for _, _, pid in runs))
         return ()
 
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
@@ -290,11 +293,9 @@ class GiftState:
             name = self.param_names.get(param_id)
             if name is not None and self.geometry.wants_capture(name):
                 self.geometry.capture(name, tensor.narrow(0, offset, numel).view(param.shape))
-            starts = sorted((int(opt.grad_start_offset[group_idx][pid][param_id]), pid)
-                            for pid in opt.param_to_partition_ids[group_idx][param_id])
-            copy_ranks = self._copy_ranks(param, starts)  # then delivered whole: every row is whole
-            for j, (start, pid) in enumerate(starts):
-                end = starts[j + 1][0] if j + 1 < len(starts) else numel
+            runs = self._partition_runs(group_idx, param_id, numel)
+            copy_ranks = self._copy_ranks(param, runs)  # then delivered whole: every row is whole
+            for start, end, pid in runs:
                 slices.append(ParamSlice(pid, offset + start, end - start, start, param_id, row_len, mode,
                                          copy_ranks))
                 outputs.append(opt._get_compact_grad_partition_slice(group_idx, pid, param_id, end - start))
