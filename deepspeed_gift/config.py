@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 GIFT_KEY = "gift"
 
+GeometryKind = Literal["kfac_input", "adam_factored", "identity", "hadamard"]
 FormatName = Literal["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
 FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
@@ -33,9 +34,12 @@ class _GiftModel(DeepSpeedConfigModel):
 class GeometryConfig(_GiftModel):
     """How gradients are moved into geometry-aware coordinates before quantization."""
 
-    kind: Literal["kfac_input", "identity", "hadamard"] = "kfac_input"
-    """``kfac_input``: whitening by the layer's input covariance (GIFT); ``identity``:
-    Euclidean baseline; ``hadamard``: seeded random-sign Hadamard rotation."""
+    kind: Union[GeometryKind, List[GeometryKind]] = "kfac_input"
+    """``kfac_input``: whitening by the layer's input covariance (GIFT); ``adam_factored``:
+    Adam's geometry, the gradient scaled by the row and column factors of the optimizer's
+    second moment (Adam/AdamW layers; others stay Euclidean); ``identity``: Euclidean
+    baseline; ``hadamard``: seeded random-sign Hadamard rotation. A list of kinds (with
+    ``layers: "auto"``): each layer takes the one that measures best in ``selection.metric``."""
 
     rank: int = Field(32, ge=1)
     """Number of leading eigen-directions kept in the low-rank + diagonal fit."""
@@ -160,6 +164,15 @@ class GiftConfig(_GiftModel):
         if fmt in PASSTHROUGH_FORMATS and self.rounding == "stochastic":
             raise ValueError(f"gift.rounding: got 'stochastic' with format '{fmt}'; "
                              "stochastic rounding applies to quantized formats only")
+        kinds = self.geometry.kind
+        if isinstance(kinds, list):
+            if not kinds or len(set(kinds)) != len(kinds) or "identity" in kinds:
+                raise ValueError(f"gift.geometry.kind: got {kinds!r}; a list names distinct kinds among "
+                                 "'kfac_input', 'adam_factored', 'hadamard' (Euclidean is every layer's fallback, "
+                                 "'identity' is not listed)")
+            if len(kinds) > 1 and self.layers != "auto":
+                raise ValueError(f"gift.geometry.kind: got {kinds!r} with gift.layers {self.layers!r}; choosing a "
+                                 "kind per layer needs gift.layers 'auto' (or give one kind)")
         if isinstance(self.layers, list):
             if not self.layers or not all(isinstance(p, str) and p for p in self.layers):
                 raise ValueError(f"gift.layers: got {self.layers!r}; allowed: 'auto', 'all' or a "
@@ -180,6 +193,33 @@ class GiftConfig(_GiftModel):
     def fingerprint(self) -> str:
         """Canonical JSON of every setting; ranks compare it before training starts."""
         return json.dumps(self.model_dump(), sort_keys=True, default=str)
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the member of a Union an error came from in its location
+    (``literal['auto','all']``, ``list[str]``); a user's key path has no such part."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+def _format_errors(errors: List[dict]) -> List[str]:
+    """One line per key: the errors of a Union's members on the same value are merged."""
+    merged: dict = {}
+    for err in errors:
+        tags = [p for p in err["loc"] if _is_union_tag(p)]
+        loc = tuple(p for p in err["loc"] if not _is_union_tag(p))
+        merged.setdefault(loc, []).append(dict(err, loc=loc, tag=tags[-1] if tags else ""))
+    lines = []
+    for loc, errs in merged.items():
+        if any(len(other) > len(loc) and other[:len(loc)] == loc for other in merged):
+            continue  # a list's own item error says more than "not one of the scalar values"
+        line = _format_error(errs[0])
+        for other in errs[1:]:
+            if other["msg"] == "Input should be a valid list":
+                line += ", or a list of them" if other["tag"].startswith("list[literal") else ", or a list of strings"
+            elif other["type"] != errs[0]["type"] or other["msg"] != errs[0]["msg"]:
+                line += f"; or: {other['msg'].removeprefix('Value error, ')}"
+        lines.append(line)
+    return lines
 
 
 def _format_error(err: dict) -> str:
@@ -224,5 +264,5 @@ def get_gift_config(ds_config: dict) -> GiftConfig:
     try:
         return GiftConfig(strict=True, **block)
     except ValidationError as exc:
-        lines = [_format_error(e) for e in exc.errors()]
+        lines = _format_errors(exc.errors())
         raise ValueError("invalid gift config:\n  " + "\n  ".join(lines)) from None

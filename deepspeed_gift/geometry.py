@@ -9,6 +9,14 @@ For a linear layer with input activations ``x`` (``in`` features) and weight gra
 * A :class:`Whitener` holds a linear map ``S`` with ``S^T A_hat S = I``; ``apply`` sends
   ``G -> Z = G S`` and ``invert`` maps back ``Z -> G = Z S^{-1}``. Both act row by row with
   the same ``S``, so any subset of a layer's rows can be transformed on its own.
+* :class:`FactoredScaling` is Adam's geometry instead of the input's: ``Z = G * a b^T``
+  elementwise, with ``a``, ``b`` from the row and column means of Adam's second moment
+  (:func:`factored_scaling_from_sums`). Every element has its own factor, so any run of a
+  layer's elements, partial rows included, can be transformed on its own.
+
+Every transform also acts on a flat run of a parameter (``apply_run(values, start)``):
+``run_unit`` says what a run must be made of (whole rows for a whitener, any elements for
+a scaling), which is what the reduction needs to know to cut a ZeRO slice.
 
 Pure tensor math: no ``torch.distributed``, no DeepSpeed. Every random choice uses an
 explicitly seeded CPU generator, so identical inputs give identical bits on every rank.
@@ -49,6 +57,11 @@ __all__ = [
     "make_whitener",
     "whitener_from_low_rank",
     "whitener_from_tensors",
+    # Adam's geometry
+    "FactoredScaling",
+    "row_col_sums",
+    "factored_scaling_from_sums",
+    "SCALING_FLOOR",
 ]
 
 # Above this input dimension "auto" switches from exact eigh (O(in^3)) to the randomized
@@ -363,6 +376,25 @@ class Whitener:
     def invert(self, Z: Tensor) -> Tensor:
         """``G = Z S^{-1}`` row-wise; float32 result of ``Z``'s shape."""
         return self._rowwise(Z, self._invert_rows)
+
+    @property
+    def run_unit(self) -> int:
+        """A run given to :meth:`apply_run` must hold whole rows: ``dim`` elements each."""
+        return self.dim
+
+    def apply_run(self, values: Tensor, start: int) -> Tensor:
+        """``apply`` on a flat run of a row-major parameter starting at element ``start``
+        (whole rows only); float32, flat."""
+        return self.apply(self._rows_of_run(values, start)).reshape(-1)
+
+    def invert_run(self, values: Tensor, start: int) -> Tensor:
+        return self.invert(self._rows_of_run(values, start)).reshape(-1)
+
+    def _rows_of_run(self, values: Tensor, start: int) -> Tensor:
+        if start % self.dim or values.numel() % self.dim:
+            raise ValueError(f"{type(self).__name__} transforms whole rows of {self.dim}; got a run of "
+                             f"{values.numel()} elements at offset {start}")
+        return values.reshape(-1, self.dim)
 
     def metadata_nbytes(self) -> int:
         """Bytes of :meth:`to_tensors`, i.e. what a factor broadcast puts on the wire."""
@@ -757,3 +789,155 @@ def whitener_from_tensors(
     if kind == "hadamard":
         return HadamardWhitener.from_tensors(tensors, block=block, version=version)
     return WHITENER_KINDS[kind].from_tensors(tensors, version=version)
+
+
+# ------------------------------------------------------------------------ Adam's geometry
+
+# Row and column means of the second moment below this fraction of its overall mean are
+# raised to it: a row that never saw a gradient would otherwise get an unbounded factor.
+SCALING_FLOOR = 1e-8
+
+
+def _row_runs(start: int, numel: int, width: int) -> list[tuple[int, int, int, int, int]]:
+    """Cut the flat run ``[start, start + numel)`` of a row-major matrix ``width`` wide into
+    ``(pos, row, col, length, rows)``: ``rows > 0`` is that many whole rows from ``row``;
+    ``rows == 0`` is ``length`` elements of row ``row`` from column ``col`` (a partial row at
+    either end). ``pos`` is where the piece starts inside the run."""
+    runs = []
+    pos = 0
+    while pos < numel:
+        row, col = divmod(start + pos, width)
+        if col == 0 and numel - pos >= width:
+            rows = (numel - pos) // width
+            runs.append((pos, row, 0, rows * width, rows))
+            pos += rows * width
+        else:
+            length = min(width - col, numel - pos)
+            runs.append((pos, row, col, length, 0))
+            pos += length
+    return runs
+
+
+@torch.no_grad()
+def row_col_sums(values: Tensor, start: int, shape: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Sums over each row and each column of the elements ``values`` holds of a row-major
+    ``shape = (out, in)`` matrix, ``values`` being its flat elements ``[start, start + n)``
+    (a ZeRO slice). Float64, zeros where the slice has nothing; slices that tile the matrix
+    add up to the whole matrix's sums."""
+    out_dim, width = int(shape[0]), int(shape[1])
+    n = values.numel()
+    if start < 0 or start + n > out_dim * width:
+        raise ValueError(f"row_col_sums: elements [{start}, {start + n}) are outside a {out_dim} x {width} matrix")
+    flat = values.reshape(-1).to(torch.float64)
+    rows = torch.zeros(out_dim, dtype=torch.float64, device=values.device)
+    cols = torch.zeros(width, dtype=torch.float64, device=values.device)
+    for pos, row, col, length, count in _row_runs(start, n, width):
+        part = flat.narrow(0, pos, length)
+        if count:
+            block = part.view(count, width)
+            rows.narrow(0, row, count).add_(block.sum(1))
+            cols.add_(block.sum(0))
+        else:
+            rows[row] += part.sum()
+            cols.narrow(0, col, length).add_(part)
+    return rows, cols
+
+
+class FactoredScaling:
+    """Adam's geometry for one ``(out, in)`` weight: ``Z = G * a b^T`` elementwise, ``G = Z / (a b^T)``.
+
+    With ``r``, ``c`` the row and column means of Adam's ``exp_avg_sq`` and ``mu`` its overall
+    mean, ``a = sqrt(mu / r)`` and ``b = sqrt(mu / c)``, so ``a_i b_j = mu / sqrt(r_i c_j) =
+    sqrt(mu / v_hat_ij)`` with ``v_hat = r c^T / mu`` Adafactor's factorization of ``v``:
+    coordinates in which Adam's update ``g / sqrt(v)`` sees the quantization error of every
+    element alike, at the gradient's own overall scale. Elementwise, so :meth:`apply_run`
+    transforms any run of the flattened weight (``run_unit`` 1). Float32; the inverse
+    multiplies by precomputed reciprocals (round trip within a few float32 ulps).
+    """
+
+    kind = "adam_factored"
+    run_unit = 1
+    rank = 0
+
+    def __init__(self, row: Tensor, col: Tensor, *, version: int = 0):
+        if row.dim() != 1 or col.dim() != 1 or not row.numel() or not col.numel():
+            raise ValueError(f"FactoredScaling expects non-empty 1-D row (out,) and col (in,) factors, got "
+                             f"{tuple(row.shape)} and {tuple(col.shape)}")
+        for label, t in (("row", row), ("col", col)):
+            if not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise ValueError(f"FactoredScaling {label} factors must be positive and finite")
+        self.row = row.to(_FACTOR_DTYPE)
+        self.col = col.to(_FACTOR_DTYPE)
+        self.row_inv = 1.0 / self.row
+        self.col_inv = 1.0 / self.col
+        self.shape = (self.row.numel(), self.col.numel())
+        self.dim = self.shape[1]
+        self.version = int(version)
+
+    def apply(self, G: Tensor) -> Tensor:
+        """``G * a b^T`` for the whole weight (any shape with ``out * in`` elements)."""
+        return self.apply_run(self._whole(G), 0).view(G.shape)
+
+    def invert(self, Z: Tensor) -> Tensor:
+        return self.invert_run(self._whole(Z), 0).view(Z.shape)
+
+    def apply_run(self, values: Tensor, start: int) -> Tensor:
+        """The scaling of the flat elements ``[start, start + n)`` of the weight; float32, flat."""
+        return self._scale(values, start, self.row, self.col)
+
+    def invert_run(self, values: Tensor, start: int) -> Tensor:
+        return self._scale(values, start, self.row_inv, self.col_inv)
+
+    def _whole(self, X: Tensor) -> Tensor:
+        if X.numel() != self.shape[0] * self.shape[1]:
+            raise ValueError(f"FactoredScaling of a {self.shape[0]} x {self.shape[1]} weight got a tensor of shape "
+                             f"{tuple(X.shape)}")
+        return X.reshape(-1)
+
+    def _scale(self, values: Tensor, start: int, row: Tensor, col: Tensor) -> Tensor:
+        if start < 0 or start + values.numel() > self.shape[0] * self.shape[1]:
+            raise ValueError(f"FactoredScaling: elements [{start}, {start + values.numel()}) are outside the "
+                             f"{self.shape[0]} x {self.shape[1]} weight")
+        dev = values.device
+        row, col = row.to(dev), col.to(dev)
+        flat = values.reshape(-1).to(torch.float32)
+        out = torch.empty_like(flat)
+        for pos, r, c, length, count in _row_runs(start, flat.numel(), self.dim):
+            src, dst = flat.narrow(0, pos, length), out.narrow(0, pos, length)
+            if count:
+                torch.mul(src.view(count, self.dim), row.narrow(0, r, count)[:, None], out=dst.view(count, self.dim))
+                dst.view(count, self.dim).mul_(col)
+            else:
+                torch.mul(src, row[r], out=dst).mul_(col.narrow(0, c, length))
+        return out
+
+    def to_tensors(self) -> list[Tensor]:
+        return [self.row, self.col]
+
+    def metadata_nbytes(self) -> int:
+        """Bytes of the row and column sums every rank all-reduces to build this scaling."""
+        return (self.shape[0] + self.shape[1]) * 4
+
+
+def factored_scaling_from_sums(row_sums: Tensor, col_sums: Tensor, *, floor: float = SCALING_FLOOR,
+                               version: int = 0) -> FactoredScaling | None:
+    """The :class:`FactoredScaling` of a weight from the sums over its rows and columns of
+    Adam's ``exp_avg_sq`` (whole-matrix sums, e.g. :func:`row_col_sums` added over ranks).
+    None when the second moment is all zero (no optimizer state yet, or a layer that never
+    had a gradient): such a layer has no Adam geometry and stays Euclidean."""
+    rows, cols = row_sums.to(torch.float64), col_sums.to(torch.float64)
+    if rows.dim() != 1 or cols.dim() != 1:
+        raise ValueError(f"factored_scaling_from_sums expects 1-D sums, got {tuple(rows.shape)} and {tuple(cols.shape)}")
+    if not bool(torch.isfinite(rows).all() and torch.isfinite(cols).all()):
+        raise ValueError("factored_scaling_from_sums: the second-moment sums are not finite")
+    if bool((rows < 0).any() or (cols < 0).any()):
+        raise ValueError("factored_scaling_from_sums: a second moment cannot have negative sums")
+    if not (0.0 <= float(floor) < 1.0):
+        raise ValueError(f"factored_scaling_from_sums: floor must be in [0, 1), got {floor!r}")
+    out_dim, width = rows.numel(), cols.numel()
+    mu = float(rows.sum()) / (out_dim * width)
+    if not mu > 0:
+        return None
+    r = (rows / width).clamp_min(floor * mu)
+    c = (cols / out_dim).clamp_min(floor * mu)
+    return FactoredScaling((mu / r).sqrt(), (mu / c).sqrt(), version=version)

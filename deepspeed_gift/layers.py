@@ -14,7 +14,15 @@ Lifecycle, with ``k = global_step - start_step``:
   rank assigned to fit it - in full for narrow layers, as a one-round Nystrom sketch
   (O(in * (rank + oversample)) bytes instead of O(in^2)) for wide ones - that rank fits
   it, the factors are shared so every rank holds bit-identical whiteners,
-  ``layers: "auto"`` re-profiles, and the version increases by one.
+  ``layers: "auto"`` re-profiles, and the version increases by one;
+* ``adam_factored`` (Adam's geometry): at the end of a refresh step every rank sums the
+  optimizer's ``exp_avg_sq`` over the rows and columns of the slices it owns (the seam's
+  ``second_moment_sums``), one all-reduce of ``out + in + 1`` numbers per weight gives every
+  rank the same sums, and each builds the same :class:`geometry.FactoredScaling`.
+
+``geometry.kind`` may list several kinds (with ``layers: "auto"``): every refresh judges each
+layer in each of them and the layer takes the one that lowers the error most in
+``selection.metric`` (or stays Euclidean).
 """
 
 from __future__ import annotations
@@ -45,18 +53,20 @@ class GeometryManager:
         self.gcfg = cfg.geometry
         self.comm = comm
         self.main_codec = main_codec
-        self.kind = self.gcfg.kind
+        self.kinds = geometry_kinds(self.gcfg.kind)  # () = identity: every layer Euclidean
         self.modules: Dict[str, nn.Linear] = self._find_candidates(model)
         self.names: List[str] = sorted(self.modules)
         self.version = 0
         self.step = -1  # k of the step being run (set by begin_step)
-        self.whiteners: Dict[str, geo.Whitener] = {}
-        self.active: set = set()
+        self.transforms: Dict[str, Dict[str, object]] = {kind: {} for kind in self.kinds}  # kind -> layer -> map
+        self.active: Dict[str, str] = {}  # layer in the geometry branch -> the kind it uses
         self.gains: Dict[str, float] = {}
         # Set by the optimizer seam: which rank captures a layer's gradient for the profile (one
-        # that holds the layer's optimizer state), and the update rule judged there.
+        # that holds the layer's optimizer state), the update rule judged there, and this rank's
+        # part of the row and column sums of Adam's second moment (adam_factored).
         self.capture_rank: Dict[str, int] = {}
         self.rule_for = lambda name: None
+        self.second_moment_sums = lambda name: None
         self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
         self._hooks = []
         self._stats: Dict[str, geo.CovarianceEMA] = {}
@@ -69,13 +79,14 @@ class GeometryManager:
         self._check_widths()
         self.owner_of = balance_over_ranks({n: self.modules[n].in_features for n in self.names},
                                            self.comm.world_size)
-        if self.kind == "hadamard":
+        if "hadamard" in self.kinds:
             for i, name in enumerate(self.names):
                 width = self.modules[name].in_features
-                self.whiteners[name] = geo.make_whitener("hadamard", width, seed=cfg.seed * 1_000_003 + i)
-        if self.kind == "identity" or self.cfg.layers != "auto":
-            self.active = set(self.names)
-        if self.kind == "kfac_input":
+                self.transforms["hadamard"][name] = geo.make_whitener("hadamard", width,
+                                                                      seed=cfg.seed * 1_000_003 + i)
+        if not self.kinds or self.cfg.layers != "auto":
+            self.active = {name: self.kinds[0] if self.kinds else "identity" for name in self.names}
+        if "kfac_input" in self.kinds:
             for name in self.names:
                 self._hooks.append(self.modules[name].register_forward_pre_hook(self._make_hook(name)))
 
@@ -94,8 +105,14 @@ class GeometryManager:
                              f"module names look like {sample}")
         return chosen
 
+    @property
+    def whiteners(self) -> Dict[str, object]:
+        """The transform each layer uses now (layers in the branch whose transform exists)."""
+        return {name: self.transforms[kind][name] for name, kind in sorted(self.active.items())
+                if name in self.transforms.get(kind, {})}
+
     def _check_widths(self) -> None:
-        if self.kind != "kfac_input":
+        if "kfac_input" not in self.kinds:
             return
         for name in self.names:
             width = self.modules[name].in_features
@@ -111,11 +128,11 @@ class GeometryManager:
 
     def collecting(self) -> bool:
         k = self.step
-        return (self.kind == "kfac_input" and k >= 0
+        return ("kfac_input" in self.kinds and k >= 0
                 and (k % self.gcfg.collect_interval == 0 or k % self.gcfg.refresh_interval == 0))
 
     def refresh_due(self, k: int) -> bool:
-        return k >= 0 and k % self.gcfg.refresh_interval == 0 and self.kind != "identity"
+        return k >= 0 and k % self.gcfg.refresh_interval == 0 and bool(self.kinds)
 
     def _make_hook(self, name: str):
         def hook(module, inputs):
@@ -153,7 +170,7 @@ class GeometryManager:
         """Refresh steps judge every layer's coordinates: to select them (``layers: "auto"``) or,
         with sampled telemetry, to report their errors in every metric."""
         telemetry = self.cfg.telemetry
-        return self.kind != "identity" and (self.cfg.layers == "auto" or (telemetry.fidelity and telemetry.every > 0))
+        return bool(self.kinds) and (self.cfg.layers == "auto" or (telemetry.fidelity and telemetry.every > 0))
 
     def wants_capture(self, name: str) -> bool:
         return (self.profiling() and self.refresh_due(self.step)
@@ -165,9 +182,10 @@ class GeometryManager:
         rows = grad2d.shape[0]
         # The optimizer's update (Muon's orthogonalization, Adam's state over a ZeRO slice) is
         # defined on the whole matrix; plain and whitened errors are row-wise, a sample will do
-        # when selection does not use the optimizer's metric (which is then not reported).
+        # when selection does not use the optimizer's metric (which is then not reported) and
+        # every transform acts on rows alike (Adam's scaling differs from row to row).
         rule = None
-        if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS:
+        if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS or "adam_factored" in self.kinds:
             rule = self.rule_for(name)
         else:
             index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
@@ -176,18 +194,61 @@ class GeometryManager:
 
     # ---- end of step ----------------------------------------------------------------
     def end_step(self, k: int) -> None:
-        if self.kind == "kfac_input":
+        if "kfac_input" in self.kinds:
             self._fold_step_statistics()
         if not self.refresh_due(k):
             return
-        previous = dict(self.whiteners)
-        if self.kind == "kfac_input":
+        previous = {kind: dict(maps) for kind, maps in self.transforms.items()}
+        if "kfac_input" in self.kinds:
             self._refit()
+        if "adam_factored" in self.kinds:
+            self._refit_adam()
         if self.profiling():
             self._profile_and_select(previous)
         self.version += 1
-        for w in self.whiteners.values():
-            w.version = self.version
+        self._stamp_versions()
+
+    def _stamp_versions(self) -> None:
+        for maps in self.transforms.values():
+            for w in maps.values():
+                w.version = self.version
+
+    def _refit_adam(self) -> None:
+        """Adam's factored second moment of every layer: each rank adds the row and column sums
+        of the ``exp_avg_sq`` it owns (and the fraction of the weight it covers), one all-reduce
+        gives every rank the same totals, each builds the same scaling. A layer without Adam
+        state on every element (Muon trains it, or no step yet) has none: it stays Euclidean."""
+        parts = []
+        for name in self.names:
+            out_dim, width = self.modules[name].weight.shape
+            got = self.second_moment_sums(name)
+            device = self.modules[name].weight.device
+            if got is None:
+                parts.append(torch.zeros(out_dim + width + 1, device=device))
+            else:
+                rows, cols, covered = got
+                parts.append(torch.cat([rows.float(), cols.float(),
+                                        torch.tensor([covered / (out_dim * width)], device=rows.device)]).to(device))
+        flat = torch.cat(parts)
+        self.comm.all_reduce_sum(flat, kind="geometry")
+        built, pos = self.transforms["adam_factored"], 0
+        for name in self.names:
+            out_dim, width = self.modules[name].weight.shape
+            rows, cols = flat[pos:pos + out_dim], flat[pos + out_dim:pos + out_dim + width]
+            covered = float(flat[pos + out_dim + width])
+            pos += out_dim + width + 1
+            if abs(covered - 1.0) > 1e-3:  # not every element has Adam state
+                built.pop(name, None)
+                continue
+            if not bool(torch.isfinite(rows).all() and torch.isfinite(cols).all()):
+                logger.warning("gift: non-finite Adam second moment for layer '%s'; keeping its previous scaling",
+                               name)
+                continue
+            scaling = geo.factored_scaling_from_sums(rows, cols)
+            if scaling is None:
+                built.pop(name, None)
+            else:
+                built[name] = scaling
 
     def _refit(self) -> None:
         """Average the statistics at each layer's fitter, fit there, share the factors.
@@ -317,7 +378,7 @@ class GeometryManager:
             if key in keys:
                 if key not in built:
                     built[key] = geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
-                self.whiteners[name] = built[key]
+                self.transforms["kfac_input"][name] = built[key]
 
     def _share(self, mine: Dict[str, geo.LowRankDiag], keys: List[str]) -> Dict[str, geo.LowRankDiag]:
         """Every fitter sends its factors (per layer: fp32 ``[index, lam, d]`` then ``U`` in
@@ -345,67 +406,91 @@ class GeometryManager:
         return shared
 
     # ---- auto selection -------------------------------------------------------------
-    def _profile_and_select(self, previous: Dict[str, geo.Whitener]) -> None:
-        """Judge each layer's coordinates on this step's real gradient, in every metric, and
-        (``layers: "auto"``) select the layers whose geometry lowers the error in
-        ``selection.metric``. The whitener judged is the one fitted a refresh interval ago, not
-        the fresh one: that is how stale a whitener gets before its next refresh, and a fresh
-        fit judged on the gradient of its own step flatters layers whose input statistics
-        drift (measured: selected on in-sample gains, such layers tripled the error)."""
+    def _profile_and_select(self, previous: Dict[str, Dict[str, object]]) -> None:
+        """Judge each layer's coordinates in every configured kind on this step's real gradient,
+        in every metric, and (``layers: "auto"``) give each layer the kind that lowers its error
+        most in ``selection.metric``, if by at least ``min_gain``. The transform judged is the
+        one built a refresh interval ago, not the fresh one: that is how stale a transform gets
+        before its next refresh, and a fresh fit judged on the gradient of its own step flatters
+        layers whose input statistics drift (measured: selected on in-sample gains, such layers
+        tripled the error)."""
         metric = self.cfg.selection.metric
-        table = torch.zeros(len(self.names), len(PROFILE_COLUMNS), dtype=torch.float64)
+        kinds = self.kinds
+        table = torch.zeros(len(self.names), len(kinds), len(PROFILE_COLUMNS), dtype=torch.float64)
+        rule_codes = torch.zeros(len(self.names), dtype=torch.float64)
         for i, name in enumerate(self.names):
             G, rule = self._captured.get(name, (None, None))
-            w = previous.get(name)
-            if G is None or w is None or not torch.isfinite(G).all() or G.abs().max() == 0:
+            judged_by = {kind: previous[kind][name] for kind in kinds if name in previous[kind]}
+            if G is None or not judged_by or not torch.isfinite(G).all() or G.abs().max() == 0:
                 continue
-            euclid, geom = metrics.judge_geometry(G, self.main_codec, w, rule=rule)
-            table[i] = torch.tensor([euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS]
-                                    + [1.0, float(RULE_CODES[metrics.rule_kind(rule)])], dtype=torch.float64)
+            for kind, (euclid, geom) in metrics.judge_geometries(G, self.main_codec, judged_by, rule=rule).items():
+                table[i, kinds.index(kind)] = torch.tensor(
+                    [euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS] + [1.0],
+                    dtype=torch.float64)
+            rule_codes[i] = float(RULE_CODES[metrics.rule_kind(rule)])
         self._captured.clear()
-        self.comm.all_reduce_sum(table, kind="control")
-        judged = {}
+        flat = torch.cat([table.reshape(-1), rule_codes])
+        self.comm.all_reduce_sum(flat, kind="control")
+        table = flat[:table.numel()].view_as(table)
+        judged = {}  # layer -> kind -> its profile row (every kind measured on the layer)
         for i, name in enumerate(self.names):
-            row = dict(zip(PROFILE_COLUMNS, table[i].tolist()))
-            if row["measured"] and row["euclid_" + metric] > 0:
-                judged[name] = row
+            rows = {kind: {**dict(zip(PROFILE_COLUMNS, table[i, j].tolist())), "rule": float(flat[table.numel() + i])}
+                    for j, kind in enumerate(kinds)}
+            rows = {kind: row for kind, row in rows.items() if row["measured"] and row["euclid_" + metric] > 0}
+            if rows:
+                judged[name] = rows
         if self.cfg.layers == "auto":
             chosen = []
-            for name, row in judged.items():
-                gain = 1.0 - row["geo_" + metric] / row["euclid_" + metric]
+            for name, rows in judged.items():
+                # the first kind in configured order wins a tie
+                gain, kind = max((1.0 - row["geo_" + metric] / row["euclid_" + metric], -kinds.index(kind))
+                                 for kind, row in rows.items())
+                kind = kinds[-kind]
                 self.gains[name] = gain
                 if gain >= self.cfg.selection.min_gain:
-                    chosen.append((gain, name))
+                    chosen.append((gain, name, kind))
             chosen.sort(key=lambda t: (-t[0], t[1]))
             if self.cfg.selection.max_layers is not None:
                 chosen = chosen[:self.cfg.selection.max_layers]
-            self.active = {name for _, name in chosen}
+            self.active = {name: kind for _, name, kind in chosen}
             if self.comm.rank == 0:
-                logger.info("gift auto selection by %s error (version %d): %d of %d layers; gains %s", metric,
+                counts = {kind: sum(k == kind for k in self.active.values()) for kind in kinds}
+                logger.info("gift auto selection by %s error (version %d): %d of %d layers (%s); gains %s", metric,
                             self.version + 1, len(self.active), len(self.names),
+                            ", ".join(f"{kind} {n}" for kind, n in counts.items()),
                             ", ".join(f"{n}={self.gains[n]:+.2f}" for n in sorted(self.gains)))
         if judged:
-            self.profile = summarize_profile(judged, self.active)
+            self.profile = summarize_profile(judged, self.active, metric)
 
     # ---- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: statistics (this rank's EMAs), shared
-        factors, selection, gains, version."""
+        factors, Adam scalings, selection, gains, version."""
+        scalings = self.transforms.get("adam_factored", {})
         return {
             "version": self.version,
-            "active": sorted(self.active),
+            "active": dict(sorted(self.active.items())),
             "gains": dict(self.gains),
             "stats_key": dict(self._stats_key),
             "stats": {k: ema.state_dict() for k, ema in self._stats.items()},
             "lowrank": {k: (v.U.cpu(), v.lam.cpu(), v.d.cpu()) for k, v in self._lowrank.items()},
+            "scalings": {k: (s.row.cpu(), s.col.cpu()) for k, s in sorted(scalings.items())},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = sorted((set(state["active"]) | set(state["gains"])) - set(self.names))
+        active = state["active"]
+        if not isinstance(active, dict):  # checkpoints of one geometry kind kept a list of layers
+            active = {name: self.kinds[0] if self.kinds else "identity" for name in active}
+        unknown = sorted((set(active) | set(state["gains"]) | set(state.get("scalings", {}))) - set(self.names))
         if unknown:
             raise ValueError(f"gift checkpoint names layers this model does not have as candidates: {unknown[:5]}")
+        kinds = set(self.kinds) or {"identity"}
+        foreign = sorted({kind for kind in active.values() if kind not in kinds})
+        if foreign:
+            raise ValueError(f"gift checkpoint has layers on geometry kind(s) {foreign}; gift.geometry.kind is "
+                             f"{self.gcfg.kind!r} now")
         self.version = int(state["version"])
-        self.active = set(state["active"])
+        self.active = dict(active)
         self.gains = dict(state["gains"])
         self._stats_key = dict(state["stats_key"])
         device = next(iter(self.modules.values())).weight.device if self.modules else torch.device("cpu")
@@ -416,16 +501,18 @@ class GeometryManager:
             self._stats[k] = ema
         self._lowrank = {k: geo.LowRankDiag(U=U.to(device), lam=lam.to(device), d=d.to(device))
                          for k, (U, lam, d) in state["lowrank"].items()}
-        self._rebuild_whiteners(self._lowrank)
-        for w in self.whiteners.values():
-            w.version = self.version
+        if "kfac_input" in self.kinds:
+            self._rebuild_whiteners(self._lowrank)
+        if "adam_factored" in self.kinds:
+            self.transforms["adam_factored"] = {k: geo.FactoredScaling(row.to(device), col.to(device))
+                                                for k, (row, col) in state.get("scalings", {}).items()}
+        self._stamp_versions()
 
     # ---- what the reduction asks ----------------------------------------------------
-    def whitener_for(self, name: str) -> Optional[geo.Whitener]:
-        """The whitener to use for ``name`` now, or None if it goes without transform."""
-        if name not in self.active:
-            return None
-        return self.whiteners.get(name)
+    def whitener_for(self, name: str) -> Optional[object]:
+        """The transform to use for ``name`` now, or None if it goes without one."""
+        kind = self.active.get(name)
+        return None if kind is None else self.transforms.get(kind, {}).get(name)
 
     def in_branch(self, name: str) -> bool:
         return name in self.active
@@ -433,6 +520,12 @@ class GeometryManager:
     def take_geometry_bytes(self) -> int:
         """Bytes this rank sent for statistics and factors since the last call."""
         return self.comm.bytes_sent.pop("geometry", 0)
+
+
+def geometry_kinds(kind) -> tuple:
+    """``geometry.kind`` as the kinds that have transforms, in configured order (identity: none)."""
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+    return tuple(k for k in kinds if k != "identity")
 
 
 def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int]:
@@ -447,27 +540,41 @@ def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int
 
 
 PROFILE_COLUMNS = tuple([f"euclid_{m}" for m in metrics.METRICS] + [f"geo_{m}" for m in metrics.METRICS]
-                        + ["measured", "rule"])
+                        + ["measured"])
 RULE_CODES = {"l2": 0, "adam": 1, "muon": 2}
 
 
-def summarize_profile(judged: Dict[str, dict], active) -> dict:
+def summarize_profile(judged: Dict[str, Dict[str, dict]], active: Dict[str, str], metric: str) -> dict:
     """Telemetry of one profile: per layer and on average over the judged layers, the error of
-    the coordinates in use (geometry for selected layers, Euclidean for the rest) and of
-    all-Euclidean, in each metric; which update rules the optimizer metric used."""
+    the coordinates in use (its geometry for a selected layer, Euclidean for the rest) and of
+    all-Euclidean, in each metric; which update rules the optimizer metric used. A layer's
+    ``geo_*`` are those of its kind in use, or else of the kind that measured best in
+    ``metric``; with several kinds ``kinds`` has every kind's errors."""
     names = sorted(judged)
     out = {"profile_layers": len([n for n in names if n in active]), "profile_judged": len(names)}
     kind_of = {code: kind for kind, code in RULE_CODES.items()}
-    kinds = sorted({kind_of[int(judged[n]["rule"])] for n in names})
+    kinds = sorted({kind_of[int(next(iter(judged[n].values()))["rule"])] for n in names})
     out["update_metric"] = "+".join(kinds) if kinds else "none"
     if not names:
         return out
+    shown = {}
+    for n in names:
+        rows = judged[n]
+        kind = active.get(n)
+        if kind not in rows:
+            kind = min(rows, key=lambda k: rows[k]["geo_" + metric])
+        shown[n] = (kind, rows[kind])
     for m, label in (("l2", "l2"), ("whitened", "whitened"), ("optimizer", "update")):
-        used = [judged[n][("geo_" if n in active else "euclid_") + m] for n in names]
-        euclid = [judged[n]["euclid_" + m] for n in names]
+        used = [row[("geo_" if n in active else "euclid_") + m] for n, (_, row) in shown.items()]
+        euclid = [row["euclid_" + m] for _, row in shown.values()]
         out[f"profile_{label}"] = sum(used) / len(used)
         out[f"profile_{label}_euclid"] = sum(euclid) / len(euclid)
-    out["profile_per_layer"] = {n: {"selected": n in active,
-                                    **{k: round(v, 6) for k, v in judged[n].items() if k not in ("measured", "rule")}}
-                                for n in names}
+    per_layer = {}
+    for n, (kind, row) in shown.items():
+        entry = {"selected": n in active, "kind": kind,
+                 **{k: round(v, 6) for k, v in row.items() if k not in ("measured", "rule")}}
+        if len(judged[n]) > 1:
+            entry["kinds"] = {k: {m: round(r["geo_" + m], 6) for m in metrics.METRICS} for k, r in judged[n].items()}
+        per_layer[n] = entry
+    out["profile_per_layer"] = per_layer
     return out

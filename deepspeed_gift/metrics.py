@@ -16,7 +16,7 @@ reports the error of ``approx`` against ``exact`` relative to ``exact``, in one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -124,16 +124,29 @@ def judge_geometry(G: Tensor, codec, whitener, *, rule=None) -> Tuple[dict, dict
     """Errors of one round trip of ``G`` in Euclidean coordinates and in ``whitener``'s, each
     as ``{"l2", "whitened", "optimizer", "rule_kind"}``: ``whitened`` is measured with
     ``whitener`` for both, so they compare; ``optimizer`` without a rule (an optimizer GIFT
-    knows no update rule for) falls back to ``l2``, and ``rule_kind`` says which it was.
-    The references (``G S``, the update from ``G``) are computed once for both."""
+    knows no update rule for) falls back to ``l2``, and ``rule_kind`` says which it was."""
+    return judge_geometries(G, codec, {"": whitener}, rule=rule)[""]
+
+
+def judge_geometries(G: Tensor, codec, whiteners: Dict[str, object], *, rule=None) -> Dict[str, Tuple[dict, dict]]:
+    """:func:`judge_geometry` for several transforms of the same gradient (``{key: (euclid,
+    geo)}``): the Euclidean round trip, the exact update and its error are computed once; the
+    ``whitened`` errors use each transform's own norm."""
     G = G.float()
-    ref_white = whitener.apply(G)
     ref_update = rule.direction(G) if rule is not None else None
+    kind = rule_kind(rule)
 
-    def errors(approx: Tensor) -> dict:
+    def common(approx: Tensor) -> dict:
         l2 = relative_error(approx, G)
-        return {"l2": l2, "whitened": relative_error(whitener.apply(approx), ref_white),
-                "optimizer": relative_error(rule.direction(approx), ref_update) if rule is not None else l2,
-                "rule_kind": rule_kind(rule)}
+        return {"l2": l2, "optimizer": relative_error(rule.direction(approx), ref_update) if rule is not None else l2,
+                "rule_kind": kind}
 
-    return errors(roundtrip(G, codec)), errors(roundtrip(G, codec, whitener))
+    plain = roundtrip(G, codec)
+    euclid = common(plain)
+    out = {}
+    for key, w in whiteners.items():
+        ref_white = w.apply(G)
+        geo_approx = roundtrip(G, codec, w)
+        out[key] = ({**euclid, "whitened": relative_error(w.apply(plain), ref_white)},
+                    {**common(geo_approx), "whitened": relative_error(w.apply(geo_approx), ref_white)})
+    return out

@@ -51,8 +51,9 @@ class ParamSlice:
     numel: int
     param_offset: int  # where the run starts inside the flattened parameter
     param_key: int
-    row_len: int = 0  # width ("in") of a 2-D weight whose rows may be whitened; 0 = not a matrix
-    mode: str = MAIN  # GEO: whiten whole rows; MAIN: main format as is; HIGH: others=bf16/fp32
+    row_len: int = 0  # GEO: the run unit of the parameter's transform (a whitener's rows: "in"; an
+    # elementwise scaling: 1); runs of whole units are transformed, the rest travels as is
+    mode: str = MAIN  # GEO: transform whole units; MAIN: main format as is; HIGH: others=bf16/fp32
     copy_ranks: Tuple[int, ...] = ()  # non-empty: every listed rank receives the whole parameter
 
 
@@ -63,9 +64,10 @@ class Piece:
     bucket_offset: int
     numel: int
     param_key: int
-    rows: int = 0  # > 0: ``rows`` whole rows of length numel // rows, whitened
+    rows: int = 0  # > 0: ``rows`` whole run units (whitener rows, or elements), transformed
     slice_index: int = -1  # index of the ParamSlice it came from (-1: a whole shared parameter)
     slice_start: int = 0  # offset of this piece inside that slice
+    param_start: int = 0  # offset of this piece inside the flattened parameter (what a transform needs)
 
 
 @dataclass
@@ -93,8 +95,9 @@ class Section:
 
 def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
     """Cut a slice of a row-major (out x in) weight into (start, numel, rows) runs:
-    whole rows (rows > 0) and the partial rows at either end (rows = 0), which travel
-    in Euclidean coordinates because no single rank holds them whole."""
+    whole run units (rows > 0) and the partial units at either end (rows = 0), which travel
+    in Euclidean coordinates because no single rank holds them whole. With an elementwise
+    transform (unit 1) the whole slice is one run."""
     if s.mode != GEO or s.row_len <= 0:
         return [(0, s.numel, 0)]
     width = s.row_len
@@ -131,7 +134,7 @@ def shared_parameter_pieces(slices: Sequence[ParamSlice]) -> Dict[Tuple[Tuple[in
             raise RuntimeError(f"deepspeed_gift: shared parameter {key} is not one contiguous run of the bucket "
                                "with one copy set and mode")
         rows = numel // first.row_len if first.mode == GEO and first.row_len > 0 else 0
-        piece = Piece(start, numel, key, rows, -1, 0)
+        piece = Piece(start, numel, key, rows, -1, 0, 0)
         groups.setdefault((tuple(first.copy_ranks), first.mode == HIGH), []).append(piece)
     return groups
 
@@ -148,7 +151,8 @@ class BucketPlan:
                 continue
             section = owned[s.dst][s.mode == HIGH]
             for start, numel, rows in split_slice_rows(s):
-                section.add(Piece(s.bucket_offset + start, numel, s.param_key, rows, index, start))
+                section.add(Piece(s.bucket_offset + start, numel, s.param_key, rows, index, start,
+                                  s.param_offset + start))
         self.sections: List[Section] = [sec for pair in owned for sec in pair]
         for (dests, high), pieces in shared_parameter_pieces(self.slices).items():
             section = Section(dests, high)
@@ -224,15 +228,14 @@ class GiftReducer:
     # ---- packing --------------------------------------------------------------------
     @staticmethod
     def _gather(tensor: torch.Tensor, pieces: List[Piece], numel: int, whiteners) -> torch.Tensor:
-        """fp32 staging buffer of ``pieces`` (whole rows moved into whitened coordinates)."""
+        """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates)."""
         out = torch.empty(numel, dtype=torch.float32, device=tensor.device)
         pos = 0
         for p in pieces:
             src = tensor.narrow(0, p.bucket_offset, p.numel)
             dst = out.narrow(0, pos, p.numel)
             if p.rows:
-                rows = src.view(p.rows, p.numel // p.rows)
-                dst.view_as(rows).copy_(whiteners[p.param_key].apply(rows))
+                dst.copy_(whiteners[p.param_key].apply_run(src, p.param_start))
             else:
                 dst.copy_(src)
             pos += p.numel
@@ -240,13 +243,13 @@ class GiftReducer:
 
     @staticmethod
     def _transform_rows(buf: torch.Tensor, pieces: List[Piece], whiteners, *, inverse: bool) -> None:
-        """In place, on a packed buffer: whole-row pieces into (or back from) whitened coordinates."""
+        """In place, on a packed buffer: transformed pieces into (or back from) their coordinates."""
         pos = 0
         for p in pieces:
             if p.rows:
-                view = buf.narrow(0, pos, p.numel).view(p.rows, p.numel // p.rows)
+                view = buf.narrow(0, pos, p.numel)
                 w = whiteners[p.param_key]
-                view.copy_(w.invert(view) if inverse else w.apply(view))
+                view.copy_(w.invert_run(view, p.param_start) if inverse else w.apply_run(view, p.param_start))
             pos += p.numel
 
     def _control_header(self, plan: BucketPlan, step: int, device) -> torch.Tensor:
@@ -413,7 +416,8 @@ class GiftReducer:
         for (layout_key, key), (residual, pieces, used) in self.residuals.items():
             grad_coords = residual.clone()
             self._transform_rows(grad_coords, pieces, used, inverse=True)
-            flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start) for p in pieces]
+            flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start, p.param_start)
+                    for p in pieces]
             residuals.append((layout_key, key, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
         gen = self.generator.get_state() if self.generator is not None else None
         return {"residuals": residuals, "generator": gen}

@@ -23,6 +23,7 @@ import torch
 from . import formats
 from .comm import make_comm
 from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
+from .geometry import row_col_sums
 from .layers import GeometryManager
 from .metrics import AdamRule, MuonRule
 from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice
@@ -116,6 +117,7 @@ class GiftState:
         self._layer_params = self._locate_layer_params()
         self.geometry.capture_rank = {name: self._main_owner(*where) for name, where in self._layer_params.items()}
         self.geometry.rule_for = self.update_rule
+        self.geometry.second_moment_sums = self.second_moment_sums
         self.step_totals: Dict[str, float] = {}
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.records: List[dict] = []
@@ -234,11 +236,11 @@ class GiftState:
         where = self._layer_params.get(name)
         if where is None:
             return None
-        param, g, param_id = where
-        opt, me = self.opt, self.comm.rank
+        param, g, _ = where
+        opt = self.opt
         inner_group = opt.optimizer.param_groups[g]
-        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
         if self._is_muon(param):
+            state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
             offset = 0
             for t in opt.params_in_partition[g]:
                 if t is param:
@@ -250,11 +252,10 @@ class GiftState:
             momentum = (torch.zeros(param.shape, device=param.device) if buffer is None
                         else buffer.narrow(0, offset, param.numel()).view(param.shape).float().clone())
             return MuonRule(momentum=momentum, beta=float(inner_group["momentum"]), nesterov=True)
-        if "betas" not in inner_group or param_id not in opt.grad_start_offset[g][me]:
+        where = self._adam_slice(name)
+        if where is None:
             return None
-        start = int(opt.grad_start_offset[g][me][param_id])
-        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
-        numel = min(param.numel() - start, int(opt.partition_size[g]) - dest)
+        start, numel, state, dest = where
         if "exp_avg" in state and "exp_avg_sq" in state:
             m = state["exp_avg"].narrow(0, dest, numel).float().clone()
             v = state["exp_avg_sq"].narrow(0, dest, numel).float().clone()
@@ -264,6 +265,36 @@ class GiftState:
             step = 0
         return AdamRule(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(inner_group["betas"]),
                         eps=float(inner_group.get("eps", 1e-8)), start=start)
+
+    def _adam_slice(self, name: str):
+        """Where this rank's Adam state of layer ``name`` is: ``(start, numel, state, dest)``, the
+        slice's first element in the flattened weight, its length, the optimizer state of the
+        partition and the slice's offset in it; None when this rank owns none of the layer or an
+        Adam-family optimizer does not train it (Muon's matrices, other optimizers)."""
+        where = self._layer_params.get(name)
+        if where is None:
+            return None
+        param, g, param_id = where
+        opt, me = self.opt, self.comm.rank
+        if self._is_muon(param) or "betas" not in opt.optimizer.param_groups[g] \
+                or param_id not in opt.grad_start_offset[g][me]:
+            return None
+        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
+        start = int(opt.grad_start_offset[g][me][param_id])
+        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
+        numel = min(param.numel() - start, int(opt.partition_size[g]) - dest)
+        return start, numel, state, dest
+
+    def second_moment_sums(self, name: str):
+        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
+        and how many elements it covers (``adam_factored``); None without such state here."""
+        where = self._adam_slice(name)
+        if where is None or "exp_avg_sq" not in where[2]:
+            return None
+        start, numel, state, dest = where
+        weight = self._layer_params[name][0]
+        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, weight.shape)
+        return rows, cols, numel
 
     def _copy_ranks(self, param, runs) -> tuple:
         """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
@@ -286,7 +317,7 @@ class GiftState:
             param = opt.bit16_groups[group_idx][param_idx]
             numel = param.numel()
             mode, whitener = self.mode_of(param_id)
-            row_len = param.shape[-1] if (mode == GEO and param.dim() == 2) else 0
+            row_len = whitener.run_unit if mode == GEO else 0
             if whitener is not None:
                 whiteners[param_id] = whitener
                 versions[param_id] = whitener.version
@@ -335,9 +366,11 @@ class GiftState:
             "codec_s": t.get("codec_s", 0.0),
             "comm_s": t.get("comm_s", 0.0),
             "geometry_version": self.geometry.version,
-            "geometry_layers": len(self.geometry.active & set(self.geometry.whiteners))
-            if self.cfg.geometry.kind != "identity" else 0,
+            "geometry_layers": len(self.geometry.whiteners),
         }
+        if len(self.geometry.kinds) > 1:
+            in_use = list(self.geometry.active[n] for n in self.geometry.whiteners)
+            record["geometry_kinds"] = {kind: in_use.count(kind) for kind in self.geometry.kinds}
         record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
         if self.cfg.error_feedback:
             record["error_feedback_bytes"] = self.reducer.residual_nbytes()

@@ -173,9 +173,9 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         g = gift.geometry
         result["backend"] = gift.comm.name
         result.update(records=list(gift.records), version=g.version, active=sorted(g.active),
-                      gains=dict(g.gains),
-                      whitener_digest={n: [t.double().sum().item() for t in w.to_tensors()]
-                                       for n, w in sorted(g.whiteners.items())})
+                      kinds=dict(sorted(g.active.items())), gains=dict(g.gains),
+                      whitener_digest={f"{kind}:{n}": [t.double().sum().item() for t in w.to_tensors()]
+                                       for kind, maps in sorted(g.transforms.items()) for n, w in sorted(maps.items())})
     if hasattr(engine.optimizer, "cur_scale"):
         result["loss_scale"] = float(engine.optimizer.cur_scale)
     torch.distributed.barrier()
