@@ -17,11 +17,16 @@ GIFT = {"format": "int4", "rounding": "stochastic", "error_feedback": True, "lay
         "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1}}
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "muon"])
-def test_resume_continues_the_loss_curve_exactly(tmp_path, optimizer):
+ADAM_GEOMETRY = dict(GIFT, geometry={"kind": "adam_factored", "refresh_interval": 2})
+
+
+@pytest.mark.parametrize("optimizer,gift", [("adam", GIFT), ("muon", GIFT), ("adam", ADAM_GEOMETRY)],
+                         ids=["adam", "muon", "adam-geometry"])
+def test_resume_continues_the_loss_curve_exactly(tmp_path, optimizer, gift):
     # Under Muon, split matrices travel as shared sections with their own error-feedback residuals.
+    # Adam's geometry: its scalings (built from the optimizer state at the last refresh) are saved.
     save_dir = str(tmp_path / "ckpt")
-    base = dict(stage=2, steps=6, bucket=30000, gift=GIFT, optimizer=optimizer)
+    base = dict(stage=2, steps=6, bucket=30000, gift=gift, optimizer=optimizer)
     full, first = run_ranks(train_many, 2, [base, dict(base, steps=3, save_at=3, save_dir=save_dir)])[0]
     assert sorted(f for f in os.listdir(os.path.join(save_dir, "global_step3")) if f.startswith("gift")) == \
         ["gift_rank0.pt", "gift_rank1.pt"]
@@ -32,6 +37,7 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path, optimizer):
     assert resumed["version"] == full["version"] and resumed["active"] == full["active"]
     assert resumed["active"]  # geometry was in use across the save
     assert resumed["whitener_digest"] == full["whitener_digest"]
+    assert full["losses"][-1] < full["losses"][0]  # int4 + stochastic rounding + error feedback trains
 
 
 def test_resume_on_another_world_size_keeps_geometry(tmp_path):

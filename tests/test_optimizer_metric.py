@@ -115,3 +115,39 @@ def test_auto_selects_layers_by_the_muon_update_error():
     # the selection's own metric can only improve on all-Euclidean at the step it was judged on
     assert last["profile_update"] < last["profile_update_euclid"]
     assert 0 < last["profile_l2_euclid"] < 0.3 and 0 < last["profile_whitened"] < 0.3
+
+
+def _choice_body(rank, world, spec):
+    from launch.common import train
+
+    result = train(rank, world, spec)
+    return [r for r in result["records"] if "profile_update" in r], result["kinds"], result["gains"]
+
+
+def test_each_layer_takes_the_geometry_that_measures_best_in_adams_update():
+    # Two kinds judged per layer at every refresh; the layer takes the better one (or stays
+    # Euclidean), all ranks alike. Under AdamW at int4, Adam's own geometry should win layers.
+    gift = {"format": "int4", "layers": "auto", "geometry": {"kind": ["kfac_input", "adam_factored"], "rank": 8,
+                                                             "refresh_interval": 2},
+            "selection": {"min_gain": 0.0, "metric": "optimizer"}, "telemetry": {"every": 1}}
+    spec = dict(stage=2, steps=5, bucket=20000, gift=gift)
+    results = run_ranks(_choice_body, 2, spec)
+    (profiles, kinds, gains) = results[0]
+    assert results[1][1] == kinds and results[1][2] == gains
+    last = profiles[-1]
+    assert last["update_metric"] == "adam" and last["profile_judged"] == 15
+    for name, row in last["profile_per_layer"].items():
+        both = row["kinds"]
+        assert set(both) == {"kfac_input", "adam_factored"}
+        best = min(both, key=lambda k: both[k]["optimizer"])
+        assert row["kind"] == best and row["geo_optimizer"] == both[best]["optimizer"]
+        gain = 1 - row["geo_optimizer"] / row["euclid_optimizer"]
+        # per-layer rows keep 6 decimals: the gain from them is off by up to ~1e-6 / euclid
+        assert gain == pytest.approx(gains[name], abs=2e-6 / row["euclid_optimizer"])
+        assert row["selected"] == (gains[name] >= 0.0) == (name in kinds)
+        if name in kinds:
+            assert kinds[name] == best
+    assert sum(k == "adam_factored" for k in kinds.values()) > len(kinds) / 2, kinds
+    assert last["profile_update"] < last["profile_update_euclid"]
+    assert last["geometry_kinds"] == {kind: sum(k == kind for k in kinds.values())
+                                      for kind in ("kfac_input", "adam_factored")}

@@ -63,6 +63,52 @@ def test_lossless_config_under_muon_matches_deepspeed_with_split_matrices(stage)
                 assert _max_param_diff(native, gift) <= FP32_ODD_WORLD_ATOL
 
 
+# Adam's geometry scales every element by a_i b_j and back by the reciprocals: a few fp32 ulps
+# per element on top of the lossless Euclidean path, relative to the parameters' magnitude.
+ADAM_SCALING_RTOL = 1e-6
+ADAM = dict(LOSSLESS, geometry={"kind": "adam_factored", "refresh_interval": 2})
+
+
+def _max_rel_param_diff(a, b):
+    return max(((a["params"][k] - b["params"][k]).abs().max() / a["params"][k].abs().max().clamp_min(1e-30)).item()
+               for k in a["params"])
+
+
+def _norm_rel_param_diff(a, b):
+    diff = sum(float((a["params"][k] - b["params"][k]).double().square().sum()) for k in a["params"])
+    ref = sum(float(a["params"][k].double().square().sum()) for k in a["params"])
+    return (diff / ref) ** 0.5
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lossless_config_with_adam_geometry_matches_deepspeed(stage):
+    # Cuts through rows are scaled too (elementwise); the row/column sums of exp_avg_sq are
+    # all-reduced at each refresh: (out + in + 1) fp32 numbers per weight.
+    base = dict(stage=stage, steps=5, ga=2, bucket=12000)
+    for world in (2, 3):
+        results = run_ranks(train_many, world, [base, dict(base, gift=LOSSLESS), dict(base, gift=ADAM)])
+        for native, euclid, adam in results:
+            assert [r["geometry_layers"] for r in adam["records"]] == [15] * 5  # scaled from step 1 on
+            numbers = sum(p.shape[0] + p.shape[1] + 1 for n, p in adam["params"].items()
+                          if p.dim() == 2 and "embed" not in n)
+            sums = 2 * (world - 1) * numbers * 4 // world  # what one rank sends in a ring all-reduce
+            assert [r["bytes_geometry"] for r in adam["records"]] == [sums, 0, sums, 0, sums]
+            assert _norm_rel_param_diff(native, adam) <= ADAM_SCALING_RTOL
+            # elementwise: at 2 ranks against native; at 3 against GIFT's Euclidean lossless
+            # path, since native's x/3 + y/3 + z/3 already differs from (x + y + z)/3 by more
+            assert _max_rel_param_diff(native if world == 2 else euclid, adam) <= ADAM_SCALING_RTOL
+            assert adam["losses"] == pytest.approx(native["losses"], rel=1e-6)
+
+
+def test_adam_geometry_leaves_muon_matrices_euclidean():
+    # Muon's matrices have no exp_avg_sq: only the Adam half's Linear (lm_head) is scaled.
+    spec = dict(stage=2, steps=3, bucket=20000, optimizer="muon", lr=2e-2,
+                gift=dict(LOSSLESS, format="int4", geometry={"kind": "adam_factored", "refresh_interval": 1}))
+    (gift,) = run_ranks(train_many, 2, [spec])[0]
+    assert [k for k in gift["whitener_digest"]] == ["adam_factored:lm_head"]
+    assert [r["geometry_layers"] for r in gift["records"]] == [1, 1, 1]
+
+
 def test_bf16_model_lossless_and_fp8_gift_train():
     base = dict(stage=2, steps=4, dtype="bf16", bucket=30000)
     fp8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},

@@ -1,0 +1,156 @@
+"""Adam's geometry (``geometry.kind: "adam_factored"``): the pure scaling, its use on ZeRO
+slices that cut rows, and what it buys in the error of Adam's update."""
+
+import pytest
+import torch
+
+from deepspeed_gift import formats
+from deepspeed_gift import geometry as geo
+from deepspeed_gift import metrics
+from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice, split_slice_rows
+from launch.spawn import run_ranks
+
+F32_EPS = torch.finfo(torch.float32).eps
+# invert(apply(x)) multiplies by a_i, b_j, then by their reciprocals: four roundings.
+ROUNDTRIP_RTOL = 4 * F32_EPS
+
+
+def _second_moment(out_dim, width, seed=0):
+    """A second moment with the structure Adam's has: rows and columns of very different scale."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.logspace(-3, 1, out_dim)[torch.randperm(out_dim, generator=g)]
+    cols = torch.logspace(-2, 2, width)[torch.randperm(width, generator=g)]
+    noise = torch.rand(out_dim, width, generator=g) * 0.5 + 0.75
+    return torch.outer(rows, cols) * noise
+
+
+def test_row_col_sums_of_slices_add_up_to_the_whole_matrix():
+    v = _second_moment(7, 5)
+    rows, cols = geo.row_col_sums(v.reshape(-1), 0, v.shape)
+    torch.testing.assert_close(rows, v.double().sum(1))
+    torch.testing.assert_close(cols, v.double().sum(0))
+    # ZeRO-style cuts through rows: partial first row, whole rows, partial last row
+    r_sum, c_sum = torch.zeros_like(rows), torch.zeros_like(cols)
+    for lo, hi in ((0, 3), (3, 17), (17, 19), (19, 35)):
+        r, c = geo.row_col_sums(v.reshape(-1)[lo:hi], lo, v.shape)
+        r_sum += r
+        c_sum += c
+    torch.testing.assert_close(r_sum, rows, rtol=1e-12, atol=0)
+    torch.testing.assert_close(c_sum, cols, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="outside a 7 x 5 matrix"):
+        geo.row_col_sums(v.reshape(-1)[:10], 30, v.shape)
+
+
+def test_factored_scaling_is_adafactors_factorization_of_v():
+    v = _second_moment(12, 9).double()
+    rows, cols = geo.row_col_sums(v.reshape(-1), 0, v.shape)
+    scaling = geo.factored_scaling_from_sums(rows, cols)
+    mu = v.mean()
+    v_hat = torch.outer(v.mean(1), v.mean(0)) / mu  # Adafactor: r c^T / mean(v)
+    expected = (mu / v_hat).sqrt()
+    G = torch.randn(12, 9, dtype=torch.float64)
+    torch.testing.assert_close(scaling.apply(G.float()).double(), G * expected, rtol=1e-6, atol=0)
+    # coordinates at the gradient's own overall scale when the gradient's scale follows v
+    G_adam = torch.randn(12, 9, dtype=torch.float64) * v.sqrt()
+    assert float((G_adam * expected).norm() / G_adam.norm()) == pytest.approx(1.0, rel=0.5)
+
+
+def test_runs_transform_like_the_whole_weight_and_invert_within_ulps():
+    v = _second_moment(6, 10)
+    scaling = geo.factored_scaling_from_sums(*geo.row_col_sums(v.reshape(-1), 0, v.shape))
+    G = torch.randn(6, 10)
+    whole = scaling.apply(G).reshape(-1)
+    runs = [(0, 4), (4, 30), (30, 33), (33, 60)]
+    parts = torch.cat([scaling.apply_run(G.reshape(-1)[lo:hi], lo) for lo, hi in runs])
+    assert torch.equal(parts, whole)  # a slice is scaled bit for bit as in the whole weight
+    back = torch.cat([scaling.invert_run(whole[lo:hi], lo) for lo, hi in runs])
+    torch.testing.assert_close(back, G.reshape(-1), rtol=ROUNDTRIP_RTOL, atol=0)
+    assert scaling.run_unit == 1 and scaling.metadata_nbytes() == (6 + 10) * 4
+    with pytest.raises(ValueError, match="outside the 6 x 10 weight"):
+        scaling.apply_run(G.reshape(-1)[:5], 58)
+
+
+def test_no_state_means_no_scaling_and_bad_sums_are_refused():
+    assert geo.factored_scaling_from_sums(torch.zeros(4), torch.zeros(3)) is None
+    with pytest.raises(ValueError, match="not finite"):
+        geo.factored_scaling_from_sums(torch.tensor([1.0, float("nan")]), torch.ones(3))
+    with pytest.raises(ValueError, match="negative"):
+        geo.factored_scaling_from_sums(torch.tensor([1.0, -1.0]), torch.ones(3))
+    # a dead row is floored, not infinite
+    s = geo.factored_scaling_from_sums(torch.tensor([0.0, 2.0, 2.0]), torch.ones(2) * 2)
+    assert bool(torch.isfinite(s.row).all()) and float(s.row[0]) == pytest.approx(1e4, rel=1e-3)
+
+
+def _adam_rule(v, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(v.shape, generator=g) * v.sqrt() * 0.3
+    return metrics.AdamRule(exp_avg=m, exp_avg_sq=v, step=50, betas=(0.9, 0.95))
+
+
+@pytest.mark.parametrize("fmt,at_most", [("int4", 0.4), ("nvfp4", 0.6)])
+def test_adam_update_error_falls_at_four_bits(fmt, at_most):
+    # A gradient whose scale follows its second moment, as Adam's does: Euclidean blocks mix
+    # large and small coordinates, and Adam divides the small ones' error by a small sqrt(v).
+    v = _second_moment(64, 256)
+    g = torch.Generator().manual_seed(2)
+    G = torch.randn(64, 256, generator=g) * v.sqrt()
+    scaling = geo.factored_scaling_from_sums(*geo.row_col_sums(v.reshape(-1), 0, v.shape))
+    euclid, adam = metrics.judge_geometry(G, formats.get_format(fmt), scaling, rule=_adam_rule(v))
+    assert adam["rule_kind"] == "adam"
+    assert adam["optimizer"] <= at_most * euclid["optimizer"], (euclid, adam)
+
+
+SHAPE = (25, 37)  # 2 or 3 equal partitions cut through rows
+
+
+def _slices(world, shape):
+    numel = shape[0] * shape[1]
+    bounds = [round(numel * j / world) for j in range(world + 1)]
+    return [ParamSlice(d, bounds[d], bounds[d + 1] - bounds[d], bounds[d], 0, 1, GEO) for d in range(world)]
+
+
+def _reduce_body(rank, world, fmt, scaled):
+    import torch.distributed as dist
+
+    from deepspeed_gift.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    shape = SHAPE
+    v = _second_moment(*shape)
+    slices = _slices(world, shape)
+    transforms = {0: geo.factored_scaling_from_sums(*geo.row_col_sums(v.reshape(-1), 0, shape))} if scaled else {}
+    grads = [(torch.randn(shape, generator=torch.Generator().manual_seed(10 + r)) * v.sqrt()).reshape(-1)
+             for r in range(world)]
+    bucket = grads[rank].clone()
+    reducer = GiftReducer(TorchComm(), formats.get_format(fmt))
+    if scaled:
+        reducer.reduce(bucket, slices, transforms, {0: 0}, divisor=world, step=1)
+    else:
+        plain = [ParamSlice(s.dst, s.bucket_offset, s.numel, s.param_offset, 0) for s in slices]
+        reducer.reduce(bucket, plain, {}, {}, divisor=world, step=1)
+    exact = torch.stack(grads).sum(0) / world
+    s = slices[rank]
+    return (s.param_offset, bucket[s.bucket_offset:s.bucket_offset + s.numel].clone(),
+            exact[s.bucket_offset:s.bucket_offset + s.numel], v.reshape(-1)[s.bucket_offset:s.bucket_offset + s.numel])
+
+
+def test_slices_that_cut_rows_are_scaled_whole_and_reduce_exactly_in_fp32():
+    for s in _slices(3, SHAPE)[1:]:
+        assert s.param_offset % SHAPE[1]  # the cuts go through rows
+        assert split_slice_rows(s) == [(0, s.numel, s.numel)]  # one transformed run, partial rows included
+    for world in (2, 3):
+        for start, got, exact, _ in run_ranks(_reduce_body, world, "fp32", True):
+            # a few ulps of the summands (a cancelling sum has a larger relative error per element)
+            assert float((got - exact).norm() / exact.norm()) < ROUNDTRIP_RTOL
+
+
+def test_reduced_slices_err_less_in_adams_metric_at_int4():
+    def adam_err(per_rank):
+        got = torch.cat([g for _, g, _, _ in per_rank])
+        exact = torch.cat([e for _, _, e, _ in per_rank])
+        v = torch.cat([v for _, _, _, v in per_rank])
+        return float(((got - exact) / v.sqrt()).norm() / (exact / v.sqrt()).norm())
+
+    scaled = adam_err(run_ranks(_reduce_body, 3, "int4", True))
+    plain = adam_err(run_ranks(_reduce_body, 3, "int4", False))
+    assert scaled < 0.5 * plain, (scaled, plain)
