@@ -73,6 +73,12 @@ the previous factors, ``factor_decay``); every row is whitened (the plugin keeps
 a partition boundary Euclidean); layer i is owned by rank ``i % ranks``; Newton-Schulz runs
 in fp32 in training and in the metrics (DeepSpeed runs it in bf16/fp16, a rounding the
 metrics would otherwise mistake for communication error).
+``adam factored`` is Adam's geometry (``geometry.kind: "adam_factored"``): every element scaled by
+``a_i b_j`` from the row and column means of AdamW's ``exp_avg_sq`` (``geometry.FactoredScaling``),
+built from the state before t1's step (the plugin's refresh at the end of t1 sees it one step
+later); layers AdamW does not train keep the identity. The auto table also judges it alone and
+as ``per-layer choice``: every layer takes whichever of ``--auto-geometry`` and Adam's geometry
+has the better held-out gain (``geometry.kind`` as a list), or Euclidean.
 ``--all-quantized`` also puts the owner's contribution through the codec (an all-reduce,
 as in the paper). Saturation counts elements coded at the format's largest magnitude: with
 per-block amax scales every nonzero block has one (about 1/block_size).
@@ -394,9 +400,16 @@ class GeometrySpec:
 
     @property
     def label(self) -> str:
+        if self.kind == "adam_factored":
+            return "adam factored"
+        if self.kind == "choice":
+            return "per-layer choice"
         if self.kind != "kfac_input":
             return self.kind
         return f"kfac {self.solver} r{self.rank}"
+
+
+ADAM_SPEC = GeometrySpec("adam", "adam_factored")
 
 
 def parse_kfac(items: List[str]) -> List[GeometrySpec]:
@@ -439,11 +452,21 @@ class WhitenerFactory:
         self.floors.setdefault(capture, {})[key] = value
         return value
 
-    def build(self, spec: GeometrySpec, capture: int, stats: Dict[str, Tensor]) -> Dict[str, geo.Whitener]:
+    def build(self, spec: GeometrySpec, capture: int, cap: "Capture") -> Dict[str, geo.Whitener]:
+        """Every layer's transform of ``spec`` built at ``capture`` (``cap``): kfac from the
+        statistics there, Adam's factored scaling from ``exp_avg_sq`` before that step (a layer
+        AdamW does not train, or without state yet, gets the identity)."""
         out = {}
+        stats = cap.stats
         for name, module in self.layers:
             dim = module.in_features
-            if spec.kind == "identity":
+            if spec.kind == "adam_factored":
+                adam = cap.rules[name].adam
+                v = adam.exp_avg_sq if adam is not None else None
+                scaling = None if v is None else geo.factored_scaling_from_sums(*geo.row_col_sums(
+                    v.reshape(-1), 0, v.shape))
+                out[name] = scaling if scaling is not None else geo.make_whitener("identity", dim)
+            elif spec.kind == "identity":
                 out[name] = geo.make_whitener("identity", dim)
             elif spec.kind == "hadamard":  # the plugin seeds by the index among sorted names
                 out[name] = geo.make_whitener("hadamard", dim, seed=self.sorted_names.index(name))
@@ -662,6 +685,11 @@ def print_auto(auto, formats, kfac, n_layers: int, min_gain: float, selection_me
             pairs = "".join(f" {_num(agg['euclidean'][k], 9)}->{_num(agg['auto'][k], 8).strip():<8}" for k in shown)
             print(f"{fkey:<9} {g.label:<19} {len(a['selected']):>3}/{n_layers:<2}{pairs} "
                   f"{_num(agg['geometry'][col], 8)} {_num(agg['oracle'][col], 8)}  {verdict}")
+    choices = [(fkey, auto[fkey]["choice"]) for fkey in formats if "choice" in auto[fkey]]
+    if choices:
+        print("\nper-layer choice, layers taking each geometry: " + "; ".join(
+            f"{fkey} " + ", ".join(f"{k} {sum(v == k for v in a['kinds'].values())}"
+                                   for k in sorted(set(a["kinds"].values()))) for fkey, a in choices))
     if worse:
         print(f"\nwhere auto loses to Euclidean in {COLUMNS[col][0]} (selected layers that are worse at t2, "
               "gain t1 -> t2):")
@@ -782,7 +810,7 @@ def train_and_capture(args) -> TrainedRun:
     for k in range(capture_at[-1] + 1):
         if k in capture_at:
             cap = capture_step(model, training, layers, hooks, [s.batch(args.micro) for s in samplers],
-                               want_rules=k != capture_at[0])  # t1 for selection, t2 for the reference
+                               want_rules=True)  # Adam's geometry at t0/t1, selection at t1, reference at t2
             fold(cap.moments)
             cap.stats = {key: ema.value().clone() for key, ema in emas.items()}
             caps.append(cap)
@@ -803,7 +831,7 @@ def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner
     Returns (results as printed, per-layer ``compare`` parts: format -> geometry -> layer)."""
     names = [n for n, _ in run.layers]
     G2 = run.caps[2].grads
-    whiteners_t1 = {g.key: factory.build(g, 1, run.caps[1].stats) for g in geoms}
+    whiteners_t1 = {g.key: factory.build(g, 1, run.caps[1]) for g in geoms}
     ruler = whiteners_t1[ruler_key]
     refs = {n: LayerReference(G2[n].mean(0), run.caps[2].rules[n], ruler[n]) for n in names}
     parts = {f: {g.key: {} for g in geoms} for f in codecs}
@@ -820,31 +848,45 @@ def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner
     return results, parts
 
 
-def simulate_auto(run: TrainedRun, factory: WhitenerFactory, kfac, codecs, parts, args) -> dict:
-    """Step 3: gains of the t0 whiteners on t1's owner-local gradient, selection applied at t2."""
+def simulate_auto(run: TrainedRun, factory: WhitenerFactory, judged_specs, choice_specs, codecs, parts,
+                  args) -> dict:
+    """Step 3: gains of the t0 transforms on t1's owner-local gradient, selection applied at t2,
+    for each judged geometry alone, and ``choice``: every layer takes the geometry of
+    ``choice_specs`` with the best held-out gain (``geometry.kind`` as a list: the auto kfac
+    geometry and Adam's), or Euclidean below ``--min-gain``."""
     names = [n for n, _ in run.layers]
     sel_col = SELECTION_COLUMN[args.selection_metric]
     local = {n: run.caps[1].grads[n][i % args.ranks] for i, n in enumerate(names)}
     auto = {f: {} for f in codecs}
-    for g in kfac:
-        ws0 = factory.build(g, 0, run.caps[0].stats)
-        for f, codec in codecs.items():
-            gains = select_layers(local, codec, ws0, run.caps[1].rules, args.selection_metric)
-            eu, ge = parts[f]["identity"], parts[f][g.key]
-            selected = [n for n in names if gains[n] >= args.min_gain]
-            oracle = [n for n in names if ge[n]["rel"][sel_col] < eu[n]["rel"][sel_col]]
-            agg = {"euclidean": metrics(list(eu.values())),
-                   "auto": metrics([ge[n] if n in selected else eu[n] for n in names]),
-                   "geometry": metrics(list(ge.values())),
-                   "oracle": metrics([ge[n] if n in oracle else eu[n] for n in names])}
-            auto[f][g.key] = {
-                "gains_heldout": gains,
-                "gains_t2": {n: _gain(ge[n]["rel"][sel_col], eu[n]["rel"][sel_col]) for n in names},
+    transforms_t0 = {g.key: factory.build(g, 0, run.caps[0]) for g in judged_specs}
+
+    def summarize(f, pick_t1, gains, pick_t2):
+        """pick_*: layer -> geometry key it would take (None: Euclidean)."""
+        eu = parts[f]["identity"]
+        selected = [n for n in names if gains[n] >= args.min_gain]
+        at = {n: parts[f][pick_t1[n]][n] for n in names}  # every layer on its geometry (all-geo)
+        agg = {"euclidean": metrics(list(eu.values())),
+               "auto": metrics([at[n] if n in selected else eu[n] for n in names]),
+               "geometry": metrics(list(at.values())),
+               "oracle": metrics([min([eu[n]] + [parts[f][k][n] for k in pick_t2[n]], key=lambda p: p["rel"][sel_col])
+                                  for n in names])}
+        return {"gains_heldout": gains,
+                "gains_t2": {n: _gain(at[n]["rel"][sel_col], eu[n]["rel"][sel_col]) for n in names},
                 "selected": selected,
-                "regressed": [n for n in selected if ge[n]["rel"][sel_col] > eu[n]["rel"][sel_col]],
+                "kinds": {n: pick_t1[n] for n in selected},
+                "regressed": [n for n in selected if at[n]["rel"][sel_col] > eu[n]["rel"][sel_col]],
                 "aggregate": agg,
-                "worse_than_euclidean": agg["auto"][sel_col] > agg["euclidean"][sel_col],
-            }
+                "worse_than_euclidean": agg["auto"][sel_col] > agg["euclidean"][sel_col]}
+
+    for f, codec in codecs.items():
+        gains = {}
+        for g in judged_specs:
+            gains[g.key] = select_layers(local, codec, transforms_t0[g.key], run.caps[1].rules, args.selection_metric)
+            auto[f][g.key] = summarize(f, {n: g.key for n in names}, gains[g.key], {n: [g.key] for n in names})
+        if len(choice_specs) > 1:
+            best = {n: max(choice_specs, key=lambda g: gains[g.key][n]).key for n in names}
+            auto[f]["choice"] = summarize(f, best, {n: gains[best[n]][n] for n in names},
+                                          {n: [g.key for g in choice_specs] for n in names})
     return auto
 
 
@@ -858,7 +900,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         formats.append(args.per_layer_format)
     codecs = {f: get_format(f, block_size=FORMAT_BLOCKS.get(f)) for f in formats}
     kfac = parse_kfac(args.kfac)
-    geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac
+    geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + [ADAM_SPEC]
     auto_key = args.auto_geometry or (kfac[1].key if len(kfac) > 1 else kfac[0].key)
     if auto_key not in {g.key for g in kfac}:
         raise SystemExit(f"--auto-geometry {auto_key!r} is not one of {[g.key for g in kfac]}")
@@ -882,14 +924,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     factory = WhitenerFactory(layers, run.key_of, args.damping, args.damping_mode)
     results, parts = reduce_at_t2(run, factory, geoms, codecs, owner_of, auto_key)
     t_reduce = time.perf_counter() - t_start - run.seconds
-    auto = simulate_auto(run, factory, kfac, codecs, parts, args)
+    choice_specs = [auto_spec, ADAM_SPEC]
+    auto = simulate_auto(run, factory, kfac + [ADAM_SPEC], choice_specs, codecs, parts, args)
+    judged = kfac + [ADAM_SPEC, GeometrySpec("choice", "choice")]
 
     coverage = results[formats[0]]["identity"]["aggregate"]["layers_per_column"]
     print_aggregate(results, formats, geoms, args.ranks, owner_note, args.optimizer, auto_spec.label, coverage,
                     len(names))
     print_per_layer(results, auto, args.per_layer_format, layers, auto_key, run.trained_by,
                     SELECTION_COLUMN[args.selection_metric])
-    print_auto(auto, formats, kfac, len(names), args.min_gain, args.selection_metric, args.optimizer)
+    print_auto(auto, formats, judged, len(names), args.min_gain, args.selection_metric, args.optimizer)
     wall = time.perf_counter() - t_start
     print(f"\nwall time {wall:.1f} s (model + captures {run.seconds:.1f} s, reductions {t_reduce:.1f} s, "
           f"{torch.get_num_threads()} threads)")

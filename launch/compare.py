@@ -258,7 +258,9 @@ def wire_name(g: dict) -> str:
     if g.get("wire") != "gift":
         return "native bf16"
     block = "per-tensor" if g["block"] == 0 else f"block {g['block']}"
-    geo = {"identity": "Euclidean", "kfac_input": "GIFT", "hadamard": "Hadamard"}[g["geometry"]]
+    names = {"identity": "Euclidean", "kfac_input": "GIFT", "hadamard": "Hadamard", "adam_factored": "Adam-factored"}
+    kinds = g["geometry"] if isinstance(g["geometry"], list) else [g["geometry"]]
+    geo = "/".join(names[k] for k in kinds)
     layers = "" if g["geometry"] == "identity" else f" (layers {g['layers']})"
     return f"{geo} {g['format']} {block}{layers}" + (" + EF" if g.get("error_feedback") else "")
 
@@ -363,11 +365,12 @@ def _pair_line(g: dict, e: dict) -> str:
 
 
 def matched_pairs(results: list) -> list:
-    """(GIFT kfac_input run, Euclidean run) with the same optimizer, format, block and scale."""
+    """(run with a geometry - input whitening, Adam's, a per-layer choice -, Euclidean run) with the
+    same optimizer, format, block and scale."""
     out = []
     for g in results:
         gg = g["gift"]
-        if gg.get("wire") != "gift" or gg["geometry"] != "kfac_input":
+        if gg.get("wire") != "gift" or gg["geometry"] in ("identity", "hadamard"):
             continue
         for e in results:
             ee = e["gift"]
