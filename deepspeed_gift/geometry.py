@@ -60,6 +60,7 @@ __all__ = [
     # Adam's geometry
     "FactoredScaling",
     "row_col_sums",
+    "row_runs",
     "factored_scaling_from_sums",
     "SCALING_FLOOR",
 ]
@@ -798,7 +799,7 @@ def whitener_from_tensors(
 SCALING_FLOOR = 1e-8
 
 
-def _row_runs(start: int, numel: int, width: int) -> list[tuple[int, int, int, int, int]]:
+def row_runs(start: int, numel: int, width: int) -> list[tuple[int, int, int, int, int]]:
     """Cut the flat run ``[start, start + numel)`` of a row-major matrix ``width`` wide into
     ``(pos, row, col, length, rows)``: ``rows > 0`` is that many whole rows from ``row``;
     ``rows == 0`` is ``length`` elements of row ``row`` from column ``col`` (a partial row at
@@ -831,7 +832,7 @@ def row_col_sums(values: Tensor, start: int, shape: Sequence[int]) -> tuple[Tens
     flat = values.reshape(-1).to(torch.float64)
     rows = torch.zeros(out_dim, dtype=torch.float64, device=values.device)
     cols = torch.zeros(width, dtype=torch.float64, device=values.device)
-    for pos, row, col, length, count in _row_runs(start, n, width):
+    for pos, row, col, length, count in row_runs(start, n, width):
         part = flat.narrow(0, pos, length)
         if count:
             block = part.view(count, width)
@@ -875,11 +876,21 @@ class FactoredScaling:
         self.version = int(version)
 
     def apply(self, G: Tensor) -> Tensor:
-        """``G * a b^T`` for the whole weight (any shape with ``out * in`` elements)."""
-        return self.apply_run(self._whole(G), 0).view(G.shape)
+        """``G * a b^T`` for whole weights: ``G`` holds one or more (a leading batch) of them."""
+        return self._whole(G, self.row, self.col)
 
     def invert(self, Z: Tensor) -> Tensor:
-        return self.invert_run(self._whole(Z), 0).view(Z.shape)
+        return self._whole(Z, self.row_inv, self.col_inv)
+
+    def _whole(self, X: Tensor, row: Tensor, col: Tensor) -> Tensor:
+        out_dim, width = self.shape
+        if X.numel() % (out_dim * width) or not X.numel():
+            raise ValueError(f"FactoredScaling of a {out_dim} x {width} weight got a tensor of shape "
+                             f"{tuple(X.shape)}")
+        weights = X.to(torch.float32).reshape(-1, out_dim, width)
+        # the same operations in the same order as _scale on whole rows: the same bits
+        scaled = torch.mul(weights, row.to(X.device)[:, None]).mul_(col.to(X.device))
+        return scaled.reshape(X.shape)
 
     def apply_run(self, values: Tensor, start: int) -> Tensor:
         """The scaling of the flat elements ``[start, start + n)`` of the weight; float32, flat."""
@@ -887,12 +898,6 @@ class FactoredScaling:
 
     def invert_run(self, values: Tensor, start: int) -> Tensor:
         return self._scale(values, start, self.row_inv, self.col_inv)
-
-    def _whole(self, X: Tensor) -> Tensor:
-        if X.numel() != self.shape[0] * self.shape[1]:
-            raise ValueError(f"FactoredScaling of a {self.shape[0]} x {self.shape[1]} weight got a tensor of shape "
-                             f"{tuple(X.shape)}")
-        return X.reshape(-1)
 
     def _scale(self, values: Tensor, start: int, row: Tensor, col: Tensor) -> Tensor:
         if start < 0 or start + values.numel() > self.shape[0] * self.shape[1]:
@@ -902,7 +907,7 @@ class FactoredScaling:
         row, col = row.to(dev), col.to(dev)
         flat = values.reshape(-1).to(torch.float32)
         out = torch.empty_like(flat)
-        for pos, r, c, length, count in _row_runs(start, flat.numel(), self.dim):
+        for pos, r, c, length, count in row_runs(start, flat.numel(), self.dim):
             src, dst = flat.narrow(0, pos, length), out.narrow(0, pos, length)
             if count:
                 torch.mul(src.view(count, self.dim), row.narrow(0, r, count)[:, None], out=dst.view(count, self.dim))

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .formats import quantization_stats
+from .geometry import row_runs
 
 CONTROL_HEADER_BYTES = 16
 MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
@@ -100,20 +101,12 @@ def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
     transform (unit 1) the whole slice is one run."""
     if s.mode != GEO or s.row_len <= 0:
         return [(0, s.numel, 0)]
-    width = s.row_len
-    first_row = -(-s.param_offset // width)
-    end_row = (s.param_offset + s.numel) // width
-    if end_row <= first_row:
-        return [(0, s.numel, 0)]
-    head = first_row * width - s.param_offset
-    whole = (end_row - first_row) * width
-    runs = []
-    if head:
-        runs.append((0, head, 0))
-    runs.append((head, whole, end_row - first_row))
-    tail = s.numel - head - whole
-    if tail:
-        runs.append((head + whole, tail, 0))
+    runs: List[Tuple[int, int, int]] = []
+    for pos, _, _, length, rows in row_runs(s.param_offset, s.numel, s.row_len):
+        if not rows and runs and not runs[-1][2]:  # two partial rows with no whole one between
+            runs[-1] = (runs[-1][0], runs[-1][1] + length, 0)
+        else:
+            runs.append((pos, length, rows))
     return runs
 
 
