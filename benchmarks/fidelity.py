@@ -78,7 +78,9 @@ metrics would otherwise mistake for communication error).
 built from the state before t1's step (the plugin's refresh at the end of t1 sees it one step
 later); layers AdamW does not train keep the identity. The auto table also judges it alone and
 as ``per-layer choice``: every layer takes whichever of ``--auto-geometry`` and Adam's geometry
-has the better held-out gain (``geometry.kind`` as a list), or Euclidean.
+has the better held-out gain (``geometry.kind`` as a list), or Euclidean. ``adam full v (bound)``
+scales by Adam's whole ``v`` instead of its factors: what the factorization leaves on the table
+(every rank would need all of ``v``: not a geometry the plugin offers). ``--beta2`` sets AdamW's.
 ``--all-quantized`` also puts the owner's contribution through the codec (an all-reduce,
 as in the paper). Saturation counts elements coded at the format's largest magnitude: with
 per-block amax scales every nonzero block has one (about 1/block_size).
@@ -290,7 +292,8 @@ class Training:
         muon_ids = {id(p) for p in muon_params}
         adam_params = [p for _, p in named if id(p) not in muon_ids]
         self.muon = Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum) if muon_params else None
-        self.adamw = torch.optim.AdamW(adam_params, lr=args.lr) if adam_params else None
+        self.adamw = (torch.optim.AdamW(adam_params, lr=args.lr, betas=(0.9, args.beta2)) if adam_params
+                      else None)
         self.optimizers = [o for o in (self.muon, self.adamw) if o is not None]
         warmup = max(args.warmup, 1)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: min(1.0, (k + 1) / warmup))
@@ -402,6 +405,8 @@ class GeometrySpec:
     def label(self) -> str:
         if self.kind == "adam_factored":
             return "adam factored"
+        if self.kind == "adam_full_v":
+            return "adam full v (bound)"
         if self.kind == "choice":
             return "per-layer choice"
         if self.kind != "kfac_input":
@@ -410,6 +415,25 @@ class GeometrySpec:
 
 
 ADAM_SPEC = GeometrySpec("adam", "adam_factored")
+FULL_V_SPEC = GeometrySpec("adam_full", "adam_full_v")
+
+
+class FullSecondMomentScaling:
+    """The bound Adam's factored geometry approaches, not shippable: every element scaled by
+    ``sqrt(mean(v) / v_ij)`` with Adam's own ``v`` (every rank would need all of ``v``)."""
+
+    kind = "adam_full_v"
+
+    def __init__(self, v: Tensor):
+        v = v.double()
+        floor = geo.SCALING_FLOOR * float(v.mean())
+        self.scale = (v.mean() / v.clamp_min(floor)).sqrt().float()
+
+    def apply(self, G: Tensor) -> Tensor:
+        return G.float() * self.scale
+
+    def invert(self, Z: Tensor) -> Tensor:
+        return Z.float() / self.scale
 
 
 def parse_kfac(items: List[str]) -> List[GeometrySpec]:
@@ -460,12 +484,15 @@ class WhitenerFactory:
         stats = cap.stats
         for name, module in self.layers:
             dim = module.in_features
-            if spec.kind == "adam_factored":
+            if spec.kind in ("adam_factored", "adam_full_v"):
                 adam = cap.rules[name].adam
-                v = adam.exp_avg_sq if adam is not None else None
-                scaling = None if v is None else geo.factored_scaling_from_sums(*geo.row_col_sums(
-                    v.reshape(-1), 0, v.shape))
-                out[name] = scaling if scaling is not None else geo.make_whitener("identity", dim)
+                v = adam.exp_avg_sq if adam is not None and bool((adam.exp_avg_sq > 0).any()) else None
+                if v is None:
+                    out[name] = geo.make_whitener("identity", dim)
+                elif spec.kind == "adam_full_v":
+                    out[name] = FullSecondMomentScaling(v)
+                else:
+                    out[name] = geo.factored_scaling_from_sums(*geo.row_col_sums(v.reshape(-1), 0, v.shape))
             elif spec.kind == "identity":
                 out[name] = geo.make_whitener("identity", dim)
             elif spec.kind == "hadamard":  # the plugin seeds by the index among sorted names
@@ -724,6 +751,8 @@ def parse_args(argv):
                    help="adamw: AdamW on everything; muon: DeepSpeed's MuonWithAuxAdam split (Muon on hidden "
                         "matrices, AdamW on embeddings, lm_head, norms)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (the Adam half under muon)")
+    p.add_argument("--beta2", type=float, default=0.999,
+                   help="AdamW's beta2 (torch's default; the ds_configs and most LLM recipes use 0.95)")
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate")
     p.add_argument("--muon-momentum", type=float, default=0.95,
                    help="Muon's beta (also the what-if momentum's under adamw)")
@@ -900,7 +929,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         formats.append(args.per_layer_format)
     codecs = {f: get_format(f, block_size=FORMAT_BLOCKS.get(f)) for f in formats}
     kfac = parse_kfac(args.kfac)
-    geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + [ADAM_SPEC]
+    geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + [ADAM_SPEC,
+                                                                                                 FULL_V_SPEC]
     auto_key = args.auto_geometry or (kfac[1].key if len(kfac) > 1 else kfac[0].key)
     if auto_key not in {g.key for g in kfac}:
         raise SystemExit(f"--auto-geometry {auto_key!r} is not one of {[g.key for g in kfac]}")

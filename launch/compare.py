@@ -234,6 +234,27 @@ def seed_verdict(gift_values: list, euclid_values: list) -> dict:
     return out
 
 
+def paired_verdict(gift_by_seed: dict, euclid_by_seed: dict) -> dict:
+    """The same comparison over the seeds both sides finished, paired by seed: a seed fixes the
+    initialization and the batches of both runs, so the per-seed differences drop the
+    seed-to-seed spread that the unpaired standard error carries. ``SE_THRESHOLD`` standard
+    errors of the mean difference ``s_d / sqrt(n)``."""
+    seeds = sorted(s for s in gift_by_seed if s in euclid_by_seed
+                   and finite(gift_by_seed[s]) and finite(euclid_by_seed[s]))
+    diffs = [gift_by_seed[s] - euclid_by_seed[s] for s in seeds]
+    out = {"seeds": seeds, "diffs": diffs, "n": len(diffs), "diff": None, "se": None}
+    if len(diffs) < 2:
+        out["verdict"] = "not enough paired seeds (needs 2)"
+        return out
+    out["diff"] = statistics.fmean(diffs)
+    out["se"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    if abs(out["diff"]) > SE_THRESHOLD * out["se"]:
+        out["verdict"] = "GIFT better" if out["diff"] < 0 else "Euclidean better"
+    else:
+        out["verdict"] = f"no difference at {SE_THRESHOLD:g} SE"
+    return out
+
+
 # ---- report -----------------------------------------------------------------------------
 def _f(x, spec=".4f", none="-"):
     return format(x, spec) if finite(x) else none
@@ -405,13 +426,16 @@ def seed_section(runs: list, combined: list, args) -> tuple:
             _f(st["std"]), ", ".join(f"{s}: {_f(v)}" for s, v in zip(c["seeds"], values))]) + " |")
     lines += ["", f"GIFT vs Euclidean at the same format and optimizer: difference of mean validation loss "
                   f"(GIFT - Euclidean, negative = GIFT lower) against {SE_THRESHOLD:g} standard errors "
-                  f"sqrt(s_g^2/n_g + s_e^2/n_e).", ""]
+                  f"sqrt(s_g^2/n_g + s_e^2/n_e); then paired by seed (the same initialization and batches on "
+                  f"both sides): the mean of the per-seed differences against {SE_THRESHOLD:g} s_d/sqrt(n).", ""]
     verdicts = []
     for g, e in matched_pairs(combined):
         v = seed_verdict([g["final_val_losses"][s] for s in g["seeds"]],
                          [e["final_val_losses"][s] for s in e["seeds"]])
+        paired = paired_verdict({s: g["final_val_losses"][s] for s in g["seeds"]},
+                                {s: e["final_val_losses"][s] for s in e["seeds"]})
         verdicts.append({"gift_config": g["label"], "euclid_config": e["label"], "optimizer": g["gift"]["optimizer"],
-                         **v})
+                         **v, "paired": paired})
         gs, es = v["gift"], v["euclid"]
         note = (" (the GIFT side also has error feedback)"
                 if g["gift"].get("error_feedback") != e["gift"].get("error_feedback") else "")
@@ -419,7 +443,10 @@ def seed_section(runs: list, combined: list, args) -> tuple:
             f"- {optimizer_name(g['gift'])}, {wire_name(g['gift'])} vs {wire_name(e['gift'])}{note}: "
             f"{_f(gs['mean'])} ± {_f(gs['std'])} (n={gs['n']}) vs {_f(es['mean'])} ± {_f(es['std'])} "
             f"(n={es['n']}), difference {_f(v['diff'], '+.4f')}, {SE_THRESHOLD:g} SE = "
-            f"{_f(v['se'] * SE_THRESHOLD if finite(v['se']) else None)}: **{v['verdict']}**")
+            f"{_f(v['se'] * SE_THRESHOLD if finite(v['se']) else None)}: **{v['verdict']}**; paired by seed "
+            f"(n={paired['n']}, differences {', '.join(_f(d, '+.4f') for d in paired['diffs'])}): mean "
+            f"{_f(paired['diff'], '+.4f')}, {SE_THRESHOLD:g} SE = "
+            f"{_f(paired['se'] * SE_THRESHOLD if finite(paired['se']) else None)}: **{paired['verdict']}**")
     if not verdicts:
         lines.append("- no GIFT/Euclidean pair at the same format and optimizer among these configs")
     lines.append("")

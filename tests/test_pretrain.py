@@ -285,6 +285,10 @@ def test_compare_seeds_mean_std_and_verdict_from_the_per_seed_values(tmp_path):
     assert f"difference {diff:+.4f}, 2 SE = {2 * se:.4f}: **{verdict}**" in line
     (pair,) = res["seed_stats"]["pairs"]
     assert pair["verdict"] == verdict and pair["diff"] == pytest.approx(diff) and pair["se"] == pytest.approx(se)
+    diffs = [per_seed[(gift, s)] - per_seed[(euclid, s)] for s in (5, 6)]
+    paired_se = abs(diffs[0] - diffs[1]) / math.sqrt(2) / math.sqrt(2)  # s_d / sqrt(n), n = 2
+    assert pair["paired"]["diffs"] == pytest.approx(diffs) and pair["paired"]["se"] == pytest.approx(paired_se)
+    assert f"paired by seed (n=2, differences {diffs[0]:+.4f}, {diffs[1]:+.4f}): mean {sum(diffs) / 2:+.4f}" in line
     assert saved["seed_stats"]["by_config"][0]["final_val_loss"] == [per_seed[(euclid, 5)], per_seed[(euclid, 6)]]
 
 
@@ -295,6 +299,12 @@ def test_seed_verdict_rules():
     assert compare.seed_verdict([2.0, 2.2], [1.0, 1.2])["verdict"] == "Euclidean better"
     assert compare.seed_verdict([1.0, 1.4], [1.1, 1.5])["verdict"] == "no difference at 2 SE"
     assert compare.seed_verdict([1.0, float("nan")], [1.0, 1.1])["verdict"].startswith("not enough seeds")
+    # Paired by seed: a shift smaller than the seed-to-seed spread but the same on every seed counts.
+    gift, euclid = {0: 1.0, 1: 1.4, 2: 1.2}, {0: 1.02, 1: 1.41, 2: 1.22}
+    assert compare.seed_verdict(list(gift.values()), list(euclid.values()))["verdict"] == "no difference at 2 SE"
+    paired = compare.paired_verdict(gift, euclid)
+    assert paired["verdict"] == "GIFT better" and paired["diff"] == pytest.approx(-0.05 / 3)
+    assert compare.paired_verdict({0: 1.0, 1: 1.1}, {1: 1.0, 2: 1.0})["verdict"].startswith("not enough paired")
 
 
 # ---- data -------------------------------------------------------------------------------
