@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 
 from .config import GiftConfig, get_gift_config  # noqa: E402
 from .formats import FORMAT_NAMES, Codec, Payload, get_format  # noqa: E402
-from .geometry import CovarianceEMA, LowRankDiag, Whitener, fit_low_rank_diag, fit_whitener, make_whitener  # noqa: E402
+from .geometry import (CovarianceEMA, FactoredScaling, LowRankDiag, Whitener, factored_scaling_from_sums,  # noqa: E402
+                       fit_low_rank_diag, fit_whitener, make_whitener)
 from .zero import GiftState, attach, initialize  # noqa: E402
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "get_format",
     # geometry
     "CovarianceEMA",
+    "FactoredScaling",
+    "factored_scaling_from_sums",
     "LowRankDiag",
     "Whitener",
     "fit_low_rank_diag",
