@@ -52,7 +52,7 @@ What it does, in order:
    layers weigh most, as in the norm of the whole gradient) and as the mean of per-layer
    relative errors for NS5 and opt (a Newton-Schulz output's norm is ~sqrt(min(out, in))
    whatever the gradient's scale, so a sum of squares would only count layer widths).
-4. ``layers: "auto"`` as the plugin runs it: at the refresh on t1, each layer's whitener
+4. ``layers: "measured"`` as the plugin runs it: at the refresh on t1, each layer's whitener
    fitted at the previous refresh (t0) is judged on t1's local gradient of the rank that
    owns the layer with ``metrics.judge_geometry`` (one round trip through the format) in
    ``--selection-metric``: ``optimizer`` (the update of the layer's own optimizer, from its

@@ -39,7 +39,7 @@ class GeometryConfig(_GiftModel):
     Adam's geometry, the gradient scaled by the row and column factors of the optimizer's
     second moment (Adam/AdamW layers; others stay Euclidean); ``identity``: Euclidean
     baseline; ``hadamard``: seeded random-sign Hadamard rotation. A list of kinds (with
-    ``layers: "auto"``): each layer takes the one that measures best in ``selection.metric``."""
+    ``layers: "measured"``): each layer takes the one that measures best in ``selection.metric``."""
 
     rank: int = Field(32, ge=1)
     """Number of leading eigen-directions kept in the low-rank + diagonal fit."""
@@ -69,13 +69,13 @@ class GeometryConfig(_GiftModel):
     """``structured``: O(out*in*r) whitening with exact inverse; ``cholesky``: the
     published dense form, O(out*in^2), kept for comparison."""
 
-    method: Literal["auto", "eigh", "randomized"] = "auto"
+    method: Literal["by_width", "eigh", "randomized"] = "by_width"
     """Eigen-solver for the fit: exact ``eigh`` for small layers, randomized subspace
-    iteration for large ones (``auto`` picks by width)."""
+    iteration for large ones (``by_width`` picks by the layer's width)."""
 
 
 class SelectionConfig(_GiftModel):
-    """How ``layers: "auto"`` picks the layers that take the geometry branch."""
+    """How ``layers: "measured"`` picks the layers that take the geometry branch."""
 
     min_gain: float = Field(0.05, ge=0.0, lt=1.0)
     """A layer is selected when geometry lowers its measured round-trip error by at
@@ -124,8 +124,8 @@ class GiftConfig(_GiftModel):
     rounding: Literal["nearest", "stochastic"] = "nearest"
     backend: Literal["torch", "mpi"] = "torch"
     geometry: GeometryConfig = Field(default_factory=GeometryConfig)
-    layers: Union[Literal["auto", "all"], List[str]] = "auto"
-    """``auto``: measured per-layer selection; ``all``: every eligible linear layer; or a
+    layers: Union[Literal["measured", "all"], List[str]] = "measured"
+    """``measured``: per-layer selection by the measured error; ``all``: every eligible linear layer; or a
     list of glob patterns over module names (``"*.mlp.*"``)."""
 
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
@@ -170,12 +170,12 @@ class GiftConfig(_GiftModel):
                 raise ValueError(f"gift.geometry.kind: got {kinds!r}; a list names distinct kinds among "
                                  "'kfac_input', 'adam_factored', 'hadamard' (Euclidean is every layer's fallback, "
                                  "'identity' is not listed)")
-            if len(kinds) > 1 and self.layers != "auto":
+            if len(kinds) > 1 and self.layers != "measured":
                 raise ValueError(f"gift.geometry.kind: got {kinds!r} with gift.layers {self.layers!r}; choosing a "
-                                 "kind per layer needs gift.layers 'auto' (or give one kind)")
+                                 "kind per layer needs gift.layers 'measured' (or give one kind)")
         if isinstance(self.layers, list):
             if not self.layers or not all(isinstance(p, str) and p for p in self.layers):
-                raise ValueError(f"gift.layers: got {self.layers!r}; allowed: 'auto', 'all' or a "
+                raise ValueError(f"gift.layers: got {self.layers!r}; allowed: 'measured', 'all' or a "
                                  "non-empty list of non-empty glob patterns")
         return self
 
@@ -197,7 +197,7 @@ class GiftConfig(_GiftModel):
 
 def _is_union_tag(part) -> bool:
     """pydantic names the member of a Union an error came from in its location
-    (``literal['auto','all']``, ``list[str]``); a user's key path has no such part."""
+    (``literal['measured','all']``, ``list[str]``); a user's key path has no such part."""
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
@@ -251,6 +251,26 @@ def _model_at(loc: tuple) -> type:
     return model
 
 
+# HF Transformers and Accelerate treat every string "auto" in a DeepSpeed config as a placeholder
+# of theirs to fill (and fail on one they cannot), so no value of the gift block is "auto".
+AUTO = "auto"
+RENAMED_FROM_AUTO = {"layers": "measured", "geometry.method": "by_width"}
+
+
+def _refuse_auto(block: dict, path: str = "") -> None:
+    for key, value in block.items():
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(value, dict):
+            _refuse_auto(value, here)
+        elif value == AUTO or (isinstance(value, list) and AUTO in value):
+            renamed = RENAMED_FROM_AUTO.get(here)
+            hint = (f"the value once called 'auto' is now {renamed!r}" if renamed
+                    else "name the value you want")
+            raise ValueError(f"invalid gift config:\n  {GIFT_KEY}.{here}: got {value!r}; no gift value is \"auto\" "
+                             "(HF Transformers and Accelerate fill every \"auto\" in a DeepSpeed config themselves): "
+                             f"{hint}")
+
+
 def get_gift_config(ds_config: dict) -> GiftConfig:
     """Read the ``gift`` block of a DeepSpeed config dict (a missing block = disabled)."""
     if not isinstance(ds_config, dict):
@@ -261,6 +281,7 @@ def get_gift_config(ds_config: dict) -> GiftConfig:
     if not isinstance(block, dict):
         raise ValueError(f"{GIFT_KEY}: got {block!r}; expected an object like "
                          f"{{\"enabled\": true, \"format\": \"fp8_e4m3\"}} with keys {_known_keys(GiftConfig)}")
+    _refuse_auto(block)
     try:
         return GiftConfig(strict=True, **block)
     except ValidationError as exc:

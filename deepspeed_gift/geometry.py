@@ -65,10 +65,10 @@ __all__ = [
     "SCALING_FLOOR",
 ]
 
-# Above this input dimension "auto" switches from exact eigh (O(in^3)) to the randomized
+# Above this input dimension "by_width" switches from exact eigh (O(in^3)) to the randomized
 # range finder (O(in^2 r)); below it eigh is both exact and cheap enough.
 AUTO_EIGH_MAX_DIM = 1024
-FIT_METHODS = ("auto", "eigh", "randomized")
+FIT_METHODS = ("by_width", "eigh", "randomized")
 SOLVERS = ("structured", "cholesky")
 
 # Factor fitting runs in float64: the residual diagonal diag(A) - diag(U lam U^T) is a
@@ -248,7 +248,7 @@ def fit_low_rank_diag(
     *,
     rank: int,
     damping: float,
-    method: str = "auto",
+    method: str = "by_width",
     seed: int = 0,
     oversample: int = 8,
     iters: int = 2,
@@ -257,7 +257,7 @@ def fit_low_rank_diag(
 
     ``method``: ``"eigh"`` (exact, O(in^3)), ``"randomized"`` (range finder with
     ``oversample`` extra columns and ``iters`` power steps, O(in^2 (rank + oversample))),
-    ``"auto"`` (eigh up to :data:`AUTO_EIGH_MAX_DIM`, randomized above). The fit runs in
+    ``"by_width"`` (eigh up to :data:`AUTO_EIGH_MAX_DIM`, randomized above). The fit runs in
     float64 on ``A``'s device and returns float32 factors there (on GPUs with slow float64
     this costs more, but fits happen once per refresh). Eigenvalues are clamped at 0.
     Deterministic: the randomized test matrix comes from a CPU generator seeded with ``seed``.
@@ -277,7 +277,7 @@ def fit_low_rank_diag(
 
     A64 = A.detach().to(_FIT_DTYPE)
     A64 = 0.5 * (A64 + A64.T)
-    if method == "auto":
+    if method == "by_width":
         method = "eigh" if dim <= AUTO_EIGH_MAX_DIM else "randomized"
     if rank == 0:
         lam = A64.new_zeros(0)
@@ -757,7 +757,7 @@ def fit_whitener(
     rank: int,
     damping: float,
     solver: str = "structured",
-    method: str = "auto",
+    method: str = "by_width",
     seed: int = 0,
     version: int = 0,
 ) -> Whitener:

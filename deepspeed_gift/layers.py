@@ -14,13 +14,13 @@ Lifecycle, with ``k = global_step - start_step``:
   rank assigned to fit it - in full for narrow layers, as a one-round Nystrom sketch
   (O(in * (rank + oversample)) bytes instead of O(in^2)) for wide ones - that rank fits
   it, the factors are shared so every rank holds bit-identical whiteners,
-  ``layers: "auto"`` re-profiles, and the version increases by one;
+  ``layers: "measured"`` re-profiles, and the version increases by one;
 * ``adam_factored`` (Adam's geometry): at the end of a refresh step every rank sums the
   optimizer's ``exp_avg_sq`` over the rows and columns of the slices it owns (the seam's
   ``second_moment_sums``), one all-reduce of ``out + in + 1`` numbers per weight gives every
   rank the same sums, and each builds the same :class:`geometry.FactoredScaling`.
 
-``geometry.kind`` may list several kinds (with ``layers: "auto"``): every refresh judges each
+``geometry.kind`` may list several kinds (with ``layers: "measured"``): every refresh judges each
 layer in each of them and the layer takes the one that lowers the error most in
 ``selection.metric`` (or stays Euclidean).
 """
@@ -84,7 +84,7 @@ class GeometryManager:
                 width = self.modules[name].in_features
                 self.transforms["hadamard"][name] = geo.make_whitener("hadamard", width,
                                                                       seed=cfg.seed * 1_000_003 + i)
-        if not self.kinds or self.cfg.layers != "auto":
+        if not self.kinds or self.cfg.layers != "measured":
             self.active = {name: self.kinds[0] if self.kinds else "identity" for name in self.names}
         if "kfac_input" in self.kinds:
             for name in self.names:
@@ -95,7 +95,7 @@ class GeometryManager:
         linears = {n: m for n, m in model.named_modules()
                    if isinstance(m, nn.Linear) and m.weight.requires_grad}
         layers = self.cfg.layers
-        if layers in ("auto", "all"):
+        if layers in ("measured", "all"):
             return linears
         chosen = {n: m for n, m in linears.items() if any(fnmatch.fnmatchcase(n, p) for p in layers)}
         unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
@@ -167,10 +167,10 @@ class GeometryManager:
 
     # ---- profile capture (called from the reduction on refresh steps) ----------------
     def profiling(self) -> bool:
-        """Refresh steps judge every layer's coordinates: to select them (``layers: "auto"``) or,
+        """Refresh steps judge every layer's coordinates: to select them (``layers: "measured"``) or,
         with sampled telemetry, to report their errors in every metric."""
         telemetry = self.cfg.telemetry
-        return bool(self.kinds) and (self.cfg.layers == "auto" or (telemetry.fidelity and telemetry.every > 0))
+        return bool(self.kinds) and (self.cfg.layers == "measured" or (telemetry.fidelity and telemetry.every > 0))
 
     def wants_capture(self, name: str) -> bool:
         return (self.profiling() and self.refresh_due(self.step)
@@ -408,7 +408,7 @@ class GeometryManager:
     # ---- auto selection -------------------------------------------------------------
     def _profile_and_select(self, previous: Dict[str, Dict[str, object]]) -> None:
         """Judge each layer's coordinates in every configured kind on this step's real gradient,
-        in every metric, and (``layers: "auto"``) give each layer the kind that lowers its error
+        in every metric, and (``layers: "measured"``) give each layer the kind that lowers its error
         most in ``selection.metric``, if by at least ``min_gain``. The transform judged is the
         one built a refresh interval ago, not the fresh one: that is how stale a transform gets
         before its next refresh, and a fresh fit judged on the gradient of its own step flatters
@@ -439,7 +439,7 @@ class GeometryManager:
             rows = {kind: row for kind, row in rows.items() if row["measured"] and row["euclid_" + metric] > 0}
             if rows:
                 judged[name] = rows
-        if self.cfg.layers == "auto":
+        if self.cfg.layers == "measured":
             chosen = []
             for name, rows in judged.items():
                 # the first kind in configured order wins a tie

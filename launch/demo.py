@@ -7,7 +7,7 @@
 
 Prints one row per config: final loss, mean step time and its ratio to native, wire
 bytes per gradient element sent (geometry metadata included, averaged over the run), the
-sampled fidelity of the reduced gradient, and what ``layers: "auto"`` chose. Writes the
+sampled fidelity of the reduced gradient, and what ``layers: "measured"`` chose. Writes the
 rows as JSON to ``--json``. (The full comparison with reports and plots is
 ``launch/compare.py``, built on the pretraining script.)
 """
@@ -29,7 +29,7 @@ def configs(rank: int, refresh: int, every: int):
         "native bf16": None,
         "euclidean fp8_e4m3": {"format": "fp8_e4m3", "geometry": {"kind": "identity"}, "layers": "all",
                                "telemetry": TELEMETRY},
-        "gift fp8_e4m3 (auto)": {"format": "fp8_e4m3", "layers": "auto",
+        "gift fp8_e4m3 (auto)": {"format": "fp8_e4m3", "layers": "measured",
                                  "geometry": {"kind": "kfac_input", "rank": rank, "refresh_interval": refresh},
                                  "telemetry": TELEMETRY},
         "gift fp8_e4m3 (all)": {"format": "fp8_e4m3", "layers": "all",

@@ -524,7 +524,7 @@ def main(argv=None) -> dict:
     progress.close()
     summary = dict(summarize(train_records, eval_records), status=status, resumed_from=resumed_from)
     gift = getattr(engine, "gift", None)
-    if gift is not None:  # what layers: "auto" measured and chose (1 - err_geometry / err_euclidean)
+    if gift is not None:  # what layers: "measured" measured and chose (1 - err_geometry / err_euclidean)
         summary["geometry_active"] = sorted(gift.geometry.whiteners)
         summary["geometry_gains"] = {k: round(v, 4) for k, v in sorted(gift.geometry.gains.items())}
     metrics.write(dict(summary, event="end"))

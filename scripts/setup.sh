@@ -20,4 +20,7 @@ fi
 # Constrain torch to the installed build so no dependency replaces it.
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > .venv/torch-constraint.txt
 python -m pip install -q -c .venv/torch-constraint.txt -e ".[dev,train,mpi]"
+# An editable install does not place deepspeed_gift.pth (the startup hook behind
+# DEEPSPEED_GIFT=1 and the warning about a gift block that is not in effect): write it.
+python -m deepspeed_gift_hook enable
 python -c "import deepspeed_gift, deepspeed, torch; print('ready: torch', torch.__version__, 'deepspeed', deepspeed.__version__)"

@@ -11,7 +11,7 @@ DOCUMENTED_EXAMPLES = [
     {"enabled": True, "format": "fp8_e4m3", "block_size": 128, "rounding": "nearest", "backend": "torch",
      "geometry": {"kind": "kfac_input", "rank": 32, "damping": 1e-3, "refresh_interval": 50,
                   "stats_decay": 0.95, "factor_decay": 0.95, "solver": "structured"},
-     "layers": "auto", "others": "euclidean", "error_feedback": False, "start_step": 0,
+     "layers": "measured", "others": "euclidean", "error_feedback": False, "start_step": 0,
      "telemetry": {"every": 50, "fidelity": True}},
     {"format": "fp8_e5m2", "block_size": 0, "geometry": {"kind": "identity"}, "layers": "all"},
     {"format": "fp8_e4m3", "scale": "e8m0", "block_size": 32},
@@ -42,11 +42,11 @@ def test_missing_block_means_disabled():
 
 def test_defaults_resolve():
     cfg = get_gift_config({"gift": {}})
-    assert (cfg.format, cfg.effective_block_size, cfg.geometry.rank, cfg.layers) == ("fp8_e4m3", 128, 32, "auto")
+    assert (cfg.format, cfg.effective_block_size, cfg.geometry.rank, cfg.layers) == ("fp8_e4m3", 128, 32, "measured")
     assert get_gift_config({"gift": {"format": "nvfp4"}}).effective_block_size == 16
     assert get_gift_config({"gift": {"scale": "e8m0"}}).effective_block_size == 32
     assert get_gift_config({"gift": {"format": "bf16"}}).effective_block_size == 0
-    assert get_gift_config({"gift": {"layers": "auto"}}).layers == "auto"  # not dropped like DeepSpeed's "auto"
+    assert get_gift_config({"gift": {"layers": "measured"}}).layers == "measured"
 
 
 # (block, key path that must be named, text that says what is allowed)
@@ -76,7 +76,7 @@ BAD = [
     ({"geometry": {"kind": ["kfac_input", "kfac_input"]}}, "gift.geometry.kind", "distinct kinds"),
     ({"geometry": {"kind": []}}, "gift.geometry.kind", "distinct kinds"),
     ({"geometry": {"kind": ["kfac_input", "adam_factored"]}, "layers": "all"}, "gift.geometry.kind",
-     "needs gift.layers 'auto'"),
+     "needs gift.layers 'measured'"),
     ({"geometry": {"rank": 0}}, "gift.geometry.rank", "greater than or equal to 1"),
     ({"geometry": {"rank": 3.5}}, "gift.geometry.rank", "integer"),
     ({"geometry": {"damping": 0}}, "gift.geometry.damping", "greater than 0"),
@@ -88,7 +88,7 @@ BAD = [
     ({"geometry": {"method": "lanczos"}}, "gift.geometry.method", "randomized"),
     ({"geometry": {"rnak": 32}}, "gift.geometry.rnak", "allowed keys here"),
     ({"geometry": 32}, "gift.geometry", "GeometryConfig"),
-    ({"layers": "some"}, "gift.layers", "auto"),
+    ({"layers": "some"}, "gift.layers", "measured"),
     ({"layers": []}, "gift.layers", "non-empty list"),
     ({"layers": [""]}, "gift.layers", "non-empty"),
     ({"others": "fp8"}, "gift.others", "euclidean"),
@@ -101,6 +101,10 @@ BAD = [
     ({"selection": {"min_gain": 1.5}}, "gift.selection.min_gain", "less than 1"),
     ({"selection": {"max_layers": 0}}, "gift.selection.max_layers", "greater than or equal to 1"),
     ({"formt": "fp8_e4m3"}, "gift.formt", "allowed keys here"),
+    ({"layers": "auto"}, "gift.layers: got 'auto'", "now 'measured'"),
+    ({"geometry": {"method": "auto"}}, "gift.geometry.method: got 'auto'", "now 'by_width'"),
+    ({"format": "auto"}, "gift.format: got 'auto'", "HF Transformers and Accelerate"),
+    ({"layers": ["auto"]}, "gift.layers: got ['auto']", "no gift value is \"auto\""),
 ]
 
 

@@ -40,7 +40,7 @@ def run_fidelity(tmp_path, *extra):
     cmd = [sys.executable, "benchmarks/fidelity.py", *TINY, "--json", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for heading in ("Aggregate over all Linear weights", "Per layer, format fp8_e4m3", 'layers: "auto"'):
+    for heading in ("Aggregate over all Linear weights", "Per layer, format fp8_e4m3", 'layers: "measured"'):
         assert heading in proc.stdout, proc.stdout[-3000:]
     return json.loads(out.read_text())
 

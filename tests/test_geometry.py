@@ -281,7 +281,7 @@ def test_invalid_arguments_are_reported():
     A = torch.eye(6)
     with pytest.raises(ValueError, match=r"rank 7 exceeds the layer input dimension 6"):
         fit_low_rank_diag(A, rank=7, damping=DAMPING)
-    with pytest.raises(ValueError, match=r"'qr'.*\['auto', 'eigh', 'randomized'\]"):
+    with pytest.raises(ValueError, match=r"'qr'.*\['by_width', 'eigh', 'randomized'\]"):
         fit_low_rank_diag(A, rank=2, damping=DAMPING, method="qr")
     with pytest.raises(ValueError, match=r"'lu'.*\['structured', 'cholesky'\]"):
         fit_whitener(A, rank=2, damping=DAMPING, solver="lu")

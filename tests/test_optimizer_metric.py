@@ -1,6 +1,6 @@
 """The optimizer's metric reads the real optimizer state: the update rule GIFT builds for a
 layer predicts the step DeepSpeed actually takes (Muon's whole-matrix momentum, Adam's
-moments of a ZeRO slice), and ``layers: "auto"`` judges layers in it."""
+moments of a ZeRO slice), and ``layers: "measured"`` judges layers in it."""
 
 import pytest
 import torch
@@ -100,7 +100,7 @@ def _auto_body(rank, world, spec):
 
 
 def test_auto_selects_layers_by_the_muon_update_error():
-    gift = {"format": "nvfp4", "layers": "auto", "geometry": {"rank": 8, "refresh_interval": 2},
+    gift = {"format": "nvfp4", "layers": "measured", "geometry": {"rank": 8, "refresh_interval": 2},
             "selection": {"min_gain": 0.0, "metric": "optimizer"}, "telemetry": {"every": 1}}
     spec = dict(stage=2, steps=5, bucket=20000, optimizer="muon", gift=gift)
     (profiles, active, gains), _ = run_ranks(_auto_body, 2, spec)
@@ -127,7 +127,7 @@ def _choice_body(rank, world, spec):
 def test_each_layer_takes_the_geometry_that_measures_best_in_adams_update():
     # Two kinds judged per layer at every refresh; the layer takes the better one (or stays
     # Euclidean), all ranks alike. Under AdamW at int4, Adam's own geometry should win layers.
-    gift = {"format": "int4", "layers": "auto", "geometry": {"kind": ["kfac_input", "adam_factored"], "rank": 8,
+    gift = {"format": "int4", "layers": "measured", "geometry": {"kind": ["kfac_input", "adam_factored"], "rank": 8,
                                                              "refresh_interval": 2},
             "selection": {"min_gain": 0.0, "metric": "optimizer"}, "telemetry": {"every": 1}}
     spec = dict(stage=2, steps=5, bucket=20000, gift=gift)

@@ -242,7 +242,7 @@ def test_compare_default_configs_are_stage2_format_variants():
     for optimizer in ("adamw", "muon"):  # each optimizer: its baseline, then the paper's pair
         assert {"optimizer": optimizer, "wire": "native"} in descs
         assert (optimizer, "fp8_e5m2", 0, "identity", False, "all") in kinds
-        assert (optimizer, "fp8_e5m2", 0, "kfac_input", False, "auto") in kinds
+        assert (optimizer, "fp8_e5m2", 0, "kfac_input", False, "measured") in kinds
     order = [g["optimizer"] for g in descs]
     assert order == sorted(order, key=compare.OPTIMIZER_ORDER.index)
     assert set(configs) < set(compare.stage2_configs())

@@ -14,7 +14,7 @@ RSS_GROWTH_MIB = 64
 
 @pytest.mark.slow
 def test_thousand_steps_memory_flat_and_bytes_stable():
-    gift = {"format": "nvfp4", "error_feedback": True, "layers": "auto",
+    gift = {"format": "nvfp4", "error_feedback": True, "layers": "measured",
             "geometry": {"rank": 8, "refresh_interval": 50, "collect_interval": 5}, "telemetry": {"every": 100}}
     spec = dict(stage=2, steps=STEPS, bucket=30000, seq=16, micro=1, gift=gift, rss_at=[100, STEPS])
     results = run_ranks(train_many, 2, [spec], timeout=1800)

@@ -122,7 +122,7 @@ def test_bf16_model_lossless_and_fp8_gift_train():
 
 def test_fp8_kfac_w4_ranks_agree_and_error_is_bounded():
     base = dict(stage=2, steps=5, bucket=25000)
-    spec = dict(base, gift={"format": "fp8_e4m3", "layers": "auto", "geometry": {"rank": 8, "refresh_interval": 2},
+    spec = dict(base, gift={"format": "fp8_e4m3", "layers": "measured", "geometry": {"rank": 8, "refresh_interval": 2},
                             "selection": {"min_gain": 0.0}, "telemetry": {"every": 1}})
     results = run_ranks(train_many, 4, [base, spec])
     native0, gift0 = results[0]

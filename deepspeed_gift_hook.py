@@ -1,0 +1,131 @@
+"""Startup hook of deepspeed-gift: makes every DeepSpeed engine built from a config with an
+enabled ``"gift"`` block get GIFT, whoever builds it (HF Trainer, Accelerate, Lightning, a
+script calling ``deepspeed.initialize``), or warn that it did not.
+
+Loaded at interpreter start by ``deepspeed_gift.pth`` (installed with the package); it
+imports nothing heavy: it only watches for ``deepspeed.runtime.engine`` to be imported and
+then wraps ``DeepSpeedEngine.__init__`` so that, once an engine is built,
+``deepspeed_gift.zero.after_engine_init`` decides. That decision attaches GIFT when the
+switch is on (``deepspeed_gift.install()``, or ``DEEPSPEED_GIFT=1`` in the environment of
+every rank) and otherwise warns once that the block is not in effect.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+ENGINE_MODULE = "deepspeed.runtime.engine"
+ENV_SWITCH = "DEEPSPEED_GIFT"
+
+
+def _wrap_engine_class(module) -> None:
+    cls = getattr(module, "DeepSpeedEngine", None)
+    if cls is None or getattr(cls.__init__, "_gift_wrapped", False):
+        return
+    native = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        native(self, *args, **kwargs)
+        from deepspeed_gift.zero import after_engine_init
+
+        after_engine_init(self)
+
+    __init__._gift_wrapped = True
+    __init__._gift_native = native
+    __init__.__doc__ = native.__doc__
+    cls.__init__ = __init__
+
+
+def unwrap_engine_class() -> None:
+    """Undo :func:`watch_deepspeed` on an imported DeepSpeed (tests, ``uninstall``)."""
+    module = sys.modules.get(ENGINE_MODULE)
+    cls = getattr(module, "DeepSpeedEngine", None)
+    if cls is not None and getattr(cls.__init__, "_gift_wrapped", False):
+        cls.__init__ = cls.__init__._gift_native
+    for finder in [f for f in sys.meta_path if isinstance(f, _EngineFinder)]:
+        sys.meta_path.remove(finder)
+
+
+class _EngineFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when DeepSpeed's engine module is about to load, it takes the spec
+    the other finders give and runs the wrap right after the module's own code."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != ENGINE_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _WrappingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _WrappingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _wrap_engine_class(module)
+
+    def __getattr__(self, name):  # get_source, is_package, ... of the real loader
+        return getattr(self.loader, name)
+
+
+def watch_deepspeed() -> None:
+    """Wrap ``DeepSpeedEngine.__init__`` now if DeepSpeed is imported, else when it is."""
+    module = sys.modules.get(ENGINE_MODULE)
+    if module is not None:
+        _wrap_engine_class(module)
+    elif not any(isinstance(f, _EngineFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _EngineFinder())
+
+
+def startup() -> None:
+    """Run by ``deepspeed_gift.pth`` at interpreter start; cheap, and never fails the start."""
+    try:
+        watch_deepspeed()
+    except Exception as exc:  # a broken hook must not break every Python program
+        print(f"deepspeed_gift: startup hook not installed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+PTH_NAME = "deepspeed_gift.pth"
+PTH_LINE = "import deepspeed_gift_hook; deepspeed_gift_hook.startup()\n"
+
+
+def pth_path() -> str:
+    import sysconfig
+
+    return f"{sysconfig.get_path('purelib')}/{PTH_NAME}"
+
+
+def main(argv=None) -> int:
+    """``python -m deepspeed_gift_hook enable|disable|status``: write, remove or show the
+    ``.pth`` file that loads this hook at start. A regular ``pip install`` writes it itself; an
+    editable install (``pip install -e``) does not, so ``scripts/setup.sh`` runs ``enable``."""
+    import argparse
+    import os
+
+    p = argparse.ArgumentParser(prog="python -m deepspeed_gift_hook", description=main.__doc__.split("\n")[0])
+    p.add_argument("action", choices=("enable", "disable", "status"))
+    action = p.parse_args(argv).action
+    path = pth_path()
+    if action == "enable":
+        with open(path, "w") as f:
+            f.write(PTH_LINE)
+    elif action == "disable" and os.path.exists(path):
+        os.remove(path)
+    print(f"{path}: {'present' if os.path.exists(path) else 'absent'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
