@@ -1,4 +1,5 @@
 """    .venv/bin/python launch/hf_trainer.py --ds-config ds_configs/gift_fp8_zero2.json --steps 20
+    DEEPSPEED_GIFT=1 .venv/bin/python launch/hf_trainer.py --switch env --framework accelerate
 
 GIFT under the HF Trainer, from the config alone: ``deepspeed_gift.install()`` before the
 Trainer builds its engine (or ``DEEPSPEED_GIFT=1`` and no code at all), then an ordinary
@@ -6,7 +7,8 @@ Trainer builds its engine (or ``DEEPSPEED_GIFT=1`` and no code at all), then an 
 except that the keys the Trainer owns (batch size, optimizer lr, gradient clipping) become
 "auto", as Trainer recipes write them. Runs ``--ranks`` CPU ranks over gloo on the tiny or
 small Llama and byte tokens of the standard library's sources; prints the losses and GIFT's
-telemetry. ``--save-steps``/``--resume`` exercise the Trainer's own checkpoints.
+telemetry. ``--framework accelerate`` runs the same through Accelerate's DeepSpeed plugin and a
+plain loop instead of the Trainer.
 """
 
 from __future__ import annotations
@@ -110,6 +112,53 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
                                 for n, w in sorted(maps.items())} if gift is not None else {}}
 
 
+def run_accelerate_rank(rank: int, world: int, opts: dict) -> dict:
+    """The same model, data and config through Accelerate's DeepSpeed plugin and a plain loop
+    (what ``accelerate launch --use_deepspeed --deepspeed_config_file ...`` sets up)."""
+    import deepspeed.comm.torch  # noqa: F401
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import deepspeed_gift
+    from launch.common import PRESETS
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what accelerate launch --use_deepspeed sets
+    if opts.get("switch", "install") == "install":
+        deepspeed_gift.install()
+    torch.manual_seed(opts.get("seed", 0))
+    model = LlamaForCausalLM(LlamaConfig(**PRESETS[opts.get("preset", "tiny")]))
+    cfg = trainer_config(opts["ds_config"])
+    if opts.get("gift") is not None:
+        cfg["gift"] = opts["gift"]
+    if opts.get("native"):
+        cfg.pop("gift", None)
+    if opts.get("fp32"):
+        cfg.pop("bf16", None)
+    cfg["gradient_clipping"] = 1.0
+    cfg["optimizer"]["params"].update(lr=opts.get("lr", 2e-3), weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # one process may run several configs (tests): a fresh plugin each
+    plugin = DeepSpeedPlugin(hf_ds_config=cfg)
+    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16" if "bf16" in cfg else "no")
+    loader = torch.utils.data.DataLoader(ByteText(opts.get("seq", 32), 256, opts.get("seed", 0)),
+                                         batch_size=opts.get("micro", 2), shuffle=False)
+    engine, _, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    losses = []
+    for i, batch in enumerate(loader):
+        if i == opts.get("steps", 4):
+            break
+        loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        accelerator.backward(loss)  # under DeepSpeed this also runs engine.step()
+        losses.append(float(loss.detach()))
+    gift = getattr(engine, "gift", None)
+    return {"losses": losses, "attached": gift is not None, "records": list(gift.records) if gift else []}
+
+
 def main(argv=None) -> int:
     from launch.spawn import run_ranks
 
@@ -120,12 +169,13 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", default="runs/hf_trainer")
     p.add_argument("--switch", choices=("install", "env"), default="install",
-                   help="install: deepspeed_gift.install() in the script; env: DEEPSPEED_GIFT=1, no code")
+                   help="install: deepspeed_gift.install() in the script; env: nothing in the script, "
+                        "DEEPSPEED_GIFT=1 in the environment does it")
+    p.add_argument("--framework", choices=("trainer", "accelerate"), default="trainer")
     a = p.parse_args(argv)
-    if a.switch == "env":
-        os.environ["DEEPSPEED_GIFT"] = "1"
-    results = run_ranks(run_rank, a.ranks, {"ds_config": a.ds_config, "steps": a.steps, "preset": a.preset,
-                                            "out": a.out, "switch": a.switch})
+    body = run_rank if a.framework == "trainer" else run_accelerate_rank
+    results = run_ranks(body, a.ranks, {"ds_config": a.ds_config, "steps": a.steps, "preset": a.preset,
+                                        "out": a.out, "switch": a.switch})
     r = results[0]
     print(f"GIFT attached: {r['attached']}; losses {', '.join(f'{x:.3f}' for x in r['losses'])}")
     if r["records"]:

@@ -43,3 +43,19 @@ def test_trainer_checkpoint_resumes_with_gifts_state(tmp_path):
     assert resumed["losses"][:3] == full["losses"][:3]  # the log history comes back with the checkpoint
     assert resumed["losses"][3:] == pytest.approx(full["losses"][3:], rel=1e-5)
     assert resumed["version"] == full["version"] and resumed["whitener_digest"] == full["whitener_digest"]
+
+
+def _accelerate_many(rank, world, runs):
+    from launch.hf_trainer import run_accelerate_rank
+
+    return [run_accelerate_rank(rank, world, opts) for opts in runs]
+
+
+def test_accelerate_deepspeed_plugin_gets_gift_and_lossless_matches_native():
+    base = dict(ds_config="ds_configs/gift_fp8_zero2.json", steps=4)
+    runs = [dict(base), dict(base, fp32=True, native=True), dict(base, fp32=True, gift=LOSSLESS)]
+    for fp8, native, lossless in run_ranks(_accelerate_many, 2, runs):
+        assert fp8["attached"] and 1.0 < fp8["records"][-1]["bytes_per_elem"] < 1.1
+        assert fp8["losses"][-1] < fp8["losses"][0]
+        assert not native["attached"] and lossless["attached"]
+        assert lossless["losses"] == pytest.approx(native["losses"], rel=1e-6)
