@@ -59,3 +59,24 @@ def test_accelerate_deepspeed_plugin_gets_gift_and_lossless_matches_native():
         assert fp8["losses"][-1] < fp8["losses"][0]
         assert not native["attached"] and lossless["attached"]
         assert lossless["losses"] == pytest.approx(native["losses"], rel=1e-6)
+
+
+def test_a_trainer_run_starts_with_every_shipped_config(tmp_path):
+    import glob
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configs = []
+    for path in sorted(glob.glob(os.path.join(root, "ds_configs", "*.json"))):
+        with open(path) as f:
+            gift = json.load(f).get("gift")
+        if gift and gift.get("backend") == "mpi":  # needs mpirun; tests/test_launchers.py runs it
+            continue
+        configs.append((os.path.relpath(path, root), bool(gift and gift.get("enabled", True))))
+    runs = [dict(ds_config=path, steps=2, out=str(tmp_path / str(i))) for i, (path, _) in enumerate(configs)]
+    for results in run_ranks(_many, 2, runs):
+        for (path, has_gift), r in zip(configs, results):
+            assert r["global_step"] == 2, path
+            assert r["attached"] == has_gift, path
+            assert all(x == x for x in r["losses"]), path
