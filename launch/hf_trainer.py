@@ -148,15 +148,24 @@ def run_accelerate_rank(rank: int, world: int, opts: dict) -> dict:
     loader = torch.utils.data.DataLoader(ByteText(opts.get("seq", 32), 256, opts.get("seed", 0)),
                                          batch_size=opts.get("micro", 2), shuffle=False)
     engine, _, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    done = 0
+    if opts.get("resume"):  # Accelerate's own checkpoint: the engine's load_checkpoint, GIFT's files with it
+        accelerator.load_state(opts["resume"])
+        done = engine.global_steps
     losses = []
     for i, batch in enumerate(loader):
         if i == opts.get("steps", 4):
             break
+        if i < done:
+            continue
         loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         accelerator.backward(loss)  # under DeepSpeed this also runs engine.step()
         losses.append(float(loss.detach()))
+        if opts.get("save_at") == i + 1:
+            accelerator.save_state(opts["out"])
     gift = getattr(engine, "gift", None)
-    return {"losses": losses, "attached": gift is not None, "records": list(gift.records) if gift else []}
+    return {"losses": losses, "attached": gift is not None, "records": list(gift.records) if gift else [],
+            "version": gift.geometry.version if gift is not None else None}
 
 
 def main(argv=None) -> int:

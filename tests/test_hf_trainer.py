@@ -61,6 +61,18 @@ def test_accelerate_deepspeed_plugin_gets_gift_and_lossless_matches_native():
         assert lossless["losses"] == pytest.approx(native["losses"], rel=1e-6)
 
 
+def test_accelerate_save_state_resumes_with_gifts_state(tmp_path):
+    base = dict(ds_config="ds_configs/gift_nvfp4_ef_zero2.json", gift=INT4_EF, fp32=True, steps=6)
+    save = str(tmp_path / "state")
+    full, first = run_ranks(_accelerate_many, 2, [dict(base, out=str(tmp_path / "full")),
+                                                  dict(base, steps=3, save_at=3, out=save)])[0]
+    assert sorted(p.name for p in (tmp_path / "state").glob("*/gift_rank*.pt")) == ["gift_rank0.pt", "gift_rank1.pt"]
+    (resumed,) = run_ranks(_accelerate_many, 2, [dict(base, out=save, resume=save)])[0]
+    assert first["losses"] == full["losses"][:3]
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
+    assert resumed["version"] == full["version"]
+
+
 def test_a_trainer_run_starts_with_every_shipped_config(tmp_path):
     import glob
     import json
