@@ -37,6 +37,20 @@ def trainer_config(path: str) -> dict:
     return cfg
 
 
+def run_config(opts: dict) -> dict:
+    """:func:`trainer_config` of ``opts["ds_config"]`` with the run's variations: ``gift`` replaces
+    the block, ``native`` drops it (DeepSpeed's own reduction), ``fp32`` drops bf16 (then a
+    lossless block must match the native run exactly)."""
+    cfg = trainer_config(opts["ds_config"])
+    if opts.get("gift") is not None:
+        cfg["gift"] = opts["gift"]
+    if opts.get("native"):
+        cfg.pop("gift", None)
+    if opts.get("fp32"):
+        cfg.pop("bf16", None)
+    return cfg
+
+
 class ByteText:
     """Fixed-length windows of byte tokens, a dataset the Trainer can index."""
 
@@ -83,13 +97,7 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
         deepspeed_gift.install()
     torch.manual_seed(opts.get("seed", 0))
     model = LlamaForCausalLM(LlamaConfig(**PRESETS[opts.get("preset", "tiny")]))
-    cfg = trainer_config(opts["ds_config"])
-    if opts.get("gift") is not None:
-        cfg["gift"] = opts["gift"]
-    if opts.get("native"):  # the same run without GIFT: DeepSpeed's own reduction
-        cfg.pop("gift", None)
-    if opts.get("fp32"):  # fp32 model and gradients: a lossless block must then match exactly
-        cfg.pop("bf16", None)
+    cfg = run_config(opts)
     args = TrainingArguments(
         output_dir=opts["out"], deepspeed=cfg, per_device_train_batch_size=opts.get("micro", 2),
         max_steps=opts.get("steps", 4), learning_rate=opts.get("lr", 2e-3), weight_decay=0.0, max_grad_norm=1.0,
@@ -131,13 +139,7 @@ def run_accelerate_rank(rank: int, world: int, opts: dict) -> dict:
         deepspeed_gift.install()
     torch.manual_seed(opts.get("seed", 0))
     model = LlamaForCausalLM(LlamaConfig(**PRESETS[opts.get("preset", "tiny")]))
-    cfg = trainer_config(opts["ds_config"])
-    if opts.get("gift") is not None:
-        cfg["gift"] = opts["gift"]
-    if opts.get("native"):
-        cfg.pop("gift", None)
-    if opts.get("fp32"):
-        cfg.pop("bf16", None)
+    cfg = run_config(opts)
     cfg["gradient_clipping"] = 1.0
     cfg["optimizer"]["params"].update(lr=opts.get("lr", 2e-3), weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8)
     from accelerate.state import AcceleratorState
