@@ -28,9 +28,12 @@ def _wrap_engine_class(module) -> None:
 
     def __init__(self, *args, **kwargs):
         native(self, *args, **kwargs)
-        from deepspeed_gift.zero import after_engine_init
-
-        after_engine_init(self)
+        try:
+            from deepspeed_gift.zero import after_engine_init
+        except ImportError as exc:  # a broken install must not stop engines that have no gift block
+            print(f"deepspeed_gift: not importable, engines run without GIFT: {exc}", file=sys.stderr)
+            return
+        after_engine_init(self)  # a bad gift block fails here, as under deepspeed_gift.initialize
 
     __init__._gift_wrapped = True
     __init__._gift_native = native
