@@ -173,7 +173,7 @@ def run_accelerate_rank(rank: int, world: int, opts: dict) -> dict:
 def main(argv=None) -> int:
     from launch.spawn import run_ranks
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(description="GIFT under the HF Trainer or Accelerate, switched on from the config alone")
     p.add_argument("--ds-config", default="ds_configs/gift_fp8_zero2.json")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
