@@ -105,6 +105,12 @@ class GeometryManager:
                              f"module names look like {sample}")
         return chosen
 
+    def remove_hooks(self) -> None:
+        """Take the statistics hooks off the model (``deepspeed_gift.detach``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     @property
     def whiteners(self) -> Dict[str, object]:
         """The transform each layer uses now (layers in the branch whose transform exists)."""

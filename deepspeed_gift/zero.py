@@ -51,6 +51,7 @@ def _check_engine(engine, cfg: GiftConfig):
             hint = (" (DeepSpeed picks BF16_Optimizer for bf16 + ZeRO stage 1 + fp32 gradient accumulation; "
                     "use stage 2, or set data_types.grad_accum_dtype to \"bf16\")")
         raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}{hint}")
+    _probe_internals(opt)
     _require(opt.contiguous_gradients, "gift.enabled: needs zero_optimization.contiguous_gradients true "
              "(the default); it is false in this config")
     _require(not opt.cpu_offload, "gift.enabled: ZeRO offload_optimizer is not supported with GIFT; "
@@ -58,6 +59,28 @@ def _check_engine(engine, cfg: GiftConfig):
     _require(not getattr(opt, "has_moe_layers", False), "gift.enabled: MoE expert parallelism is not supported")
     _require(not getattr(opt, "zenflow", False), "gift.enabled: ZenFlow is not supported")
     return opt
+
+
+# What GIFT reads of DeepSpeed's ZeRO stage 1/2 optimizer (present in 0.19.x). A DeepSpeed
+# without one of them fails at attach with its version named, not at the first bucket.
+ZERO_INTERNALS = (
+    "average_tensor", "ipg_buckets", "bit16_groups", "param_to_partition_ids", "grad_start_offset",
+    "grad_partition_insertion_offset", "partition_size", "params_in_partition", "single_partition_of_fp32_groups",
+    "_get_compact_grad_partition_slice", "gradient_average", "sequence_parallel_size", "overlap_comm",
+    "contiguous_gradients", "cpu_offload", "dp_process_group", "get_param_id", "optimizer",
+)
+
+
+def _probe_internals(opt) -> None:
+    import deepspeed
+
+    missing = [name for name in ZERO_INTERNALS if not hasattr(opt, name)]
+    if opt.__dict__.get("overlap_comm") and not hasattr(opt, "reduction_stream"):
+        missing.append("reduction_stream")
+    if missing:
+        raise ValueError(f"gift.enabled: DeepSpeed {deepspeed.__version__}'s {type(opt).__name__} has no "
+                         f"{', '.join(missing)}, which GIFT reads (built and tested against DeepSpeed 0.19.8); "
+                         "install a DeepSpeed in the range setup.py names, or set gift.enabled to false")
 
 
 def _main_codec(cfg: GiftConfig):
@@ -122,6 +145,7 @@ class GiftState:
         self.step_totals: Dict[str, float] = {}
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.records: List[dict] = []
+        self.replaced: List[tuple] = []  # (object, attribute, what the instance held) that attach set
         self._jsonl = None
         if cfg.telemetry.jsonl and self.comm.rank == 0:
             self._jsonl = open(cfg.telemetry.jsonl, "a", buffering=1)
@@ -419,7 +443,7 @@ class _reduction_stream:
         if opt.overlap_comm and not self.acc.resolves_data_dependency():
             stream = opt.reduction_stream
             bucket = opt.ipg_buckets[comm_dtype]
-            for producer in (bucket.copy_streams or {self.acc.current_stream()}):
+            for producer in (getattr(bucket, "copy_streams", None) or {self.acc.current_stream()}):
                 stream.wait_stream(producer)
             self.acc.current_stream().wait_stream(stream)
             self.ctx = self.acc.stream(stream)
@@ -457,7 +481,7 @@ def attach(engine) -> Optional[GiftState]:
     _log_like_deepspeed()
     state = GiftState(engine, cfg)
     engine.gift = state
-    state.opt.average_tensor = state.average_tensor
+    _replace(state, state.opt, "average_tensor", state.average_tensor)
 
     def on_forward(module, inputs):
         state.on_forward()
@@ -472,7 +496,7 @@ def attach(engine) -> Optional[GiftState]:
             state.on_optimizer_step(before - cfg.start_step)
         return result
 
-    engine.step = step
+    _replace(state, engine, "step", step)
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
@@ -490,8 +514,40 @@ def attach(engine) -> Optional[GiftState]:
             state.load_files(load_dir, tag)
         return load_path, client_state
 
-    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+    _replace(state, engine, "save_checkpoint", save_checkpoint)
+    _replace(state, engine, "load_checkpoint", load_checkpoint)
     return state
+
+
+_ABSENT = object()
+
+
+def _replace(state: GiftState, obj, name: str, new) -> None:
+    """Set ``obj.name = new``, remembering what the instance held, for :func:`detach`."""
+    state.replaced.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+    setattr(obj, name, new)
+
+
+def detach(engine) -> None:
+    """Undo :func:`attach`: DeepSpeed's own reduction, ``step`` and checkpoint methods come back
+    exactly as they were, GIFT's forward hooks are removed and its telemetry file closed. The
+    engine then runs as if GIFT had never been attached (its gradients, from the next bucket
+    on, are DeepSpeed's own); ``attach`` may be called again."""
+    state = getattr(engine, "gift", None)
+    if state is None:
+        raise ValueError("deepspeed_gift.detach: GIFT is not attached to this engine")
+    for obj, name, before in reversed(state.replaced):
+        if before is _ABSENT:
+            obj.__dict__.pop(name, None)  # the class's method shows again
+        else:
+            setattr(obj, name, before)
+    state.replaced.clear()
+    state._forward_hook.remove()
+    state.geometry.remove_hooks()
+    if state._jsonl is not None:
+        state._jsonl.close()
+        state._jsonl = None
+    engine.gift = None
 
 
 def initialize(*args, **kwargs):

@@ -121,6 +121,12 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     engine = build_engine(spec)
     import time
 
+    if spec.get("detach"):  # tests: GIFT attached, then taken off before the first step
+        import deepspeed_gift
+
+        deepspeed_gift.detach(engine)
+    hooks = sum(len(m._forward_pre_hooks) for m in engine.module.modules())  # forward pre-hooks on the model
+
     poison = spec.get("poison")  # tests: one parameter's gradient on one rank and step gets a nan (or is scaled)
     if poison and engine.global_rank in poison.get("ranks", [poison.get("rank")]):
         param = dict(engine.module.named_parameters())[poison["param"]]
@@ -170,7 +176,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
                     split.append(name)
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0),
-              "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split}
+              "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name

@@ -146,6 +146,41 @@ def test_world_size_one_runs_and_sends_nothing():
     assert torch.isfinite(torch.tensor(gift["losses"])).all()
 
 
+def test_detach_restores_deepspeed_exactly():
+    # kfac (forward pre-hooks on every linear layer) at fp8: attached, then detached before step 1;
+    # the run must then be DeepSpeed's own to the last bit, with no GIFT hook left on the model.
+    gift = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
+            "telemetry": {"every": 1}}
+    base = dict(stage=2, steps=3, bucket=20000)
+    for native, detached in run_ranks(train_many, 2, [base, dict(base, gift=gift, detach=True)]):
+        assert detached["hooks"] == native["hooks"]  # DeepSpeed's own hooks only
+        assert "records" not in detached or detached["records"] == []
+        assert detached["losses"] == native["losses"]
+        assert _max_param_diff(native, detached) == 0.0
+
+
+def _missing_internal_body(rank, world, name):
+    import deepspeed_gift
+    from launch.common import build_engine
+
+    engine = build_engine(dict(stage=2, steps=1, bucket=20000, builder="deepspeed",
+                               gift={"format": "fp8_e4m3", "layers": "all"}))
+    delattr(engine.optimizer, name)  # a DeepSpeed without this internal
+    try:
+        deepspeed_gift.attach(engine)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_deepspeed_without_an_internal_gift_reads_fails_at_attach():
+    import deepspeed
+
+    for message in run_ranks(_missing_internal_body, 2, "grad_partition_insertion_offset"):
+        assert f"DeepSpeed {deepspeed.__version__}" in message
+        assert "has no grad_partition_insertion_offset, which GIFT reads" in message
+
+
 def _errors(world, specs):
     from launch.common import initialize_error
 
