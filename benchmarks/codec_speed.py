@@ -5,9 +5,12 @@ whitening transform and its inverse on gradients of given layer shapes.
 
 For each format: median wall time over ``--repeats`` runs of ``encode_to_bytes`` (tensor
 -> wire bytes, what a rank sends) and ``decode_from_bytes`` (wire bytes -> float32,
-header check included), elements per second, and the time relative to ``x.clone()``
+header check included), elements per second, the relative L2 error of the round trip on
+this Gaussian tensor, and the time relative to ``x.clone()``
 of the same tensor measured in the same run (a memory-bandwidth yardstick: 1.0 means
-"as fast as one read + one write of the fp32 tensor"). Prints a table; ``--json PATH``
+"as fast as one read + one write of the fp32 tensor"). ``nvfp4/up`` is NVFP4 with the single
+block-scale rule of earlier versions (smallest E4M3 scale that clips nothing), beside the
+per-block choice among three scales. Prints a table; ``--json PATH``
 also writes the numbers.
 
 Transforms: for each ``--shapes`` entry ``MxN`` (a layer's gradient: M output rows, input
@@ -112,15 +115,24 @@ def main(argv: List[str] | None = None) -> int:
 
     clone_s = _median(lambda: x.clone(), args.repeats, timer)
     rows = []
+    variants = []
     for name in args.formats:
         rounding = "nearest" if name == "fp32" else args.rounding
-        codec = get_format(name, rounding=rounding)
+        variants.append((name, get_format(name, rounding=rounding)))
+        if name == "nvfp4":  # the single scale rule of earlier versions, beside the per-block choice
+            old = get_format(name, rounding=rounding)
+            old.scale_candidates = ("up",)
+            variants.append(("nvfp4/up", old))
+    for label, codec in variants:
+        rounding = codec.rounding
         wire = codec.encode_to_bytes(x)
         enc_s = _median(lambda: codec.encode_to_bytes(x), args.repeats, timer)
         dec_s = _median(lambda: codec.decode_from_bytes(wire, x.shape), args.repeats, timer)
+        rel_err = float((codec.decode_from_bytes(wire, x.shape) - x).norm() / x.norm())
         rows.append(
             {
-                "format": name,
+                "format": label,
+                "rel_l2_error": rel_err,
                 "rounding": rounding,
                 "block_size": codec.block_size,
                 "bytes_per_element": wire.numel() / args.numel,
@@ -140,7 +152,7 @@ def main(argv: List[str] | None = None) -> int:
     )
     head = (
         f"{'format':<9} {'B/elem':>7} {'enc ms':>8} {'dec ms':>8} {'enc Ge/s':>9} {'dec Ge/s':>9} "
-        f"{'enc/clone':>9} {'dec/clone':>9}"
+        f"{'enc/clone':>9} {'dec/clone':>9} {'rel err':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -148,7 +160,7 @@ def main(argv: List[str] | None = None) -> int:
         print(
             f"{r['format']:<9} {r['bytes_per_element']:>7.4f} {r['encode_ms']:>8.2f} {r['decode_ms']:>8.2f} "
             f"{r['encode_gelem_s']:>9.3f} {r['decode_gelem_s']:>9.3f} {r['encode_vs_clone']:>9.2f} "
-            f"{r['decode_vs_clone']:>9.2f}"
+            f"{r['decode_vs_clone']:>9.2f} {r['rel_l2_error']:>8.4f}"
         )
     transforms = transform_rows(args.shapes, args.rank, args.repeats, device, timer)
     if transforms:

@@ -39,8 +39,12 @@ Range limits (the fp32 scales cover fp32's range; what remains):
   value ever decodes to a non-finite one.
 - fp8 with E8M0 scales: scale = 2**ceil(log2(amax / format_max)), exponent clamped to
   [-127, 127]; blocks with amax below about 2**-127 * format_max lose precision.
-- nvfp4: global g = tensor_amax / (6 * 448) (finite blocks only); block scale = the
-  smallest E4M3 value >= block_amax / (6 g), so no finite element clips. With
+- nvfp4: global g = tensor_amax / (6 * 448) (finite blocks only); block scale = per block
+  the one of three E4M3 candidates whose nearest-rounded block errs least: the smallest
+  value >= block_amax / (6 g) (no element clips), the value below it (the largest elements
+  may saturate at 6), the smallest >= block_amax / (4 g); the first two are where the NVFP4
+  recipe's rounded-to-nearest scale lies, so no block errs more than under it. Stochastic
+  rounding tries only the two that never clip. With
   r = block_amax / tensor_amax: r >= 2**-6 / 448 (3.5e-5) gets a normal E4M3 scale;
   below that the scale is subnormal and coarser; below 2**-9 / 448 (4.4e-6) the block
   gets the smallest scale and its elements under ~2**-11 / 2688 (1.8e-7) of the tensor
@@ -831,6 +835,8 @@ def _fp4_key_tables() -> Tuple[Tensor, Tensor]:
 
 
 _FP4_KEY_LO, _FP4_KEY_HI = _fp4_key_tables()
+# the signed E2M1 value of every key, for measuring a candidate scale's error
+_FP4_KEY_VALUES = torch.tensor(_FP4_VALUES + [-v for v in _FP4_VALUES])[_FP4_KEY_LO.long()]
 
 
 def _fp4_keys(y: Tensor) -> Tensor:
@@ -838,6 +844,55 @@ def _fp4_keys(y: Tensor) -> Tensor:
     bits = y.view(torch.int32)
     key = (bits >> 20).bitwise_and_(0xFFF).bitwise_left_shift_(1)
     return key.add_((bits & 0xFFFFF).clamp_(max=1))
+
+
+_FP4_VALUES_T = torch.tensor(_FP4_VALUES)
+
+
+def _e4m3_at_least(target: Tensor) -> Tensor:
+    """uint8 code of the smallest E4M3 value >= ``target`` (>= 0, <= 448; nan stays nan)."""
+    s8 = target.to(torch.float8_e4m3fn)
+    codes = s8.view(torch.uint8).clone()
+    return codes.add_((s8.float() < target) & (codes < 0x7E))
+
+
+def _e2m1_nearest(y: Tensor) -> Tensor:
+    """``y`` (fp32) rounded to the nearest E2M1 value (ties to even), saturating at +-6: one
+    lookup per element by the same fp32-bit keys the encoder uses."""
+    return torch.index_select(_table_on(_FP4_KEY_VALUES, y.device), 0, _fp4_keys(y.contiguous()).view(-1)).view(y.shape)
+
+
+def _e2m1_nearest_reference(y: Tensor) -> Tensor:
+    """Slow reference of :func:`_e2m1_nearest`: count the midpoints below ``|y|``."""
+    mags = _table_on(_FP4_VALUES_T, y.device)[_fp4_magnitude_codes(y.abs()).long()]
+    return mags.copysign_(y)
+
+
+def _pick_block_scales(flat: Tensor, row_len: int, n_rows: int, g: Tensor, candidates) -> Tensor:
+    """Per block, the candidate E4M3 scale code whose nearest-rounded E2M1 block has the least
+    squared error against the block (the first candidate wins a tie). Tiled like the encode."""
+    best = candidates[0].clone()
+    if len(candidates) == 1:
+        return best
+    step = _tile_rows(n_rows, row_len, flat.device)
+    work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
+    scaled = torch.empty_like(work)  # apart from x: a padded tile comes back as `work` itself
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        x, _ = _load_rows(flat, row_len, r0, r1, work)
+        y = scaled[: x.numel()].view_as(x)
+        best_err = None
+        for codes in candidates:
+            scale = codes[r0:r1].view(torch.float8_e4m3fn).float().mul_(g)
+            torch.div(x, _safe_divisor(scale)[:, None], out=y)
+            err = _e2m1_nearest(y).mul_(scale[:, None]).sub_(x).square_().sum(1)
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
+            best[r0:r1] = torch.where(better, codes[r0:r1], best[r0:r1])
+            best_err = torch.where(better, err, best_err)
+    return best
 
 
 _DEVICE_TABLES: Dict[Tuple[int, torch.device], Tensor] = {}
@@ -861,6 +916,9 @@ class NvFp4Codec(_ScaledCodec):
     data_dtype = torch.uint8
     elements_per_byte = 2
     has_global_scale = True
+    # Block scales tried per block (see _prepare); ("up",) is the single-candidate codec of
+    # earlier versions, which the benchmarks set to show old against new.
+    scale_candidates: Tuple[str, ...] = ("up", "down", "4/6")
 
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
         self._check_scale(scale, ("fp32",))
@@ -877,11 +935,17 @@ class NvFp4Codec(_ScaledCodec):
         tensor_amax = torch.where(finite, amax, 0.0).amax().reshape(1)
         g = _fp32_scales(tensor_amax, _FP4_MAX * _E4M3_MAX)
         p.global_scale.copy_(g)
-        # block scale: smallest E4M3 value >= amax / (6 g), so finite elements do not clip
+        # candidate block scales, each chosen per block by the block's own squared error (same
+        # bytes): "up", the smallest E4M3 value >= amax / (6 g) (no element clips); "down", the
+        # E4M3 value below it (the largest elements may saturate at 6); "4/6", the smallest E4M3
+        # value >= amax / (4 g) (the block's amax lands on 4, where E2M1 steps are finer relative
+        # to the amax). Stochastic rounding keeps to the two that never clip, so it stays unbiased.
         target = amax / (_safe_divisor(g) * _FP4_MAX)  # g == 0: all-zero tensor, target 0
-        s8 = target.to(torch.float8_e4m3fn)
-        codes = s8.view(torch.uint8)
-        codes.add_((s8.float() < target) & (codes < 0x7E))
+        up = _e4m3_at_least(target)
+        options = {"up": up, "down": torch.where(up > 0, up - 1, up),
+                   "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
+        allowed = self.scale_candidates if self.rounding == "nearest" else ("up", "4/6")
+        codes = _pick_block_scales(flat, row_len, n_rows, g, [options[k] for k in allowed])
         codes.masked_fill_(~finite, 0x7F)  # nan scale marks a non-finite block
         p.scales.view(torch.uint8).copy_(codes)
         return _safe_divisor(self._row_scales(p, n_rows))
