@@ -81,6 +81,8 @@ as ``per-layer choice``: every layer takes whichever of ``--auto-geometry`` and 
 has the better held-out gain (``geometry.kind`` as a list), or Euclidean. ``adam full v (bound)``
 scales by Adam's whole ``v`` instead of its factors: what the factorization leaves on the table
 (every rank would need all of ``v``: not a geometry the plugin offers). ``--beta2`` sets AdamW's.
+``nvfp4/up`` is NVFP4 with the block-scale rule of earlier versions (the smallest E4M3 scale
+that clips nothing) instead of the per-block choice among three scales.
 ``--all-quantized`` also puts the owner's contribution through the codec (an all-reduce,
 as in the paper). Saturation counts elements coded at the format's largest magnitude: with
 per-block amax scales every nonzero block has one (about 1/block_size).
@@ -928,6 +930,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.per_layer_format not in formats:
         formats.append(args.per_layer_format)
     codecs = {f: get_format(f, block_size=FORMAT_BLOCKS.get(f)) for f in formats}
+    if "nvfp4" in codecs:  # the single block-scale rule of earlier versions, beside the per-block choice
+        codecs["nvfp4/up"] = get_format("nvfp4")
+        codecs["nvfp4/up"].scale_candidates = ("up",)
+        formats.insert(formats.index("nvfp4") + 1, "nvfp4/up")
     kfac = parse_kfac(args.kfac)
     geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + [ADAM_SPEC,
                                                                                                  FULL_V_SPEC]
