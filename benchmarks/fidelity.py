@@ -695,7 +695,7 @@ def print_auto(auto, formats, kfac, n_layers: int, min_gain: float, selection_me
     col = SELECTION_COLUMN[selection_metric]
     shown = ["rel_l2", "whitened_rel_err", "muon_update_rel_err" if optimizer == "muon" else "adam_update_rel_err",
              "optimizer_rel_err"]
-    print(f"layers: \"auto\" judged in {selection_metric} ({COLUMNS[col][0]}; gain >= {min_gain} on t1 with the t0 "
+    print(f"layers: \"measured\" judged in {selection_metric} ({COLUMNS[col][0]}; gain >= {min_gain} on t1 with the t0 "
           f"whitener; applied at t2 with the t1 one). Aggregates at t2, Euclidean -> auto per metric; all-geometry "
           f"and oracle in {COLUMNS[col][0]}")
     head = (f"{'format':<9} {'geometry':<19} {'sel':>6}" + "".join(f" {COLUMNS[k][0] + ' eu->au':>19}" for k in shown)
