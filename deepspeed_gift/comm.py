@@ -48,8 +48,22 @@ class Comm:
         """Every rank contributes a 1-D uint8 tensor of any length; all get all, in rank order."""
         raise NotImplementedError(f"{type(self).__name__}.all_gather_bytes")
 
+    def split(self, groups: Sequence[Sequence[int]]) -> "Comm":
+        """A comm of the group (ranks of this comm) that holds this rank. ``groups`` partitions
+        ``range(world_size)`` and is the same on every rank: every rank must call this, with
+        the same list, at the same point (backends build every group collectively)."""
+        raise NotImplementedError(f"{type(self).__name__}.split")
+
     def _count(self, kind: str, nbytes: int) -> None:
         self.bytes_sent[kind] += int(nbytes)
+
+
+def group_of(groups: Sequence[Sequence[int]], rank: int, world_size: int) -> int:
+    """Index of the group holding ``rank``; checks that ``groups`` partitions the ranks."""
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(world_size)):
+        raise ValueError(f"comm groups {list(map(list, groups))} do not partition ranks 0..{world_size - 1}")
+    return next(i for i, g in enumerate(groups) if rank in g)
 
 
 class TorchComm(Comm):
@@ -70,8 +84,25 @@ class TorchComm(Comm):
                                  "leave it null to use the group's timeout")
             group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout))
         self.group = group
+        self.timeout = timeout
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
+
+    def split(self, groups):
+        dist = self._dist
+        mine = group_of(groups, self.rank, self.world_size)
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(dist.get_world_size()))
+        kwargs = {} if self.timeout is None else {"timeout": datetime.timedelta(seconds=self.timeout)}
+        made = None
+        for i, members in enumerate(groups):  # new_group is collective over the whole job: all, in order
+            g = dist.new_group(ranks=[ranks[r] for r in sorted(members)], **kwargs)
+            if i == mine:
+                made = g
+        sub = TorchComm.__new__(TorchComm)
+        Comm.__init__(sub)
+        sub._dist, sub.group, sub.timeout = dist, made, self.timeout
+        sub.rank, sub.world_size = dist.get_rank(group=made), dist.get_world_size(group=made)
+        return sub
 
     def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
         send_splits = [int(s) for s in send_splits]
@@ -138,6 +169,15 @@ class MpiComm(Comm):
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
         self._cuda_aware = _mpi_is_cuda_aware(MPI)
+
+    def split(self, groups):
+        mine = group_of(groups, self.rank, self.world_size)
+        sub = MpiComm.__new__(MpiComm)
+        Comm.__init__(sub)
+        sub.timeout, sub._MPI, sub._cuda_aware = self.timeout, self._MPI, self._cuda_aware
+        sub.comm = self.comm.Split(mine, self.rank)
+        sub.rank, sub.world_size = sub.comm.Get_rank(), sub.comm.Get_size()
+        return sub
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu" or self._cuda_aware:
@@ -235,6 +275,54 @@ def _mpi_is_cuda_aware(MPI) -> bool:
         return False
 
 
+def split_by_node(comm: Comm, per_node: int):
+    """(the node's comm, the slot group's comm: the same local rank on every node) for ranks
+    numbered node by node. Every rank calls it at the same point."""
+    nodes = comm.world_size // per_node
+    node_comm = comm.split([[n * per_node + j for j in range(per_node)] for n in range(nodes)])
+    slot_comm = comm.split([[n * per_node + j for n in range(nodes)] for j in range(per_node)])
+    return node_comm, slot_comm
+
+
+def ranks_per_node_from(hosts: Sequence[str], local_sizes: Sequence[str], whole_job: bool):
+    """Ranks per node from what every rank reported: ``LOCAL_WORLD_SIZE`` when the group is the
+    whole job and every rank reports the same, else the host names in rank order. Returns
+    (ranks per node, "") or (None, why) when nodes are uneven or a node's ranks not contiguous."""
+    world = len(hosts)
+    if whole_job and len(set(local_sizes)) == 1 and local_sizes[0].isdigit():
+        per_node = int(local_sizes[0])
+        if per_node >= 1 and world % per_node == 0:
+            return per_node, ""
+        return None, f"LOCAL_WORLD_SIZE {per_node} does not divide the {world} data-parallel ranks"
+    runs: List[list] = []  # [host, count] in rank order
+    for host in hosts:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    if len({host for host, _ in runs}) != len(runs):
+        return None, f"the ranks of a node are not contiguous (hosts in rank order: {list(hosts)})"
+    if len({n for _, n in runs}) != 1:
+        return None, f"nodes hold different numbers of data-parallel ranks ({[tuple(r) for r in runs]})"
+    return runs[0][1], ""
+
+
+def detect_ranks_per_node(comm: Comm):
+    """Every rank's host name and ``LOCAL_WORLD_SIZE``, exchanged once, read by
+    :func:`ranks_per_node_from`."""
+    import json
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    mine = json.dumps([socket.gethostname(), os.environ.get("LOCAL_WORLD_SIZE", "")])
+    blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
+    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind="control")]
+    whole_job = not dist.is_initialized() or dist.get_world_size() == comm.world_size
+    return ranks_per_node_from([h for h, _ in everyone], [n for _, n in everyone], whole_job)
+
+
 def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> Comm:
     """The backend named by ``gift.backend`` over DeepSpeed's data-parallel group."""
     if backend == "torch":
@@ -247,4 +335,5 @@ def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> C
     raise ValueError(f"gift.backend: got {backend!r}; allowed: 'torch', 'mpi'")
 
 
-__all__ = ["Comm", "TorchComm", "MpiComm", "make_comm"]
+__all__ = ["Comm", "TorchComm", "MpiComm", "make_comm", "split_by_node", "detect_ranks_per_node",
+           "ranks_per_node_from"]

@@ -145,6 +145,19 @@ class GiftConfig(_GiftModel):
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""
 
+    hierarchy: Literal["by_topology", "flat", "two_level"] = "by_topology"
+    """How a bucket reaches its owners. ``flat``: one quantized all-to-all among all ranks.
+    ``two_level``: first a reduce-scatter inside each node in the bucket's own dtype (summed in
+    fp32 by the receiver), so local rank l holds the node's partial sum of what ranks with local
+    rank l own; then the quantized exchange among the same-slot ranks of the nodes, whitened
+    once per node partial. ``by_topology``: two-level when the job spans more than one node with
+    more than one rank per node, else flat."""
+
+    ranks_per_node: Optional[int] = Field(None, ge=1)
+    """Data-parallel ranks per node. ``null``: detected (``LOCAL_WORLD_SIZE`` when data
+    parallelism spans the whole job, else host names exchanged at initialize; the ranks of a
+    node must be contiguous). A number also lets one machine pose as several nodes."""
+
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")

@@ -79,10 +79,13 @@ class Section:
     high: bool
     pieces: List[Piece] = field(default_factory=list)
     numel: int = 0
+    whole: bool = False  # whole shared parameters: every receiver decodes every contribution, its own too
 
     @property
     def shared(self) -> bool:
-        return len(self.dests) > 1
+        # A copy set of one rank (two-level: the other copies live in other slot groups) is still
+        # shared: all copies must sum the same decoded values to stay bit-identical.
+        return self.whole or len(self.dests) > 1
 
     @property
     def key(self):
@@ -148,7 +151,7 @@ class BucketPlan:
                                   s.param_offset + start))
         self.sections: List[Section] = [sec for pair in owned for sec in pair]
         for (dests, high), pieces in shared_parameter_pieces(self.slices).items():
-            section = Section(dests, high)
+            section = Section(dests, high, whole=True)
             for p in pieces:
                 section.add(p)
             self.sections.append(section)
@@ -193,6 +196,10 @@ class GiftReducer:
         self.high_codec = high_codec
         self.generator = generator
         self.error_feedback = error_feedback
+        # Set (two-level, stochastic rounding): shared sections are rounded with a generator seeded
+        # from (this seed, this rank = the node, step, parameters), so the same node partial
+        # encoded by the node's ranks of different slot groups gives the same bytes.
+        self.shared_seed: Optional[int] = None
         self._plans: Dict[tuple, BucketPlan] = {}
         # (layout key, section key) -> (fp32 residual of the main payload, pieces, whiteners it is expressed in)
         self.residuals: Dict[Tuple[tuple, object], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
@@ -249,7 +256,16 @@ class GiftReducer:
         head = torch.tensor([plan.hash, step], dtype=torch.int64)
         return head.view(torch.uint8).to(device)
 
-    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: Dict, sample: bool) -> List[_Packed]:
+    def _generator_for(self, sec: Section, step: int):
+        if self.shared_seed is None or not sec.shared or self.generator is None:
+            return self.generator
+        digest = hashlib.blake2b(repr((self.shared_seed, self.comm.rank, step, [p.param_key for p in sec.pieces]))
+                                 .encode(), digest_size=7).digest()
+        gen = torch.Generator(device=self.generator.device)
+        gen.manual_seed(int.from_bytes(digest, "little"))
+        return gen
+
+    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: Dict, sample: bool, step: int = 0) -> List[_Packed]:
         """Step 1: every section this rank contributes to, transformed and (where it leaves
         this rank) encoded once."""
         me = self.comm.rank
@@ -259,7 +275,7 @@ class GiftReducer:
             values = self._gather(tensor, sec.pieces, sec.numel, whiteners)
             stats["transform_s"] += time.perf_counter() - t0
             stats["elements"] += sec.numel
-            if sec.dests == (me,):  # my own section: exact, never on the wire
+            if sec.dests == (me,) and not sec.shared:  # my own section: exact, never on the wire
                 if sample:  # it skips the codec; count its non-finite inputs here
                     stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(values)).sum())
                 packed.append(_Packed(own=values))
@@ -272,7 +288,7 @@ class GiftReducer:
             else:
                 if self.error_feedback:
                     values = self._add_residual(plan, sec, values, whiteners)
-                payload = codec.encode(values, generator=self.generator)
+                payload = codec.encode(values, generator=self._generator_for(sec, step))
                 wire = codec.payload_to_bytes(payload)
                 if sample:
                     q = quantization_stats(values, payload, codec)
@@ -307,7 +323,7 @@ class GiftReducer:
         exact = self._exact_reduction(tensor, plan, divisor) if sample else None
         stats = {"elements": 0, "elements_sent": 0, "bytes_main": 0, "bytes_high": 0, "bytes_header": 0,
                  "transform_s": 0.0, "codec_s": 0.0, "comm_s": 0.0}
-        packed = self._pack(tensor, plan, whiteners, stats, sample)
+        packed = self._pack(tensor, plan, whiteners, stats, sample, step)
         recv = self._exchange(plan, packed, step, tensor.device, stats)
         totals = self._sum_at_owner(plan, packed, recv, step, stats)
         t0 = time.perf_counter()
@@ -474,3 +490,160 @@ class GiftReducer:
         if world > 1:
             exact += recv.view(torch.float32).view(world - 1, own.numel()).sum(0)
         return exact.div_(divisor)
+
+
+# ---- two-level: inside the node first, then among the nodes -------------------------------
+def slot_targets(s: ParamSlice, ranks_per_node: int) -> Tuple[int, ...]:
+    """Local ranks that must hold the node's partial sum of slice ``s``: the owner's slot, or,
+    for a whole shared parameter, the slot of every rank in its copy set."""
+    if s.copy_ranks:
+        return tuple(sorted({c % ranks_per_node for c in s.copy_ranks}))
+    return (s.dst % ranks_per_node,)
+
+
+def slot_slices(slices: Sequence[ParamSlice], ranks_per_node: int, slot: int) -> List[Tuple[int, ParamSlice]]:
+    """The slices slot ``slot`` carries across nodes, re-addressed for its slot group: each
+    slice's index in ``slices`` and the slice with owners numbered by node (rank // ranks per
+    node), copy sets cut to this slot's members, and bucket offsets packed into a compact
+    buffer of the node partials (in bucket order)."""
+    out, offset = [], 0
+    for index, s in enumerate(slices):
+        if slot not in slot_targets(s, ranks_per_node):
+            continue
+        copy = tuple(c // ranks_per_node for c in s.copy_ranks if c % ranks_per_node == slot)
+        out.append((index, ParamSlice(s.dst // ranks_per_node, offset, s.numel, s.param_offset, s.param_key,
+                                      s.row_len, s.mode, copy)))
+        offset += s.numel
+    return out
+
+
+def merged_runs(slices: Sequence[ParamSlice]) -> List[Tuple[int, int]]:
+    """(bucket offset, numel) of the slices in order, adjacent ones merged."""
+    runs: List[Tuple[int, int]] = []
+    for s in slices:
+        if runs and runs[-1][0] + runs[-1][1] == s.bucket_offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + s.numel)
+        else:
+            runs.append((s.bucket_offset, s.numel))
+    return runs
+
+
+class NodePlan:
+    """What one bucket does in the two-level scheme, seen from one rank."""
+
+    def __init__(self, slices: Sequence[ParamSlice], ranks_per_node: int, rank: int) -> None:
+        L = ranks_per_node
+        self.slot, self.node = rank % L, rank // L
+        self.runs_to_slot = [merged_runs([s for s in slices if j in slot_targets(s, L)]) for j in range(L)]
+        self.numel_to_slot = [sum(n for _, n in runs) for runs in self.runs_to_slot]
+        carried = slot_slices(slices, L, self.slot)
+        self.source_index = [index for index, _ in carried]
+        self.slices = [s for _, s in carried]
+        # (offset in the compact buffer, offset in the bucket, numel) of what this rank receives
+        # whole after the exchange among nodes: its own slices, and shared parameters it copies
+        self.delivered = [(t.bucket_offset, slices[i].bucket_offset, t.numel) for i, t in carried
+                          if (self.node in t.copy_ranks if t.copy_ranks else t.dst == self.node)]
+        digest = hashlib.blake2b(repr((tuple(slices), L)).encode(), digest_size=8)
+        self.hash = int.from_bytes(digest.digest(), "little", signed=True)
+
+
+class TwoLevelReducer:
+    """Reduce a bucket inside each node first, then across nodes with a :class:`GiftReducer`.
+
+    1. Node stage: an all-to-all among the node's ranks in the bucket's own dtype (no codec:
+       the fast links inside a node). Local rank j receives every slice whose owner (or copy
+       set member) has local rank j, from every local rank, and sums them in fp32 in local
+       rank order: the node partial, with no rounding beyond the gradients' own.
+    2. Node exchange: the ranks with the same local rank on every node (a *slot group*)
+       reduce the node partials with ``inner`` - transform, quantize, all-to-all, fp32 sum at
+       the owner, inverse - so the transform and codec work per rank drop by the node size and
+       each node's NICs carry one quantized copy of the bucket, not one per rank.
+    Owners and copy ranks then copy their results into the bucket (and ``outputs``) as the
+    flat reducer does."""
+
+    def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int) -> None:
+        self.node_comm = node_comm
+        self.inner = inner
+        self.ranks_per_node = ranks_per_node
+        self.rank = inner.comm.rank * ranks_per_node + node_comm.rank
+        self._plans: Dict[tuple, NodePlan] = {}
+
+    def plan_for(self, slices: Sequence[ParamSlice]) -> NodePlan:
+        key = tuple(slices)
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = NodePlan(slices, self.ranks_per_node, self.rank)
+            while len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        return plan
+
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
+               versions: Dict[int, int], *, divisor: float, step: int = 0,
+               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> Dict:
+        """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
+        plan = self.plan_for(slices)
+        t0 = time.perf_counter()
+        partial, node_bytes = self._node_stage(tensor, plan, step)
+        node_s = time.perf_counter() - t0
+        stats = self.inner.reduce(partial, plan.slices, whiteners, versions, divisor=divisor, step=step,
+                                  outputs=None if outputs is None else [outputs[i] for i in plan.source_index],
+                                  sample=sample)
+        for compact_at, bucket_at, numel in plan.delivered:
+            tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
+        stats["node_s"] = node_s
+        stats["bytes_node"] = node_bytes
+        return stats
+
+    def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, step: int) -> Tuple[torch.Tensor, int]:
+        """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
+        buffer of its own), and the bytes this rank sent inside the node."""
+        L, me = self.ranks_per_node, plan.slot
+        mine = self._gather_runs(tensor, plan.runs_to_slot[me])
+        if L == 1:
+            return mine.to(torch.float32, copy=True), 0
+        head = torch.tensor([plan.hash, step], dtype=torch.int64).view(torch.uint8).to(tensor.device)
+        messages, sizes = [], []
+        for j in range(L):
+            if j == me:
+                sizes.append(0)
+                continue
+            body = self._gather_runs(tensor, plan.runs_to_slot[j]).view(torch.uint8)
+            messages += [head, body]
+            sizes.append(CONTROL_HEADER_BYTES + body.numel())
+        incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
+        recv = self.node_comm.all_to_all_bytes(torch.cat(messages), sizes,
+                                               [0 if i == me else incoming for i in range(L)], kind="node")
+        partial, pos = None, 0
+        for i in range(L):  # local rank order on every receiver: copies of a shared parameter agree bit for bit
+            if i == me:
+                part = mine
+            else:
+                msg = recv.narrow(0, pos, incoming)
+                got = msg.narrow(0, 0, CONTROL_HEADER_BYTES).clone().view(torch.int64).tolist()
+                if got != [plan.hash, step]:
+                    raise RuntimeError(f"deepspeed_gift: local rank {i} sent a node-stage bucket for plan "
+                                       f"{got[0]:#x} at step {got[1]}, this rank expects plan {plan.hash:#x} at step "
+                                       f"{step}: ranks of a node disagree on the bucket layout")
+                part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(tensor.dtype)
+                pos += incoming
+            partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
+        return partial, sum(sizes)
+
+    @staticmethod
+    def _gather_runs(tensor: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:
+        if len(runs) == 1:
+            return tensor.narrow(0, runs[0][0], runs[0][1]).contiguous()
+        if not runs:
+            return tensor.new_empty(0)
+        return torch.cat([tensor.narrow(0, start, numel) for start, numel in runs])
+
+    # the state lives in the node exchange's reducer (residuals, generator)
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.inner.load_state_dict(state, device)
+
+    def residual_nbytes(self) -> int:
+        return self.inner.residual_nbytes()

@@ -21,13 +21,13 @@ from typing import Dict, List, Optional
 import torch
 
 from . import formats
-from .comm import make_comm
+from .comm import detect_ranks_per_node, make_comm, split_by_node
 from .config import GIFT_KEY as GIFT_BLOCK
 from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
 from .geometry import row_col_sums
 from .layers import GeometryManager
 from .metrics import AdamRule, MuonRule
-from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice
+from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice, TwoLevelReducer
 
 logger = logging.getLogger("deepspeed_gift")
 CHECKPOINT_FORMAT = "deepspeed_gift/1"
@@ -116,6 +116,26 @@ def _first_difference(a, b, path):
     return (path, a, b)
 
 
+def choose_topology(comm, cfg: GiftConfig):
+    """(nodes, data-parallel ranks per node) for ``gift.hierarchy``; flat needs none of it."""
+    world = comm.world_size
+    if cfg.hierarchy == "flat":
+        return 1, world
+    if cfg.ranks_per_node is not None:
+        per_node = cfg.ranks_per_node
+        _require(world % per_node == 0, f"gift.ranks_per_node: got {per_node}; the data-parallel group has {world} "
+                 f"ranks, not a multiple of it (allowed: a divisor of {world}, or null to detect)")
+        return world // per_node, per_node
+    per_node, why = detect_ranks_per_node(comm)
+    if per_node is None:
+        if cfg.hierarchy == "two_level":
+            raise ValueError(f"gift.hierarchy: got 'two_level' but {why}; set gift.ranks_per_node to the number of "
+                             "data-parallel ranks per node, or use hierarchy 'flat'")
+        logger.warning("gift: %s; gift.hierarchy 'by_topology' runs the flat exchange", why)
+        return 1, world
+    return world // per_node, per_node
+
+
 class GiftState:
     """Everything GIFT keeps for one engine: config, comm, codecs, geometry, counters."""
 
@@ -130,8 +150,18 @@ class GiftState:
         self.high_codec = formats.get_format(cfg.others) if cfg.others in ("bf16", "fp32") else None
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed * 1_000_003 + self.comm.rank + 1)
-        self.reducer = GiftReducer(self.comm, self.main_codec, self.high_codec or self.main_codec,
-                                   generator=generator, error_feedback=cfg.error_feedback)
+        self.nodes, self.ranks_per_node = choose_topology(self.comm, cfg)
+        codecs = (self.main_codec, self.high_codec or self.main_codec)
+        if self.nodes > 1 and self.ranks_per_node > 1 or cfg.hierarchy == "two_level":
+            node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
+            inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback)
+            if cfg.rounding == "stochastic":
+                inner.shared_seed = cfg.seed
+            self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
+            self.hierarchy = "two_level"
+        else:
+            self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback)
+            self.hierarchy = "flat"
         self.geometry = GeometryManager(cfg, engine.module, self.comm, main_codec=self.main_codec)
         self.param_names: Dict[int, str] = {}
         for name, module in self.geometry.modules.items():
@@ -153,7 +183,7 @@ class GiftState:
     # ---- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"format": CHECKPOINT_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
-                "fingerprint": self.cfg.fingerprint(), "geometry": self.geometry.state_dict(),
+                "topology": [self.hierarchy, self.ranks_per_node], "fingerprint": self.cfg.fingerprint(), "geometry": self.geometry.state_dict(),
                 "reducer": self.reducer.state_dict(), "run_totals": dict(self.run_totals)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -165,14 +195,19 @@ class GiftState:
                            diff[1])
         self.geometry.load_state_dict(state["geometry"])
         self.run_totals = dict(state["run_totals"])
-        if state["world_size"] == self.comm.world_size:
+        saved_topology = state.get("topology", ["flat", state["world_size"]])
+        here = [self.hierarchy, self.ranks_per_node]
+        if state["world_size"] == self.comm.world_size and list(saved_topology) == here:
             self.reducer.load_state_dict(state["reducer"], self.engine.device)
         elif state["reducer"]["residuals"]:
-            # Residuals belong to the old partitioning; statistics and factors carry over.
+            # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
             dropped = sum(r.numel() for _, _, r, _ in state["reducer"]["residuals"])
-            logger.warning("gift: world size changed %d -> %d; dropping %d error-feedback residual elements "
-                           "of rank %d (statistics, factors and selection are kept)", state["world_size"],
-                           self.comm.world_size, dropped, state["rank"])
+            logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
+                           "error-feedback residual elements of rank %d (statistics, factors and selection are "
+                           "kept)", state["world_size"], saved_topology, self.comm.world_size, here, dropped,
+                           state["rank"])
+        else:
+            self.reducer.load_state_dict(dict(state["reducer"], residuals=[]), self.engine.device)
 
     def save_files(self, save_dir: str, tag: str) -> None:
         path = os.path.join(save_dir, str(tag), f"gift_rank{self.comm.rank}.pt")
@@ -390,9 +425,13 @@ class GiftState:
             "transform_s": t.get("transform_s", 0.0),
             "codec_s": t.get("codec_s", 0.0),
             "comm_s": t.get("comm_s", 0.0),
+            "hierarchy": self.hierarchy,
             "geometry_version": self.geometry.version,
             "geometry_layers": len(self.geometry.whiteners),
         }
+        if self.hierarchy == "two_level":
+            record["bytes_node"] = int(t.get("bytes_node", 0))
+            record["node_s"] = t.get("node_s", 0.0)
         if len(self.geometry.kinds) > 1:
             in_use = list(self.geometry.active[n] for n in self.geometry.whiteners)
             record["geometry_kinds"] = {kind: in_use.count(kind) for kind in self.geometry.kinds}

@@ -83,6 +83,7 @@ def build_engine(spec: dict):
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     import datetime
 
+    os.environ.update(spec.get("env", {}))  # tests: what a launcher would set (LOCAL_WORLD_SIZE)
     timeout = spec.get("dist_timeout_s")
     deepspeed.init_distributed(dist_backend="gloo",
                                **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))

@@ -66,6 +66,21 @@ def test_mpirun_with_mpi_backend(tmp_path):
     assert all(r["backend"] == "mpi" for r in results)
 
 
+def test_mpirun_two_level_with_mpi_backend(tmp_path):
+    # 4 ranks posing as 2 nodes x 2: MPI communicators split by node and by slot
+    spec = json.loads(json.dumps(SPEC))
+    spec["gift"].update(backend="mpi", hierarchy="two_level", ranks_per_node=2)
+    # --map-by slot: Open MPI's default mapping numbers local ranks out of rank order at 4 ranks on 2
+    # cores, which DeepSpeed's MPI discovery rejects (LOCAL_RANK != OMPI_COMM_WORLD_LOCAL_RANK)
+    cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--map-by", "slot", "-np", "4",
+           "--mca", "btl_tcp_if_include", "lo",
+           sys.executable, "tests/launched.py", "--spec", json.dumps(spec), "--out", str(tmp_path)]
+    results = _run(cmd, str(tmp_path), 4)
+    _check(results, 4)
+    assert all(r["backend"] == "mpi" for r in results)
+    assert all(rec["hierarchy"] == "two_level" and rec["bytes_node"] > 0 for rec in results[0]["records"])
+
+
 def test_deepspeed_launcher_with_hostfile(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
