@@ -113,6 +113,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deepspeed_gift import geometry as geo  # noqa: E402
 from deepspeed_gift import metrics as fm  # noqa: E402
 from deepspeed_gift.formats import FORMAT_NAMES, get_format, quantization_stats  # noqa: E402
+from deepspeed_gift.layers import InputMoments  # noqa: E402
 from launch.common import PRESETS, corpus_bytes  # noqa: E402
 
 # The formats compared and their block sizes (None: the format's default, 16 for nvfp4 and
@@ -191,45 +192,20 @@ def linear_layers(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
     return out
 
 
-class MomentHooks:
-    """Forward pre-hooks that sum ``x^T x`` per input while ``active``. Modules fed the
-    same tensor (q/k/v, gate/up) share one statistic, keyed by the first of them, as in
-    the plugin."""
+class MomentHooks(InputMoments):
+    """The plugin's statistics hooks, switched on while ``active``."""
 
-    def __init__(self, layers: List[Tuple[str, nn.Linear]]):
-        self.active = False
-        self.key_of: Dict[str, str] = {}
-        self.sums: Dict[str, Tensor] = {}
-        self.counts: Dict[str, int] = {}
-        self._last = None  # (input tensor, its key)
-        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in layers]
+    def __init__(self, layers: List[Tuple[str, nn.Linear]], tokens: Optional[int] = None):
+        super().__init__(dict(layers), tokens)
 
-    def _hook(self, name: str):
-        def hook(module, inputs):
-            if not self.active:
-                return None
-            x = inputs[0]
-            if self._last is not None and self._last[0] is x:
-                self.key_of.setdefault(name, self._last[1])
-            key = self.key_of.setdefault(name, name)
-            if key == name:
-                with torch.no_grad():
-                    flat = x.detach().reshape(-1, x.shape[-1]).float()
-                    m = flat.T @ flat
-                    self.sums[key] = m if key not in self.sums else self.sums[key].add_(m)
-                    self.counts[key] = self.counts.get(key, 0) + flat.shape[0]
-            self._last = (x, key)
-            return None
+    @property
+    def active(self) -> bool:
+        return self.attached
 
-        return hook
-
-    def take(self) -> Dict[str, Tensor]:
-        """Mean ``x x^T`` per statistic since the last call."""
-        out = {k: s / self.counts[k] for k, s in self.sums.items()}
-        self.sums.clear()
-        self.counts.clear()
-        self._last = None
-        return out
+    @active.setter
+    def active(self, on: bool) -> None:
+        self.new_forward()
+        self.attach() if on else self.detach()
 
 
 # ------------------------------------------------------------------------------- optimizers
@@ -747,6 +723,8 @@ def parse_args(argv):
                    help="steps from one capture to the next (geometry.refresh_interval)")
     p.add_argument("--collect-interval", type=int, default=10,
                    help="input statistics are collected every this many steps (geometry.collect_interval)")
+    p.add_argument("--stats-tokens", type=int, default=None,
+                   help="geometry.stats_tokens: at most this many tokens per layer and forward enter the statistics")
     p.add_argument("--stats-decay", type=float, default=0.95,
                    help="EMA of the statistics (geometry.stats_decay); 0 fits one step's statistics")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
@@ -824,7 +802,7 @@ def train_and_capture(args) -> TrainedRun:
     t_start = time.perf_counter()
     model, model_label = build_model(args)
     layers = linear_layers(model)
-    hooks = MomentHooks(layers)
+    hooks = MomentHooks(layers, args.stats_tokens)
     training = Training(model, layers, args)
     samplers = [Sampler(args.seq, args.seed * 9973 + r) for r in range(args.ranks)]
     capture_at = [args.train_steps + j * args.refresh_interval for j in range(3)]
@@ -947,7 +925,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_params = sum(m.weight.numel() for _, m in layers)
     owner_of = {n: (None if args.all_quantized else i % args.ranks) for i, n in enumerate(names)}
     owner_note = "every rank quantized (all-reduce)" if args.all_quantized else "owner's own contribution exact"
-    stats_note = (f"EMA {args.stats_decay} of moments every {args.collect_interval} steps" if args.stats_decay
+    stats_note = (f"EMA {args.stats_decay} of moments every {args.collect_interval} steps"
+                  + (f", {args.stats_tokens} tokens per layer and forward" if args.stats_tokens else "")
+                  if args.stats_decay
                   else "one step's moments")
     damping_note = (f"{args.damping}" if args.damping_mode == "absolute"
                     else f"{args.damping} x mean(diag(A))")

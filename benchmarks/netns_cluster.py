@@ -271,7 +271,7 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
     """One config on the cluster as it is now: ``pretrain.py`` on every host, rank 0's
     metrics, link bytes over the timed steps."""
     metrics = os.path.join(workdir, f"metrics_{port}.jsonl")
-    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "--ds-config", str(ROOT / config),
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "--ds-config", config_file(config, workdir),
            "--preset", args.preset, "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1",
            "--no-progress", "--log-every", str(10 ** 9), "--metrics", metrics, "--dist-backend", "gloo"]
     if args.seq_len:
@@ -345,9 +345,13 @@ def job_result(metrics: str, sampler: CounterSampler, args) -> dict:
         "gift_bytes_per_elem": last.get("bytes_per_elem_run", last.get("bytes_per_elem")),
         "wire": last.get("wire"),
         "geometry_layers": last.get("geometry_layers"),
+        "hierarchy": last.get("hierarchy"),
+        # GIFT's gradient bytes that left the host, from its own count (rank 0's x ranks per host)
+        "gift_internode_bytes_per_step": (statistics.fmean(r["bytes_internode"] for r in timed) * args.ranks_per_host
+                                          if all("bytes_internode" in r for r in timed) else None),
         # GIFT's own split of the gradient reduction (rank 0, per step): waiting in the
         # all-to-all, encode/decode/sum, whitening and inverse
-        **{f"gift_{k}": [r[k] for r in timed] for k in ("comm_s", "codec_s", "transform_s")
+        **{f"gift_{k}": [r[k] for r in timed] for k in ("comm_s", "codec_s", "transform_s", "node_s")
            if all(k in r for r in timed)},
         "final_loss": last["loss"],
     }
@@ -365,10 +369,11 @@ def merge_repeats(runs: List[dict]) -> dict:
            "repeat_medians_s": [statistics.median(r["step_times_s"]) for r in ok], "step_times_s": steps}
     for key in ("tx_bytes_per_step", "rx_bytes_per_step", "tcp_retransmits_per_step"):
         out[key] = statistics.fmean(r[key] for r in ok)
-    for key in ("gift_comm_s", "gift_codec_s", "gift_transform_s"):
+    for key in ("gift_comm_s", "gift_codec_s", "gift_transform_s", "gift_node_s"):
         if key in ok[0]:
             out[key] = statistics.median(t for r in ok for t in r[key])
-    for key in ("gift_bytes_per_elem", "wire", "geometry_layers", "final_loss"):
+    for key in ("gift_bytes_per_elem", "wire", "geometry_layers", "hierarchy", "final_loss",
+                "gift_internode_bytes_per_step"):
         out[key] = ok[-1][key]
     return out
 
@@ -377,8 +382,46 @@ def interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def config_label(path: str) -> str:
-    return Path(path).stem
+def config_label(spec: str) -> str:
+    """``ds_configs/gift_fp8_zero2.json:hierarchy=flat`` -> ``gift_fp8_zero2:hierarchy=flat``."""
+    path, _, overrides = spec.partition(":")
+    return Path(path).stem + (f":{overrides}" if overrides else "")
+
+
+def set_gift_keys(cfg: dict, overrides: str) -> dict:
+    """``cfg`` with the gift keys of ``key=value,key=value`` set (dotted keys reach nested
+    blocks; values are read as JSON, else as strings)."""
+    if "gift" not in cfg:
+        raise SystemExit(f"config overrides {overrides!r}: the config has no gift block")
+    for item in overrides.split(","):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise SystemExit(f"config overrides {overrides!r}: expected key=value,key=value")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        block = cfg["gift"]
+        *parents, leaf = key.split(".")
+        for part in parents:
+            block = block.setdefault(part, {})
+        block[leaf] = value
+    return cfg
+
+
+def config_file(spec: str, workdir: str) -> str:
+    """The DeepSpeed config a ``--configs`` entry names: a file, or ``FILE:key=value,...`` - the
+    file with those keys of its gift block set (dotted keys reach nested blocks; values are read
+    as JSON, else as strings), written to ``workdir``."""
+    path, _, overrides = spec.partition(":")
+    if not overrides:
+        return str(ROOT / path)
+    with open(ROOT / path) as f:
+        cfg = set_gift_keys(json.load(f), overrides)
+    out = os.path.join(workdir, config_label(spec).replace(":", "__").replace("=", "-").replace(",", "_") + ".json")
+    with open(out, "w") as f:
+        json.dump(cfg, f)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -391,8 +434,10 @@ def main(argv=None) -> dict:
     p.add_argument("--bandwidths", nargs="+", default=DEFAULT_BANDWIDTHS,
                    help="link rate each way: 100mbit, 1gbit, ..., or unlimited")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay on each host's egress")
-    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="DeepSpeed configs; the first is the "
-                                                                         "baseline of the speedup column")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                   help="DeepSpeed configs, each FILE or FILE:key=value,... (gift keys set, e.g. "
+                        "ds_configs/gift_fp8_all_zero2.json:hierarchy=flat); the first is the baseline of the "
+                        "speedup column")
     p.add_argument("--preset", default="small", help="launch/pretrain.py --preset")
     p.add_argument("--seq-len", type=int, help="launch/pretrain.py --seq-len")
     p.add_argument("--steps", type=int, default=16)
@@ -500,22 +545,25 @@ def print_table(results: dict) -> None:
     print(f"\n{results['ranks']} ranks, {results.get('ranks_per_host', 1)} per host, preset {results['preset']} ({results['params']} params), median step time "
           f"of steps {results['skip'] + 1}..{results['steps']} of {results['repeats']} runs (in brackets: the "
           f"range of the runs' medians); speedup = {base_name} step time / this one; "
-          f"MB = bytes each host's interface counted as sent per step (payload and the headers it counts)\n")
-    head = "| config | " + " | ".join(f"{b} s/step | x | MB" for b in bands) + " |"
+          f"MB = bytes each host's interface counted as sent per step (payload and the headers it counts); "
+          f"grad MB = GIFT's own count of its gradient bytes that left the host (rank 0's x ranks per host)\n")
+    head = "| config | " + " | ".join(f"{b} s/step | x | MB | grad MB" for b in bands) + " |"
     print(head)
-    print("|---|" + "---:|---:|---:|" * len(bands))
+    print("|---|" + "---:|---:|---:|---:|" * len(bands))
     by = {(x["config"], x["bandwidth"]): x for x in points}
     for name in results["configs"]:
         cells = []
         for b in bands:
             pt, base = by.get((name, b)), by.get((base_name, b))
             if pt is None or pt["status"] != "ok":
-                cells.append(f"{pt['status'] if pt else 'not run'} | - | -")
+                cells.append(f"{pt['status'] if pt else 'not run'} | - | - | -")
                 continue
             sp = base["median_step_s"] / pt["median_step_s"] if base and base["status"] == "ok" else float("nan")
             reps = pt["repeat_medians_s"]
             spread = f" ({min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
-            cells.append(f"{pt['median_step_s']:.3f}{spread} | {sp:.2f} | {pt['tx_bytes_per_step'] / 1e6:.2f}")
+            grad = pt.get("gift_internode_bytes_per_step")
+            cells.append(f"{pt['median_step_s']:.3f}{spread} | {sp:.2f} | {pt['tx_bytes_per_step'] / 1e6:.2f} | "
+                         + (f"{grad / 1e6:.2f}" if grad is not None else "-"))
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

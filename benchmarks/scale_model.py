@@ -16,17 +16,18 @@ rate) / efficiency``, with the bytes of one rank's tensor S (:func:`collective_b
                                                 G rings share the G NICs)
     ring reduce-scatter  NIC   (W-1)/W S / G   (same for the ring all-gather)
     flat all-to-all      NIC   (W-G)/W S       (what leaves the node, through this GPU's NIC)
-    hierarchical         NVLink reduce-scatter inside the node, then an all-to-all of the
-                         node's partial sums among the W/G same-slot GPUs of the nodes:
-                         NIC (W/G - 1)/(W/G) S / G, the two stages one after the other
-                         -- not implemented in the plugin: a projection of what it would give
+    two-level            GIFT's ``hierarchy: two_level``: an exchange inside the node in the
+                         bucket's dtype (NVLink, (G-1)/G of the bf16 bucket), then the quantized
+                         all-to-all of the node's partial sums among the W/G same-slot GPUs of
+                         the nodes: NIC (W/G - 1)/(W/G) S / G, the two stages one after the other
+                         (the accounting the namespace cluster measures with 2 ranks per host)
 
     T_grad   DeepSpeed: ring all-reduce of bf16 (its default use_multi_rank_bucket_allreduce),
-             or an ideal bf16 reduce-scatter; GIFT as implemented: one flat all-to-all of the
-             codec's bytes (``formats.get_format(...).nbytes``)
+             or an ideal bf16 reduce-scatter; GIFT: one flat all-to-all of the codec's bytes
+             (``formats.get_format(...).nbytes``), or the two-level exchange
     T_param  ring all-gather of the updated bf16 parameters (GIFT does not change it)
 
-``T_codec`` is encode + decode of the elements a rank codes (N flat, N/G hierarchical), from
+``T_codec`` is encode + decode of the elements a rank codes (N flat, N/G two-level), from
 the codec's measured time relative to a copy of the tensor (``benchmarks/codec_speed.py``,
 measured here unless ``--codec-json``) times a copy on the target (8 bytes per element at
 ``--hbm-tbs``). ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
@@ -60,17 +61,19 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.netns_cluster import set_gift_keys  # noqa: E402
 from deepspeed_gift.formats import get_format  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
-COLLECTIVES = ("allreduce", "reducescatter", "allgather", "alltoall", "hierarchical")
+COLLECTIVES = ("allreduce", "reducescatter", "allgather", "alltoall", "two_level")
+GIFT_COLLECTIVES = ("alltoall", "two_level")
 
 
 # ---- collectives on a two-level network ---------------------------------------------------
 def collective_bytes(kind: str, s: float, world: int, per_node: int = 1, nvlink_s: float = 0.0) -> dict:
     """Bytes one rank moves through its NIC and over NVLink for a collective on a tensor of
     ``s`` bytes per rank, and its latency steps. ``nvlink_s``: bytes of the tensor in the
-    hierarchical scheme's NVLink stage (full precision), when it differs from ``s``."""
+    two-level scheme's NVLink stage (the bucket's dtype), when it differs from ``s``."""
     w, g = world, max(1, min(per_node, world))
     nodes = w // g
     if kind not in COLLECTIVES:
@@ -84,7 +87,7 @@ def collective_bytes(kind: str, s: float, world: int, per_node: int = 1, nvlink_
         return {"nic": nic, "nvlink": nvlink, "steps": (2 if kind == "allreduce" else 1) * (w - 1)}
     if kind == "alltoall":
         return {"nic": (w - g) / w * s, "nvlink": (g - 1) / w * s, "steps": w - 1}
-    # hierarchical: reduce-scatter inside the node (full precision), then the quantized
+    # two-level: exchange inside the node (the bucket's dtype), then the quantized
     # all-to-all of one 1/G slice among the node's peers on the other nodes
     nic = (nodes - 1) / nodes * s / g if nodes > 1 else 0.0
     return {"nic": nic, "nvlink": (g - 1) / g * (nvlink_s or s), "steps": (g - 1) + (nodes - 1)}
@@ -92,11 +95,11 @@ def collective_bytes(kind: str, s: float, world: int, per_node: int = 1, nvlink_
 
 def collective_seconds(kind: str, s: float, net: dict, nvlink_s: float = 0.0) -> float:
     """Seconds of a collective: NVLink and NIC traffic of one collective flow at once (the
-    slower sets the time); the hierarchical scheme's two stages run one after the other
+    slower sets the time); the two-level scheme's two stages run one after the other
     (a ring reduce-scatter over NVLink, then the all-to-all over the NICs)."""
     b = collective_bytes(kind, s, net["world"], net["per_node"], nvlink_s)
     nic_s, nvlink_s_ = b["nic"] * 8 / net["nic_bps"], b["nvlink"] * 8 / net["nvlink_bps"]
-    if kind == "hierarchical":
+    if kind == "two_level":
         return net["alpha_s"] * b["steps"] + nvlink_s_ / net["ring_eff"] + nic_s / net["alltoall_eff"]
     eff = net["alltoall_eff"] if kind == "alltoall" else net["ring_eff"]
     return net["alpha_s"] * b["steps"] + max(nic_s, nvlink_s_) / eff
@@ -109,10 +112,11 @@ def wire_bytes_per_element(fmt: str, **options) -> float:
     return get_format(fmt, **options).nbytes(numel) / numel
 
 
-def config_wire(config: dict) -> dict:
+def config_wire(config: dict, world: int = 1, per_node: int = 1) -> dict:
     """Gradient collective of a DeepSpeed config: native (all-reduce, or reduce with
     ``use_multi_rank_bucket_allreduce: false``, in the communication dtype) or GIFT (all-to-all
-    of the codec's bytes)."""
+    of the codec's bytes, or the two-level exchange where ``gift.hierarchy`` picks it on
+    ``world`` ranks of ``per_node`` per node)."""
     gift = config.get("gift") or {}
     zero = config.get("zero_optimization", {})
     if not gift or not gift.get("enabled", True):
@@ -122,7 +126,10 @@ def config_wire(config: dict) -> dict:
         return {"collective": "allreduce" if allreduce else "reducescatter", "bytes_per_elem": b, "format": dtype}
     fmt = gift.get("format", "fp8_e4m3")
     b = wire_bytes_per_element(fmt, **{k: gift[k] for k in ("block_size", "scale") if k in gift})
-    return {"collective": "alltoall", "format": fmt, "bytes_per_elem": b}
+    per_node = gift.get("ranks_per_node") or per_node
+    hierarchy = gift.get("hierarchy", "by_topology")
+    two = hierarchy == "two_level" or (hierarchy == "by_topology" and per_node > 1 and world // per_node > 1)
+    return {"collective": "two_level" if two else "alltoall", "format": fmt, "bytes_per_elem": b}
 
 
 def link_bytes(wire: dict, n: float, world: int, per_node: int = 1, param_bytes: float = 2.0) -> Dict[str, float]:
@@ -133,12 +140,15 @@ def link_bytes(wire: dict, n: float, world: int, per_node: int = 1, param_bytes:
 
 # ---- calibration on the namespace cluster ------------------------------------------------
 def load_configs(names: List[str], config_dir: Path) -> Dict[str, dict]:
+    """The configs of a calibration by label (``name`` or ``name:key=value,...``, the namespace
+    cluster's gift overrides)."""
     out = {}
     for name in names:
-        path = config_dir / f"{name}.json"
+        stem, _, overrides = name.partition(":")
+        path = config_dir / f"{stem}.json"
         if not path.exists():
             raise SystemExit(f"--calibration names config {name!r}, but {path} does not exist (--config-dir)")
-        out[name] = json.loads(path.read_text())
+        out[name] = set_gift_keys(json.loads(path.read_text()), overrides) if overrides else json.loads(path.read_text())
     return out
 
 
@@ -155,11 +165,11 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
     beside the measurements (see the module docstring for what is fitted on what)."""
     params, world, g = cal["params"], cal["ranks"], cal.get("ranks_per_host", 1)
     configs = load_configs(cal["configs"], config_dir)
-    wires = {name: config_wire(cfg) for name, cfg in configs.items()}
+    wires = {name: config_wire(cfg, world, g) for name, cfg in configs.items()}
     points = [p for p in cal["points"] if p["status"] == "ok" and p["bandwidth_bps"]]
     dropped = len(cal["points"]) - len(points)
     base = cal["configs"][0]
-    if wires[base]["collective"] == "alltoall":
+    if wires[base]["collective"] in GIFT_COLLECTIVES:
         raise SystemExit(f"the first config ({base}) must be the native baseline, not a GIFT config")
     # bytes on a host's link: its G ranks' NIC shares
     lb = {name: {k: g * v for k, v in link_bytes(w, params, world, per_node=g).items()}
@@ -173,7 +183,8 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
 
     def a2a_eff(without=None):  # GIFT's own all-to-all timer against its modelled seconds at rate 1
         pts = [(lb[p["config"]]["grad"] * 8 / p["bandwidth_bps"], p["gift_comm_s"]) for p in points
-               if wires[p["config"]]["collective"] == "alltoall" and "gift_comm_s" in p and p["config"] != without]
+               if wires[p["config"]]["collective"] in GIFT_COLLECTIVES and "gift_comm_s" in p
+               and p["config"] != without]
         return 1.0 / least_squares_slope(pts) if len({round(x, 12) for x, _ in pts}) >= 2 else math.nan
 
     eff = {"ring": ring, "alltoall": a2a_eff()}
@@ -182,7 +193,7 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
         mine = sorted((p for p in points if p["config"] == name), key=lambda p: p["bandwidth_bps"])
         if not mine:
             continue
-        gift = wires[name]["collective"] == "alltoall"
+        gift = wires[name]["collective"] in GIFT_COLLECTIVES
         grad_eff = a2a_eff(without=name) if gift else ring  # out of sample for the config predicted
 
         def on_link(bps):
@@ -244,23 +255,26 @@ def codec_ratios(args) -> Dict[str, float]:
     return {r["format"]: r["encode_vs_clone"] + r["decode_vs_clone"] for r in data["formats"]}
 
 
-# label, gradient path ("native" all-reduce, "native_rs", GIFT "flat" or "hierarchical"),
-# format, whiten all layers (else: auto selects none, statistics only), geometry on
+# label, gradient path ("native" all-reduce, "native_rs", GIFT "flat" or "two_level"),
+# format, whiten all layers (else: measured selects none, statistics only), geometry on,
+# statistics on at most --stats-tokens tokens per forward (geometry.stats_tokens), else on every token
 CONFIGS = [
-    ("bf16 (DeepSpeed all-reduce)", "native", "bf16", False, False),
-    ("bf16 reduce-scatter", "native_rs", "bf16", False, False),
-    ("Euclidean fp8_e4m3", "flat", "fp8_e4m3", False, False),
-    ("GIFT fp8_e4m3, auto (no layer selected)", "flat", "fp8_e4m3", False, True),
-    ("GIFT fp8_e4m3, all layers", "flat", "fp8_e4m3", True, True),
-    ("Euclidean nvfp4", "flat", "nvfp4", False, False),
-    ("GIFT nvfp4, all layers", "flat", "nvfp4", True, True),
-    ("[projection] Euclidean fp8_e4m3, hierarchical", "hierarchical", "fp8_e4m3", False, False),
-    ("[projection] GIFT fp8_e4m3 all layers, hierarchical", "hierarchical", "fp8_e4m3", True, True),
-    ("[projection] GIFT nvfp4 all layers, hierarchical", "hierarchical", "nvfp4", True, True),
+    ("bf16 (DeepSpeed all-reduce)", "native", "bf16", False, False, False),
+    ("bf16 reduce-scatter", "native_rs", "bf16", False, False, False),
+    ("Euclidean fp8_e4m3", "flat", "fp8_e4m3", False, False, False),
+    ("GIFT fp8_e4m3, auto (no layer selected)", "flat", "fp8_e4m3", False, True, False),
+    ("GIFT fp8_e4m3, all layers", "flat", "fp8_e4m3", True, True, False),
+    ("Euclidean nvfp4", "flat", "nvfp4", False, False, False),
+    ("GIFT nvfp4, all layers", "flat", "nvfp4", True, True, False),
+    ("Euclidean fp8_e4m3, two-level", "two_level", "fp8_e4m3", False, False, False),
+    ("GIFT fp8_e4m3 all layers, two-level", "two_level", "fp8_e4m3", True, True, False),
+    ("GIFT nvfp4 all layers, two-level", "two_level", "nvfp4", True, True, False),
+    ("GIFT fp8_e4m3 all layers, two-level, stats_tokens", "two_level", "fp8_e4m3", True, True, True),
+    ("GIFT nvfp4 all layers, two-level, stats_tokens", "two_level", "nvfp4", True, True, True),
 ]
 
 
-def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, args, shapes: dict,
+def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled: bool, args, shapes: dict,
                ratios: Dict[str, float], nic_gbit: float) -> dict:
     """Step time of one config at cluster scale (seconds), by term."""
     n, w, g = shapes["params"], args.world, min(args.gpus_per_node, args.world)
@@ -284,11 +298,13 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, args, shap
             t_grad = collective_seconds("alltoall", b * n, net)
             coded = n  # every rank encodes its whole gradient, decodes W pieces of N/W
         else:
-            t_grad = collective_seconds("hierarchical", b * n, net, nvlink_s=4 * n)  # fp32 inside the node
+            t_grad = collective_seconds("two_level", b * n, net, nvlink_s=2 * n)  # bf16 buckets inside the node
             coded = n / g
         codec = ratios[fmt] * copy_s * coded
         if geometry:
-            stats = sum(2 * tokens * d * d for d in shapes["inputs"]) / args.collect_interval
+            forwards = max(1, tokens // (args.micro_batch * args.seq))
+            counted = min(tokens, args.stats_tokens * forwards) if subsampled else tokens
+            stats = sum(2 * counted * d * d for d in shapes["inputs"]) / args.collect_interval
             # refresh: every rank sketches each statistic, A @ Omega with r + 8 columns (Nystrom);
             # the fitters' small factorizations are left out
             refit = sum(2 * d * d * (args.rank + 8) for d in shapes["inputs"]) / args.refresh_interval
@@ -304,7 +320,7 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, args, shap
 
 
 def saving_pct(entry, base_path: str, args, shapes, ratios, gbit: float) -> float:
-    base = step_model(base_path, "bf16", False, False, args, shapes, ratios, gbit)["total"]
+    base = step_model(base_path, "bf16", False, False, False, args, shapes, ratios, gbit)["total"]
     return 100 * (step_model(*entry[1:], args, shapes, ratios, gbit)["total"] / base - 1)
 
 
@@ -325,7 +341,7 @@ def scale_table(args, ratios) -> dict:
     shapes = llama_shapes(args.hidden, args.ffn, args.layers, args.vocab)
     out = {"params": shapes["params"], "non_embedding": shapes["non_embedding"], "bandwidths_gbit": args.nic_gbit,
            "rows": []}
-    bases = [tuple(step_model(path, "bf16", False, False, args, shapes, ratios, gbit)["total"]
+    bases = [tuple(step_model(path, "bf16", False, False, False, args, shapes, ratios, gbit)["total"]
                    for path in ("native", "native_rs")) for gbit in args.nic_gbit]
     for entry in CONFIGS:
         row = {"config": entry[0], "by_bandwidth": []}  # in the order of args.nic_gbit
@@ -336,9 +352,9 @@ def scale_table(args, ratios) -> dict:
             row["by_bandwidth"].append(dict(m, gbit=gbit))
         out["rows"].append(row)
     # the paper's Euclidean FP8 saving, against the paper's kind of baseline (each gradient
-    # shard reduced once: a reduce-scatter), for our flat path and the hierarchical projection
+    # shard reduced once: a reduce-scatter), for the flat and the two-level exchange
     out["paper_match"] = {}
-    for label, entry in (("flat", CONFIGS[2]), ("hierarchical", CONFIGS[7])):
+    for label, entry in (("flat", CONFIGS[2]), ("two-level", CONFIGS[7])):
         gbit = bandwidth_for_saving(entry, "native_rs", PAPER_SAVINGS["euclidean_fp8"], args, shapes, ratios)
         match = {"gbit": gbit}
         if gbit is not None:
@@ -382,6 +398,10 @@ def main(argv=None) -> dict:
     g.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by backward")
     g.add_argument("--rank", type=int, default=32, help="GIFT geometry.rank")
     g.add_argument("--collect-interval", type=int, default=10, help="GIFT geometry.collect_interval")
+    g.add_argument("--stats-tokens", type=int, default=2048,
+                   help="GIFT geometry.stats_tokens of the stats_tokens rows (tokens per layer and forward)")
+    g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (forwards per step: "
+                                                              "tokens per GPU / (micro batch x seq))")
     g.add_argument("--refresh-interval", type=int, default=50, help="GIFT geometry.refresh_interval")
     p.add_argument("--json", help="write calibration and predictions here")
     args = p.parse_args(argv)

@@ -58,6 +58,10 @@ class GeometryConfig(_GiftModel):
     """Input statistics are collected on every ``collect_interval``-th step (and on the
     step before each refresh); collecting costs O(tokens * in^2) per layer."""
 
+    stats_tokens: Optional[int] = Field(None, ge=1)
+    """At most this many tokens per layer and forward enter the input statistics (evenly strided
+    over the batch); ``null``: every token. Collecting costs O(tokens * in^2) per layer."""
+
     stats_decay: float = Field(0.95, ge=0.0, lt=1.0)
     """EMA decay of the input second moment ``E[x x^T]``."""
 

@@ -47,6 +47,66 @@ PROFILE_MAX_ROWS = 256
 GEOMETRY_WIRE_DTYPE = torch.bfloat16  # rows of a layer's local gradient kept for the auto profile
 
 
+class InputMoments:
+    """Forward pre-hooks that sum ``x^T x`` of the input of each module while attached (in
+    training forwards with gradients). Modules fed the same tensor (q/k/v, gate/up) share one
+    statistic, keyed by the first of them (``key_of``). ``tokens`` caps the tokens per module
+    and forward (evenly strided). Also used by ``benchmarks/fidelity.py``."""
+
+    def __init__(self, modules: Dict[str, nn.Module], tokens: Optional[int] = None) -> None:
+        self.modules = modules
+        self.tokens = tokens
+        self.key_of: Dict[str, str] = {}  # module -> module whose input statistic it shares
+        self.sums: Dict[str, torch.Tensor] = {}
+        self.counts: Dict[str, int] = {}
+        self._last = None  # (tensor, key) of the most recent hooked input
+        self._handles: list = []
+
+    def attach(self) -> None:
+        if not self._handles:
+            self._handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.modules.items()]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def new_forward(self) -> None:
+        self._last = None
+
+    def _hook(self, name: str):
+        def hook(module, inputs):
+            if not (module.training and torch.is_grad_enabled()):
+                return None
+            x = inputs[0]
+            if self._last is not None and self._last[0] is x:
+                self.key_of.setdefault(name, self._last[1])
+            key = self.key_of.setdefault(name, name)
+            if key == name:
+                with torch.no_grad():
+                    flat = subsample_tokens(x.detach().reshape(-1, x.shape[-1]), self.tokens).float()
+                    moment = flat.T @ flat
+                prev = self.sums.get(key)
+                self.sums[key] = moment if prev is None else prev.add_(moment)
+                self.counts[key] = self.counts.get(key, 0) + flat.shape[0]
+            self._last = (x, key)
+            return None
+
+        return hook
+
+    def take(self) -> Dict[str, torch.Tensor]:
+        """Mean ``x x^T`` per statistic since the last call."""
+        out = {key: total / max(self.counts[key], 1) for key, total in self.sums.items()}
+        self.sums.clear()
+        self.counts.clear()
+        self._last = None
+        return out
+
+
 class GeometryManager:
     def __init__(self, cfg, model: nn.Module, comm, *, main_codec) -> None:
         self.cfg = cfg
@@ -68,12 +128,8 @@ class GeometryManager:
         self.rule_for = lambda name: None
         self.second_moment_sums = lambda name: None
         self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
-        self._hooks = []
+        self.moments = InputMoments({n: self.modules[n] for n in self.names}, cfg.geometry.stats_tokens)
         self._stats: Dict[str, geo.CovarianceEMA] = {}
-        self._step_sum: Dict[str, torch.Tensor] = {}
-        self._step_count: Dict[str, int] = {}
-        self._stats_key: Dict[str, str] = {}  # module -> module whose input statistic it shares
-        self._last_input = None  # (tensor, key) of the most recent hooked input
         self._lowrank: Dict[str, geo.LowRankDiag] = {}
         self._captured: Dict[str, tuple] = {}  # name -> (local gradient, the optimizer's rule then)
         self._check_widths()
@@ -86,9 +142,6 @@ class GeometryManager:
                                                                       seed=cfg.seed * 1_000_003 + i)
         if not self.kinds or self.cfg.layers != "measured":
             self.active = {name: self.kinds[0] if self.kinds else "identity" for name in self.names}
-        if "kfac_input" in self.kinds:
-            for name in self.names:
-                self._hooks.append(self.modules[name].register_forward_pre_hook(self._make_hook(name)))
 
     # ---- selection of candidates ----------------------------------------------------
     def _find_candidates(self, model: nn.Module) -> Dict[str, nn.Linear]:
@@ -107,9 +160,7 @@ class GeometryManager:
 
     def remove_hooks(self) -> None:
         """Take the statistics hooks off the model (``deepspeed_gift.detach``)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self.moments.detach()
 
     @property
     def whiteners(self) -> Dict[str, object]:
@@ -129,8 +180,14 @@ class GeometryManager:
 
     # ---- statistics -----------------------------------------------------------------
     def begin_step(self, k: int) -> None:
+        """Called before the forward of step k: the statistics hooks are on the model only on
+        collect steps, so other steps run the model with no GIFT code in its forward."""
         self.step = k
-        self._last_input = None
+        self.moments.new_forward()
+        if self.collecting():
+            self.moments.attach()
+        else:
+            self.moments.detach()
 
     def collecting(self) -> bool:
         k = self.step
@@ -140,36 +197,13 @@ class GeometryManager:
     def refresh_due(self, k: int) -> bool:
         return k >= 0 and k % self.gcfg.refresh_interval == 0 and bool(self.kinds)
 
-    def _make_hook(self, name: str):
-        def hook(module, inputs):
-            if not (module.training and torch.is_grad_enabled() and self.collecting()):
-                return None
-            x = inputs[0]
-            last = self._last_input
-            if last is not None and last[0] is x:
-                self._stats_key.setdefault(name, last[1])
-            key = self._stats_key.setdefault(name, name)
-            if key == name:
-                with torch.no_grad():
-                    flat = x.detach().reshape(-1, x.shape[-1]).float()
-                    moment = flat.T @ flat
-                prev = self._step_sum.get(key)
-                self._step_sum[key] = moment if prev is None else prev.add_(moment)
-                self._step_count[key] = self._step_count.get(key, 0) + flat.shape[0]
-            self._last_input = (x, key)
-            return None
-
-        return hook
-
     def _fold_step_statistics(self) -> None:
-        for key, total in self._step_sum.items():
+        for key, mean in self.moments.take().items():
             ema = self._stats.get(key)
             if ema is None:
-                ema = self._stats[key] = geo.CovarianceEMA(total.shape[0], decay=self.gcfg.stats_decay,
-                                                           device=total.device)
-            ema.update_from_moment(total / max(self._step_count[key], 1))
-        self._step_sum.clear()
-        self._step_count.clear()
+                ema = self._stats[key] = geo.CovarianceEMA(mean.shape[0], decay=self.gcfg.stats_decay,
+                                                           device=mean.device)
+            ema.update_from_moment(mean)
 
     # ---- profile capture (called from the reduction on refresh steps) ----------------
     def profiling(self) -> bool:
@@ -380,7 +414,7 @@ class GeometryManager:
         (modules sharing one input share one whitener object)."""
         built = {}
         for name in self.names:
-            key = self._stats_key.get(name, name)
+            key = self.moments.key_of.get(name, name)
             if key in keys:
                 if key not in built:
                     built[key] = geo.whitener_from_low_rank(self._lowrank[key], self.gcfg.solver)
@@ -477,7 +511,7 @@ class GeometryManager:
             "version": self.version,
             "active": dict(sorted(self.active.items())),
             "gains": dict(self.gains),
-            "stats_key": dict(self._stats_key),
+            "stats_key": dict(self.moments.key_of),
             "stats": {k: ema.state_dict() for k, ema in self._stats.items()},
             "lowrank": {k: (v.U.cpu(), v.lam.cpu(), v.d.cpu()) for k, v in self._lowrank.items()},
             "scalings": {k: (s.row.cpu(), s.col.cpu()) for k, s in sorted(scalings.items())},
@@ -498,7 +532,7 @@ class GeometryManager:
         self.version = int(state["version"])
         self.active = dict(active)
         self.gains = dict(state["gains"])
-        self._stats_key = dict(state["stats_key"])
+        self.moments.key_of = dict(state["stats_key"])
         device = next(iter(self.modules.values())).weight.device if self.modules else torch.device("cpu")
         self._stats = {}
         for k, ema_state in state["stats"].items():
@@ -526,6 +560,13 @@ class GeometryManager:
     def take_geometry_bytes(self) -> int:
         """Bytes this rank sent for statistics and factors since the last call."""
         return self.comm.bytes_sent.pop("geometry", 0)
+
+
+def subsample_tokens(rows: torch.Tensor, limit: Optional[int]) -> torch.Tensor:
+    """At most ``limit`` rows, evenly strided (a view: nothing is copied before the cast)."""
+    if limit is None or rows.shape[0] <= limit:
+        return rows
+    return rows[::-(-rows.shape[0] // limit)]
 
 
 def geometry_kinds(kind) -> tuple:

@@ -190,8 +190,9 @@ class GiftReducer:
     """Runs bucket reductions for one engine. Holds codecs, the comm and per-plan caches."""
 
     def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, ranks_per_node: int = 1) -> None:
         self.comm = comm
+        self.ranks_per_node = ranks_per_node  # accounting only: which messages leave the node
         self.main_codec = main_codec
         self.high_codec = high_codec
         self.generator = generator
@@ -355,6 +356,8 @@ class GiftReducer:
                 raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
                                    f"plan expects {expected}; codec byte count is inconsistent")
             stats["bytes_header"] += CONTROL_HEADER_BYTES
+            if dst // self.ranks_per_node != me // self.ranks_per_node:
+                stats["bytes_internode"] = stats.get("bytes_internode", 0) + msg.numel()
             messages.append(msg)
             sizes.append(msg.numel())
         my_size = plan.message_sizes[me]

@@ -117,23 +117,26 @@ def _first_difference(a, b, path):
 
 
 def choose_topology(comm, cfg: GiftConfig):
-    """(nodes, data-parallel ranks per node) for ``gift.hierarchy``; flat needs none of it."""
+    """(hierarchy, data-parallel ranks per node) for ``gift.hierarchy``. The flat exchange needs no
+    topology; it is still detected there (1 if it cannot be) to count the bytes that leave a node."""
     world = comm.world_size
-    if cfg.hierarchy == "flat":
-        return 1, world
     if cfg.ranks_per_node is not None:
         per_node = cfg.ranks_per_node
         _require(world % per_node == 0, f"gift.ranks_per_node: got {per_node}; the data-parallel group has {world} "
                  f"ranks, not a multiple of it (allowed: a divisor of {world}, or null to detect)")
-        return world // per_node, per_node
-    per_node, why = detect_ranks_per_node(comm)
-    if per_node is None:
-        if cfg.hierarchy == "two_level":
-            raise ValueError(f"gift.hierarchy: got 'two_level' but {why}; set gift.ranks_per_node to the number of "
-                             "data-parallel ranks per node, or use hierarchy 'flat'")
-        logger.warning("gift: %s; gift.hierarchy 'by_topology' runs the flat exchange", why)
-        return 1, world
-    return world // per_node, per_node
+    else:
+        per_node, why = detect_ranks_per_node(comm)
+        if per_node is None:
+            if cfg.hierarchy == "two_level":
+                raise ValueError(f"gift.hierarchy: got 'two_level' but {why}; set gift.ranks_per_node to the number "
+                                 "of data-parallel ranks per node, or use hierarchy 'flat'")
+            if cfg.hierarchy == "by_topology":
+                logger.warning("gift: %s; gift.hierarchy 'by_topology' runs the flat exchange", why)
+            return "flat", 1
+    nodes = world // per_node
+    if cfg.hierarchy == "two_level" or (cfg.hierarchy == "by_topology" and nodes > 1 and per_node > 1):
+        return "two_level", per_node
+    return "flat", per_node
 
 
 class GiftState:
@@ -150,18 +153,19 @@ class GiftState:
         self.high_codec = formats.get_format(cfg.others) if cfg.others in ("bf16", "fp32") else None
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed * 1_000_003 + self.comm.rank + 1)
-        self.nodes, self.ranks_per_node = choose_topology(self.comm, cfg)
+        self.hierarchy, self.ranks_per_node = choose_topology(self.comm, cfg)
+        # what error-feedback residuals are laid out for (the flat exchange: the ranks alone)
+        self.exchange = ["two_level", self.ranks_per_node] if self.hierarchy == "two_level" else ["flat"]
         codecs = (self.main_codec, self.high_codec or self.main_codec)
-        if self.nodes > 1 and self.ranks_per_node > 1 or cfg.hierarchy == "two_level":
+        if self.hierarchy == "two_level":
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback)
             if cfg.rounding == "stochastic":
                 inner.shared_seed = cfg.seed
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
-            self.hierarchy = "two_level"
         else:
-            self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback)
-            self.hierarchy = "flat"
+            self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
+                                       ranks_per_node=self.ranks_per_node)
         self.geometry = GeometryManager(cfg, engine.module, self.comm, main_codec=self.main_codec)
         self.param_names: Dict[int, str] = {}
         for name, module in self.geometry.modules.items():
@@ -183,7 +187,8 @@ class GiftState:
     # ---- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"format": CHECKPOINT_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
-                "topology": [self.hierarchy, self.ranks_per_node], "fingerprint": self.cfg.fingerprint(), "geometry": self.geometry.state_dict(),
+                "exchange": self.exchange, "fingerprint": self.cfg.fingerprint(),
+                "geometry": self.geometry.state_dict(),
                 "reducer": self.reducer.state_dict(), "run_totals": dict(self.run_totals)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -195,16 +200,15 @@ class GiftState:
                            diff[1])
         self.geometry.load_state_dict(state["geometry"])
         self.run_totals = dict(state["run_totals"])
-        saved_topology = state.get("topology", ["flat", state["world_size"]])
-        here = [self.hierarchy, self.ranks_per_node]
-        if state["world_size"] == self.comm.world_size and list(saved_topology) == here:
+        saved_exchange = list(state.get("exchange", ["flat"]))
+        if state["world_size"] == self.comm.world_size and saved_exchange == self.exchange:
             self.reducer.load_state_dict(state["reducer"], self.engine.device)
         elif state["reducer"]["residuals"]:
             # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
             dropped = sum(r.numel() for _, _, r, _ in state["reducer"]["residuals"])
             logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
                            "error-feedback residual elements of rank %d (statistics, factors and selection are "
-                           "kept)", state["world_size"], saved_topology, self.comm.world_size, here, dropped,
+                           "kept)", state["world_size"], saved_exchange, self.comm.world_size, self.exchange, dropped,
                            state["rank"])
         else:
             self.reducer.load_state_dict(dict(state["reducer"], residuals=[]), self.engine.device)
@@ -426,6 +430,8 @@ class GiftState:
             "codec_s": t.get("codec_s", 0.0),
             "comm_s": t.get("comm_s", 0.0),
             "hierarchy": self.hierarchy,
+            # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
+            "bytes_internode": int(t.get("bytes_internode", 0)),
             "geometry_version": self.geometry.version,
             "geometry_layers": len(self.geometry.whiteners),
         }

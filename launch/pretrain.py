@@ -259,7 +259,8 @@ def gift_step_telemetry(engine, step_index: int) -> dict:
         return {"bytes_per_elem": float(engine.communication_data_type.itemsize), "wire": "native"}
     out = {k: rec[k] for k in ("bytes_per_elem", "bytes_per_elem_run", "fidelity_rel_err", "geometry_layers",
                                "geometry_version", "underflow_rate", "saturated", "comm_s", "codec_s",
-                               "transform_s", *PROFILE_KEYS) if rec.get(k) is not None}
+                               "transform_s", "hierarchy", "bytes_node", "node_s", "bytes_internode", *PROFILE_KEYS)
+           if rec.get(k) is not None}
     out["wire"] = "gift"
     return out
 

@@ -50,8 +50,8 @@ def test_link_bytes_follow_the_collectives():
     assert cb("allreduce", n, 64, 8)["nic"] == 2 * 63 / 64 * n / 8
     assert cb("allgather", n, 64, 8)["nic"] == 63 / 64 * n / 8
     assert cb("alltoall", n, 64, 8)["nic"] == 56 / 64 * n and cb("alltoall", n, 64, 8)["nvlink"] == 7 / 64 * n
-    assert cb("hierarchical", n, 64, 8, nvlink_s=4 * n) == {"nic": 7 / 8 * n / 8, "nvlink": 7 / 8 * 4 * n,
-                                                            "steps": 7 + 7}
+    assert cb("two_level", n, 64, 8, nvlink_s=2 * n) == {"nic": 7 / 8 * n / 8, "nvlink": 7 / 8 * 2 * n,
+                                                         "steps": 7 + 7}
     # inside one node nothing touches a NIC
     assert cb("allreduce", n, 8, 8)["nic"] == 0 and cb("allreduce", n, 8, 8)["nvlink"] == 2 * 7 / 8 * n
 
@@ -124,7 +124,7 @@ def test_scale_model_on_a_two_level_network(tmp_path):
     assert all(m["grad_comm"] > b["grad_comm"] for m, b in zip(eight["Euclidean fp8_e4m3"],
                                                                   eight["bf16 (DeepSpeed all-reduce)"]))
     # reducing inside the node first leaves 1/G of it per NIC: saves, more on slower networks
-    hier = eight["[projection] Euclidean fp8_e4m3, hierarchical"]
+    hier = eight["Euclidean fp8_e4m3, two-level"]
     assert hier[0]["saving_pct"] < hier[-1]["saving_pct"] < 0
     # one GPU per node (the namespace cluster's shape): the flat all-to-all is the cheaper collective
     one = rows("--gpus-per-node", "1")
