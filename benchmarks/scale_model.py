@@ -297,9 +297,11 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
         if path == "flat":
             t_grad = collective_seconds("alltoall", b * n, net)
             coded = n  # every rank encodes its whole gradient, decodes W pieces of N/W
+            sent = n * (w - 1) / w  # what leaves the rank (its own partition stays unwhitened)
         else:
             t_grad = collective_seconds("two_level", b * n, net, nvlink_s=2 * n)  # bf16 buckets inside the node
             coded = n / g
+            sent = n / g * (w // g - 1) / (w // g)
         codec = ratios[fmt] * copy_s * coded
         if geometry:
             forwards = max(1, tokens // (args.micro_batch * args.seq))
@@ -310,7 +312,7 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             refit = sum(2 * d * d * (args.rank + 8) for d in shapes["inputs"]) / args.refresh_interval
             # structured whitener: apply is 4 (rows x n x r) GEMMs on what a rank sends, the
             # inverse 2 on what it owns
-            whiten = sum(m * k * args.rank for m, k in shapes["linears"]) * (8 * coded / n + 4 / w) \
+            whiten = sum(m * k * args.rank for m, k in shapes["linears"]) * (8 * sent / n + 4 / w) \
                 if all_layers else 0.0
             gift = (stats + refit + whiten) / fp32
     t_param = collective_seconds("allgather", 2 * n, net)

@@ -229,13 +229,14 @@ class GiftReducer:
     # ---- packing --------------------------------------------------------------------
     @staticmethod
     def _gather(tensor: torch.Tensor, pieces: List[Piece], numel: int, whiteners) -> torch.Tensor:
-        """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates)."""
+        """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates;
+        ``whiteners`` None: all in gradient coordinates)."""
         out = torch.empty(numel, dtype=torch.float32, device=tensor.device)
         pos = 0
         for p in pieces:
             src = tensor.narrow(0, p.bucket_offset, p.numel)
             dst = out.narrow(0, pos, p.numel)
-            if p.rows:
+            if p.rows and whiteners is not None:
                 dst.copy_(whiteners[p.param_key].apply_run(src, p.param_start))
             else:
                 dst.copy_(src)
@@ -273,10 +274,14 @@ class GiftReducer:
         packed = []
         for sec in plan.sections:
             t0 = time.perf_counter()
-            values = self._gather(tensor, sec.pieces, sec.numel, whiteners)
+            own_section = sec.dests == (me,) and not sec.shared
+            # My own section is exact and never on the wire; it stays in gradient coordinates and
+            # joins the sum after the inverse (S^-1 (sum of the others) + mine: the same by
+            # linearity, with no transform of 1/W of the gradient and no round trip of mine).
+            values = self._gather(tensor, sec.pieces, sec.numel, None if own_section else whiteners)
             stats["transform_s"] += time.perf_counter() - t0
             stats["elements"] += sec.numel
-            if sec.dests == (me,) and not sec.shared:  # my own section: exact, never on the wire
+            if own_section:
                 if sample:  # it skips the codec; count its non-finite inputs here
                     stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(values)).sum())
                 packed.append(_Packed(own=values))
@@ -328,13 +333,15 @@ class GiftReducer:
         recv = self._exchange(plan, packed, step, tensor.device, stats)
         totals = self._sum_at_owner(plan, packed, recv, step, stats)
         t0 = time.perf_counter()
-        for sec, total in totals:
-            total.div_(divisor)
+        for sec, total, mine in totals:
             self._transform_rows(total, sec.pieces, whiteners, inverse=True)
+            if mine is not None:
+                total.add_(mine)
+            total.div_(divisor)
             self._scatter(tensor, total, sec, plan, outputs)
         stats["transform_s"] += time.perf_counter() - t0
         if exact is not None and totals:
-            result = torch.cat([total for _, total in totals])
+            result = torch.cat([total for _, total, _ in totals])
             stats["fidelity_err_sq"] = float((result - exact).square().sum())
             stats["fidelity_ref_sq"] = float(exact.square().sum())
         return stats
@@ -368,9 +375,11 @@ class GiftReducer:
         return recv
 
     def _sum_at_owner(self, plan: BucketPlan, packed: List[_Packed], recv: torch.Tensor, step: int,
-                      stats: Dict) -> List[Tuple[Section, torch.Tensor]]:
+                      stats: Dict) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
         """Step 3: decode every source and sum in fp32 - my own section starting from my exact
-        contribution, a shared one in rank order from everyone's decoded contribution."""
+        contribution (or, where it has transformed pieces, the others' sum, with mine returned
+        to be added after the inverse), a shared one in rank order from everyone's decoded
+        contribution."""
         me, world = self.comm.rank, self.comm.world_size
         if not plan.to_rank[me]:
             return []
@@ -390,14 +399,17 @@ class GiftReducer:
             codec = self.codec_of(sec)
             n = codec.nbytes(sec.numel)
             own = packed[i].own
-            total = own.clone() if not sec.shared else None
+            after = not sec.shared and any(p.rows for p in sec.pieces)
+            total = own.clone() if not sec.shared and not after else None
             for src in range(world):
                 if src == me and not sec.shared:
                     continue
                 part = own if src == me else codec.decode_from_bytes(messages[src].narrow(0, off, n), (sec.numel,))
                 total = part.clone() if total is None else total.add_(part)
+            if total is None:  # a world of one: nobody else contributed
+                total = torch.zeros_like(own)
             off += n
-            totals.append((sec, total))
+            totals.append((sec, total, own if after else None))
         stats["codec_s"] += time.perf_counter() - t0
         return totals
 

@@ -22,7 +22,8 @@ def _max_param_diff(a, b):
     return max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
 
 
-@pytest.mark.parametrize("world,stage,optimizer", [(4, 1, "adam"), (4, 2, "adam"), (4, 1, "muon"), (6, 2, "muon")])
+@pytest.mark.parametrize("world,stage,optimizer", [(4, 1, "adam"), (4, 2, "adam"), (4, 1, "muon"), (6, 1, "adam"),
+                                                   (6, 2, "muon")])
 def test_two_level_lossless_config_matches_deepspeed(world, stage, optimizer):
     base = dict(stage=stage, steps=10, ga=2, bucket=12000)
     if optimizer == "muon":  # matrices cut by partitions reach every owner whole, across slots and nodes

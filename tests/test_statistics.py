@@ -1,0 +1,64 @@
+"""GIFT's input statistics: the shared hook class (token subsample, shared inputs) and its
+presence on the model only on collect steps, in a real DeepSpeed engine."""
+
+import torch
+from torch import nn
+
+from deepspeed_gift.layers import InputMoments, subsample_tokens
+from launch.spawn import run_ranks
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(6, 4), nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x))
+
+
+def test_moments_of_a_strided_token_subsample_with_shared_inputs():
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(3, 4, 6)  # 12 tokens
+    for limit, stride in ((None, 1), (5, 3), (12, 1), (1, 12)):
+        moments = InputMoments({"q": block.q, "k": block.k, "o": block.o}, limit)
+        moments.attach()
+        block(x)
+        got = moments.take()
+        assert moments.key_of == {"q": "q", "k": "q", "o": "o"}  # q and k read one tensor: one statistic
+        rows = x.reshape(-1, 6)[::stride]
+        torch.testing.assert_close(got["q"], rows.T @ rows / rows.shape[0])
+        with torch.no_grad():  # (the hooks skip forwards without gradients: evaluation)
+            hidden = (block.q(x) * block.k(x)).reshape(-1, 4)[::stride]
+        assert moments.take() == {}
+        torch.testing.assert_close(got["o"], hidden.T @ hidden / hidden.shape[0])
+        moments.detach()
+        block(x)
+        assert moments.take() == {} and not block.q._forward_pre_hooks
+    assert subsample_tokens(x.reshape(-1, 6), 4).shape[0] == 4  # ceil(12 / 4) = 3: rows 0, 3, 6, 9
+    assert subsample_tokens(x.reshape(-1, 6), 5).shape[0] == 4  # stride ceil(12 / 5) = 3 never exceeds the cap
+
+
+def _hooks_per_step(rank, world, spec):
+    from launch.common import batches, build_engine
+
+    engine = build_engine(spec)
+    gift = engine.gift
+    name = gift.geometry.names[0]
+    module = gift.geometry.modules[name]
+    seen = []
+    module.register_forward_hook(lambda m, i, o: seen.append(len(m._forward_pre_hooks)))
+    for tokens in batches(rank, 7, 2, 16):
+        out = engine(input_ids=tokens, labels=tokens)
+        engine.backward(out.loss)
+        engine.step()
+    return seen
+
+
+def test_statistics_hooks_are_on_the_model_only_on_collect_steps():
+    gift = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 4, "collect_interval": 3,
+                                                                 "refresh_interval": 6}}
+    (seen,) = run_ranks(_hooks_per_step, 1, dict(stage=2, gift=gift))
+    hooked = [k for k, hooks in enumerate(seen) if hooks]
+    assert hooked == [0, 3, 6], seen
