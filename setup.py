@@ -26,7 +26,10 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",
-        "deepspeed>=0.18,<0.20",
+        # Built and tested against 0.19.8, the only release the package index here holds; the
+        # ZeRO internals GIFT reads first appear in 0.19 (zero.ZERO_INTERNALS is probed at attach,
+        # so another 0.19.x missing one fails there, naming its version).
+        "deepspeed>=0.19.8,<0.20",
         "pydantic>=2",
         "numpy",
     ],
