@@ -9,22 +9,26 @@ key path (``gift.geometry.rank``), the value given and what is allowed.
 from __future__ import annotations
 
 import json
-from typing import List, Literal, Optional, Union
+from typing import List, Literal, Optional, Union, get_args
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from .formats import FORMAT_NAMES, format_class
+
 GIFT_KEY = "gift"
 
 GeometryKind = Literal["kfac_input", "adam_factored", "identity", "hadamard"]
+# pydantic needs the names spelled out; the codecs in ``formats`` are the source of truth, and
+# the import fails if the two ever differ.
 FormatName = Literal["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
-FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32")
-FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
-BLOCK_FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4")
-PASSTHROUGH_FORMATS = ("bf16", "fp32")
-DEFAULT_BLOCK_SIZE = {"fp8_e4m3": 128, "fp8_e5m2": 128, "int8": 128, "int4": 128, "nvfp4": 16}
-NVFP4_BLOCK = 16
-E8M0_BLOCK = 32
+if get_args(FormatName) != FORMAT_NAMES:
+    raise ImportError(f"config.FormatName {get_args(FormatName)} differs from formats.FORMAT_NAMES {FORMAT_NAMES}")
+FP8_FORMATS = tuple(n for n in FORMAT_NAMES if n.startswith("fp8_"))
+PASSTHROUGH_FORMATS = tuple(n for n in FORMAT_NAMES if format_class(n).default_block_size == 0)
+DEFAULT_BLOCK_SIZE = {n: format_class(n).default_block_size for n in FORMAT_NAMES if n not in PASSTHROUGH_FORMATS}
+NVFP4_BLOCK = format_class("nvfp4").default_block_size
+E8M0_BLOCK = 32  # the OCP MX block of E8M0-scaled FP8 (formats._Fp8Codec)
 
 
 class _GiftModel(DeepSpeedConfigModel):

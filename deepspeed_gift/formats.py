@@ -72,6 +72,7 @@ from torch import Tensor
 
 __all__ = [
     "FORMAT_NAMES",
+    "format_class",
     "HEADER_BYTES",
     "Codec",
     "Payload",
@@ -1029,6 +1030,14 @@ class Fp32Codec(_PassthroughCodec):
 # ----------------------------------------------------------------------------- public functions
 
 
+def format_class(name: str) -> Type["Codec"]:
+    """The codec class of ``name`` (its ``default_block_size`` and options), without building one."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown format {name!r}; valid names are {list(FORMAT_NAMES)}")
+    return cls
+
+
 def get_format(
     name: str,
     *,
@@ -1038,10 +1047,7 @@ def get_format(
     seed: int = 0,
 ) -> Codec:
     """Codec for ``name`` (one of FORMAT_NAMES); ValueError for invalid options."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown format {name!r}; valid names are {list(FORMAT_NAMES)}")
-    return cls(block_size=block_size, scale=scale, rounding=rounding, seed=seed)
+    return format_class(name)(block_size=block_size, scale=scale, rounding=rounding, seed=seed)
 
 
 def quantization_stats(x: Tensor, payload: Payload, codec: Codec) -> Dict[str, float]:
