@@ -43,6 +43,7 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.scale_model import set_gift_keys  # noqa: E402
 from launch.pretrain import read_metrics  # noqa: E402
 IFNAME = "gift0"  # the host side of every link (each in its own namespace, so one name serves all)
 DEFAULT_CONFIGS = [
@@ -386,27 +387,6 @@ def config_label(spec: str) -> str:
     """``ds_configs/gift_fp8_zero2.json:hierarchy=flat`` -> ``gift_fp8_zero2:hierarchy=flat``."""
     path, _, overrides = spec.partition(":")
     return Path(path).stem + (f":{overrides}" if overrides else "")
-
-
-def set_gift_keys(cfg: dict, overrides: str) -> dict:
-    """``cfg`` with the gift keys of ``key=value,key=value`` set (dotted keys reach nested
-    blocks; values are read as JSON, else as strings)."""
-    if "gift" not in cfg:
-        raise SystemExit(f"config overrides {overrides!r}: the config has no gift block")
-    for item in overrides.split(","):
-        key, eq, text = item.partition("=")
-        if not eq:
-            raise SystemExit(f"config overrides {overrides!r}: expected key=value,key=value")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        block = cfg["gift"]
-        *parents, leaf = key.split(".")
-        for part in parents:
-            block = block.setdefault(part, {})
-        block[leaf] = value
-    return cfg
 
 
 def config_file(spec: str, workdir: str) -> str:

@@ -61,7 +61,6 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.netns_cluster import set_gift_keys  # noqa: E402
 from deepspeed_gift.formats import get_format  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
@@ -139,6 +138,27 @@ def link_bytes(wire: dict, n: float, world: int, per_node: int = 1, param_bytes:
 
 
 # ---- calibration on the namespace cluster ------------------------------------------------
+def set_gift_keys(cfg: dict, overrides: str) -> dict:
+    """``cfg`` with the gift keys of ``key=value,key=value`` set (dotted keys reach nested
+    blocks; values are read as JSON, else as strings)."""
+    if "gift" not in cfg:
+        raise SystemExit(f"config overrides {overrides!r}: the config has no gift block")
+    for item in overrides.split(","):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise SystemExit(f"config overrides {overrides!r}: expected key=value,key=value")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        block = cfg["gift"]
+        *parents, leaf = key.split(".")
+        for part in parents:
+            block = block.setdefault(part, {})
+        block[leaf] = value
+    return cfg
+
+
 def load_configs(names: List[str], config_dir: Path) -> Dict[str, dict]:
     """The configs of a calibration by label (``name`` or ``name:key=value,...``, the namespace
     cluster's gift overrides)."""
@@ -148,7 +168,8 @@ def load_configs(names: List[str], config_dir: Path) -> Dict[str, dict]:
         path = config_dir / f"{stem}.json"
         if not path.exists():
             raise SystemExit(f"--calibration names config {name!r}, but {path} does not exist (--config-dir)")
-        out[name] = set_gift_keys(json.loads(path.read_text()), overrides) if overrides else json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
+        out[name] = set_gift_keys(cfg, overrides) if overrides else cfg
     return out
 
 

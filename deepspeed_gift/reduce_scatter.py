@@ -97,6 +97,19 @@ class Section:
         self.numel += piece.numel
 
 
+def control_header(plan_hash: int, step: int, device) -> torch.Tensor:
+    """The 16 bytes that open every message: the plan's hash and the step."""
+    return torch.tensor([plan_hash, step], dtype=torch.int64).view(torch.uint8).to(device)
+
+
+def check_header(msg: torch.Tensor, plan_hash: int, step: int, sender: str, meaning: str) -> None:
+    """Fail loudly when ``msg`` was sent for another plan or step than the receiver's."""
+    head = msg.narrow(0, 0, CONTROL_HEADER_BYTES).clone().view(torch.int64).tolist()
+    if head != [plan_hash, step]:
+        raise RuntimeError(f"deepspeed_gift: {sender} sent a bucket for plan {head[0]:#x} at step {head[1]}, "
+                           f"this rank expects plan {plan_hash:#x} at step {step}: {meaning}")
+
+
 def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
     """Cut a slice of a row-major (out x in) weight into (start, numel, rows) runs:
     whole run units (rows > 0) and the partial units at either end (rows = 0), which travel
@@ -254,10 +267,6 @@ class GiftReducer:
                 view.copy_(w.invert_run(view, p.param_start) if inverse else w.apply_run(view, p.param_start))
             pos += p.numel
 
-    def _control_header(self, plan: BucketPlan, step: int, device) -> torch.Tensor:
-        head = torch.tensor([plan.hash, step], dtype=torch.int64)
-        return head.view(torch.uint8).to(device)
-
     def _generator_for(self, sec: Section, step: int):
         if self.shared_seed is None or not sec.shared or self.generator is None:
             return self.generator
@@ -355,7 +364,7 @@ class GiftReducer:
                 messages.append(torch.empty(0, dtype=torch.uint8, device=device))
                 sizes.append(0)
                 continue
-            parts = [self._control_header(plan, step, device)]
+            parts = [control_header(plan.hash, step, device)]
             parts += [packed[i].wire for i in plan.to_rank[dst]]
             msg = torch.cat(parts)
             expected = plan.message_sizes[dst]
@@ -390,7 +399,8 @@ class GiftReducer:
         for src in range(world):
             if src != me:
                 messages[src] = recv.narrow(0, pos, my_size)
-                self._check_header(messages[src], plan, src, step)
+                check_header(messages[src], plan.hash, step, f"rank {src}", "ranks disagree on the bucket "
+                             "layout, the selected layers or the whitener versions")
                 pos += my_size
         totals = []
         off = CONTROL_HEADER_BYTES
@@ -472,15 +482,6 @@ class GiftReducer:
                         n = plan.slices[i].numel if p.slice_index < 0 else p.numel
                         outputs[i].narrow(0, into, n).add_(result.narrow(0, start, n))
             pos += p.numel
-
-    @staticmethod
-    def _check_header(msg: torch.Tensor, plan: BucketPlan, src: int, step: int) -> None:
-        head = msg.narrow(0, 0, CONTROL_HEADER_BYTES).clone().view(torch.int64).tolist()
-        if head[0] != plan.hash or head[1] != step:
-            raise RuntimeError(
-                f"deepspeed_gift: rank {src} sent a bucket for plan {head[0]:#x} at step {head[1]}, this "
-                f"owner expects plan {plan.hash:#x} at step {step}: ranks disagree on the bucket layout, "
-                "the selected layers or the whitener versions")
 
     def _exact_reduction(self, tensor, plan: BucketPlan, divisor: float) -> Optional[torch.Tensor]:
         """fp32 reduction of every section this rank receives (in plan order, gradient
@@ -617,7 +618,7 @@ class TwoLevelReducer:
         mine = self._gather_runs(tensor, plan.runs_to_slot[me])
         if L == 1:
             return mine.to(torch.float32, copy=True), 0
-        head = torch.tensor([plan.hash, step], dtype=torch.int64).view(torch.uint8).to(tensor.device)
+        head = control_header(plan.hash, step, tensor.device)
         messages, sizes = [], []
         for j in range(L):
             if j == me:
@@ -635,11 +636,8 @@ class TwoLevelReducer:
                 part = mine
             else:
                 msg = recv.narrow(0, pos, incoming)
-                got = msg.narrow(0, 0, CONTROL_HEADER_BYTES).clone().view(torch.int64).tolist()
-                if got != [plan.hash, step]:
-                    raise RuntimeError(f"deepspeed_gift: local rank {i} sent a node-stage bucket for plan "
-                                       f"{got[0]:#x} at step {got[1]}, this rank expects plan {plan.hash:#x} at step "
-                                       f"{step}: ranks of a node disagree on the bucket layout")
+                check_header(msg, plan.hash, step, f"local rank {i}",
+                             "ranks of a node disagree on the bucket layout")
                 part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(tensor.dtype)
                 pos += incoming
             partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)

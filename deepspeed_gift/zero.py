@@ -416,6 +416,7 @@ class GiftState:
         elements = t.get("elements_sent", 0)
         self.run_totals["bytes"] += sent + geometry_bytes
         self.run_totals["elements"] += elements
+        in_use = self.geometry.whiteners  # a dict built per call: once per step here
         record = {
             "step": k + self.cfg.start_step,
             "bytes_payload": int(t.get("bytes_main", 0) + t.get("bytes_high", 0)),
@@ -433,14 +434,14 @@ class GiftState:
             # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
             "bytes_internode": int(t.get("bytes_internode", 0)),
             "geometry_version": self.geometry.version,
-            "geometry_layers": len(self.geometry.whiteners),
+            "geometry_layers": len(in_use),
         }
         if self.hierarchy == "two_level":
             record["bytes_node"] = int(t.get("bytes_node", 0))
             record["node_s"] = t.get("node_s", 0.0)
         if len(self.geometry.kinds) > 1:
-            in_use = list(self.geometry.active[n] for n in self.geometry.whiteners)
-            record["geometry_kinds"] = {kind: in_use.count(kind) for kind in self.geometry.kinds}
+            kinds = [self.geometry.active[n] for n in in_use]
+            record["geometry_kinds"] = {kind: kinds.count(kind) for kind in self.geometry.kinds}
         record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
         if self.cfg.error_feedback:
             record["error_feedback_bytes"] = self.reducer.residual_nbytes()
