@@ -48,11 +48,12 @@ def test_factored_scaling_is_adafactors_factorization_of_v():
     mu = v.mean()
     v_hat = torch.outer(v.mean(1), v.mean(0)) / mu  # Adafactor: r c^T / mean(v)
     expected = (mu / v_hat).sqrt()
-    G = torch.randn(12, 9, dtype=torch.float64)
+    G = torch.randn(12, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(scaling.apply(G.float()).double(), G * expected, rtol=1e-6, atol=0)
-    # coordinates at the gradient's own overall scale when the gradient's scale follows v
-    G_adam = torch.randn(12, 9, dtype=torch.float64) * v.sqrt()
-    assert float((G_adam * expected).norm() / G_adam.norm()) == pytest.approx(1.0, rel=0.5)
+    # Coordinates keep the gradient's overall scale when E[G^2] = v. Taken in expectation,
+    # not on one draw: v spans eight decades, so one sample's norm is set by a few entries.
+    energy_ratio = float(((v * expected**2).sum() / v.sum()).sqrt())
+    assert energy_ratio == pytest.approx(1.0, rel=0.05)
 
 
 def test_runs_transform_like_the_whole_weight_and_invert_within_ulps():
