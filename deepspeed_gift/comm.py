@@ -44,8 +44,11 @@ class Comm:
         """In-place sum over the group (float32 statistics, counters)."""
         raise NotImplementedError(f"{type(self).__name__}.all_reduce_sum")
 
-    def all_gather_bytes(self, blob: torch.Tensor, *, kind: str = "geometry") -> List[torch.Tensor]:
-        """Every rank contributes a 1-D uint8 tensor of any length; all get all, in rank order."""
+    def all_gather_bytes(self, blob: torch.Tensor, *, kind: str = "geometry",
+                         same_size: bool = False) -> List[torch.Tensor]:
+        """Every rank contributes a 1-D uint8 tensor of any length; all get all, in rank order.
+        ``same_size``: the caller guarantees every rank's blob has this one's length, which
+        saves the exchange of sizes (one collective instead of two)."""
         raise NotImplementedError(f"{type(self).__name__}.all_gather_bytes")
 
     def split(self, groups: Sequence[Sequence[int]]) -> "Comm":
@@ -121,13 +124,16 @@ class TorchComm(Comm):
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
-    def all_gather_bytes(self, blob, *, kind="geometry"):
+    def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
         if self.world_size == 1:
             return [blob.clone()]
-        sizes = torch.tensor([blob.numel()], dtype=torch.int64, device=blob.device)
-        all_sizes = [torch.empty_like(sizes) for _ in range(self.world_size)]
-        self._dist.all_gather(all_sizes, sizes, group=self.group)
-        sizes_list = [int(s.item()) for s in all_sizes]
+        if same_size:
+            sizes_list = [blob.numel()] * self.world_size
+        else:
+            sizes = torch.tensor([blob.numel()], dtype=torch.int64, device=blob.device)
+            all_sizes = [torch.empty_like(sizes) for _ in range(self.world_size)]
+            self._dist.all_gather(all_sizes, sizes, group=self.group)
+            sizes_list = [int(s.item()) for s in all_sizes]
         longest = max(sizes_list)
         padded = torch.zeros(longest, dtype=torch.uint8, device=blob.device)
         padded[:blob.numel()].copy_(blob)
@@ -247,10 +253,10 @@ class MpiComm(Comm):
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
-    def all_gather_bytes(self, blob, *, kind="geometry"):
+    def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
         host = self._host(blob)
         with self._deadline("all-gather"):
-            sizes = self.comm.allgather(int(host.numel()))
+            sizes = [int(host.numel())] * self.world_size if same_size else self.comm.allgather(int(host.numel()))
             out = torch.empty(sum(sizes), dtype=torch.uint8, device=host.device)
             self.comm.Allgatherv(self._buffer(host), [self._buffer(out), (sizes, _displacements(sizes)),
                                                       self._MPI.BYTE])

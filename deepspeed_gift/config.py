@@ -116,6 +116,40 @@ class TelemetryConfig(_GiftModel):
     """Also write to DeepSpeed's monitor (tensorboard/csv/wandb) when configured."""
 
 
+class ParamsConfig(_GiftModel):
+    """The parameter all-gather after the optimizer step (``gift.params``; absent: DeepSpeed's own)."""
+
+    format: FormatName = "fp8_e4m3"
+    """What the owner sends of each replica's change: a quantized format, or ``bf16``/``fp32``.
+    The format that is the replica's own dtype (bf16 for a bf16 model, fp32 for an fp32 one) is
+    lossless: DeepSpeed's own all-gather runs."""
+
+    block_size: Optional[int] = Field(None, ge=0)
+    """Elements per scale; ``null`` = the format's default (fp8/int: 128, nvfp4: 16)."""
+
+    resync_interval: Optional[int] = Field(None, ge=1)
+    """Every this many steps the exact replica is all-gathered (replica = target exactly);
+    ``null``: never (the replica tracks its target without drift regardless)."""
+
+    @model_validator(mode="after")
+    def _check_block(self):
+        _check_block_size(self.format, self.block_size, "gift.params.block_size")
+        return self
+
+    @property
+    def effective_block_size(self) -> int:
+        if self.format in PASSTHROUGH_FORMATS:
+            return 0
+        return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE[self.format]
+
+
+def _check_block_size(fmt: str, block: Optional[int], key: str) -> None:
+    if fmt in PASSTHROUGH_FORMATS and block not in (None, 0):
+        raise ValueError(f"{key}: got {block}; format '{fmt}' has no scales, leave block_size unset (null)")
+    if fmt == "nvfp4" and block not in (None, NVFP4_BLOCK):
+        raise ValueError(f"{key}: got {block}; format 'nvfp4' needs block_size {NVFP4_BLOCK}")
+
+
 class GiftConfig(_GiftModel):
     """The ``"gift"`` block. A missing block means GIFT is off; a present block is on
     unless it says ``"enabled": false``."""
@@ -166,16 +200,15 @@ class GiftConfig(_GiftModel):
     parallelism spans the whole job, else host names exchanged at initialize; the ranks of a
     node must be contiguous). A number also lets one machine pose as several nodes."""
 
+    params: Optional[ParamsConfig] = None
+    """Compressed parameter all-gather (see ``ParamsConfig``); ``null``/absent: DeepSpeed's own."""
+
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
     def _check_combinations(self):
         fmt, block = self.format, self.block_size
-        if fmt in PASSTHROUGH_FORMATS and block not in (None, 0):
-            raise ValueError(f"gift.block_size: got {block}; format '{fmt}' has no scales, "
-                             "leave block_size unset (null)")
-        if fmt == "nvfp4" and block not in (None, NVFP4_BLOCK):
-            raise ValueError(f"gift.block_size: got {block}; format 'nvfp4' needs block_size {NVFP4_BLOCK}")
+        _check_block_size(fmt, block, "gift.block_size")
         if self.scale == "e8m0":
             if fmt not in FP8_FORMATS:
                 raise ValueError(f"gift.scale: got 'e8m0' with format '{fmt}'; E8M0 scales are for "
@@ -266,9 +299,12 @@ def _model_at(loc: tuple) -> type:
     for key in loc:
         field = model.model_fields.get(str(key))
         annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, _GiftModel)):
+        # an optional block (``params: Optional[ParamsConfig]``) names its model inside the Optional
+        candidates = [annotation, *get_args(annotation)]
+        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, _GiftModel)), None)
+        if sub is None:
             break
-        model = annotation
+        model = sub
     return model
 
 

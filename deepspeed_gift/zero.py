@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -27,6 +28,7 @@ from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
 from .geometry import row_col_sums
 from .layers import GeometryManager
 from .metrics import AdamRule, MuonRule
+from .param_gather import ReplicaGather
 from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice, TwoLevelReducer
 
 logger = logging.getLogger("deepspeed_gift")
@@ -81,6 +83,43 @@ def _probe_internals(opt) -> None:
         raise ValueError(f"gift.enabled: DeepSpeed {deepspeed.__version__}'s {type(opt).__name__} has no "
                          f"{', '.join(missing)}, which GIFT reads (built and tested against DeepSpeed 0.19.8); "
                          "install a DeepSpeed in the range setup.py names, or set gift.enabled to false")
+
+
+# What ``gift.params`` also reads: the replicas' partitions and DeepSpeed's all-gather of them.
+PARAMS_INTERNALS = ("parallel_partitioned_bit16_groups", "bit16_groups_flat", "real_dp_process_group", "step")
+
+
+def _probe_params_internals(opt) -> None:
+    import deepspeed
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    missing = [name for name in PARAMS_INTERNALS if not hasattr(opt, name)]
+    if not callable(getattr(stage_1_and_2, "all_gather_dp_groups", None)):
+        missing.append("stage_1_and_2.all_gather_dp_groups")
+    if missing:
+        raise ValueError(f"gift.params: DeepSpeed {deepspeed.__version__}'s {type(opt).__name__} has no "
+                         f"{', '.join(missing)}, which the compressed parameter all-gather reads (built and tested "
+                         "against DeepSpeed 0.19.8); remove gift.params or install a DeepSpeed in setup.py's range")
+
+
+_REPLICA_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _params_codec(cfg: GiftConfig, replica_dtype: torch.dtype):
+    """The codec of the replicas' deltas; None when ``gift.params.format`` is the replicas' own
+    dtype (then DeepSpeed's exact all-gather runs)."""
+    p = cfg.params
+    if p.format in PASSTHROUGH_FORMATS:
+        dtype = _REPLICA_DTYPES[p.format]
+        if dtype == replica_dtype:
+            return None
+        _require(dtype.itemsize < replica_dtype.itemsize,
+                 f"gift.params.format: got {p.format!r}, but the parameter replicas are {replica_dtype}: that sends "
+                 f"{dtype.itemsize} B per element where DeepSpeed's own all-gather sends {replica_dtype.itemsize} for "
+                 f"the exact replica (allowed: the replicas' own dtype, a format of fewer bytes, or a quantized "
+                 f"format)")
+        return formats.get_format(p.format)
+    return formats.get_format(p.format, block_size=p.effective_block_size)
 
 
 def _main_codec(cfg: GiftConfig):
@@ -157,6 +196,7 @@ class GiftState:
         # what error-feedback residuals are laid out for (the flat exchange: the ranks alone)
         self.exchange = ["two_level", self.ranks_per_node] if self.hierarchy == "two_level" else ["flat"]
         codecs = (self.main_codec, self.high_codec or self.main_codec)
+        node_comm = slot_comm = None
         if self.hierarchy == "two_level":
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback)
@@ -166,6 +206,23 @@ class GiftState:
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                        ranks_per_node=self.ranks_per_node)
+        self.params: Optional[ReplicaGather] = None
+        self.params_codec = None
+        self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
+        self._params_gap = 0.0
+        self.replica_dtype = opt.bit16_groups_flat[0].dtype if getattr(opt, "bit16_groups_flat", None) else None
+        if cfg.params is not None:
+            _probe_params_internals(opt)
+            self.params_codec = _params_codec(cfg, self.replica_dtype)
+            self.params = ReplicaGather(self.comm, self.params_codec or formats.get_format("fp32"),
+                                        node_comm=node_comm, slot_comm=slot_comm, ranks_per_node=self.ranks_per_node)
+            import torch.distributed as dist
+
+            for g, parts in enumerate(opt.parallel_partitioned_bit16_groups):
+                _require(len(parts) == self.comm.world_size
+                         and dist.get_rank(group=opt.real_dp_process_group[g]) == self.comm.rank,
+                         "gift.params: DeepSpeed's partitions of the parameters do not follow GIFT's data-parallel "
+                         "ranks; remove gift.params")
         self.geometry = GeometryManager(cfg, engine.module, self.comm, main_codec=self.main_codec)
         self.param_names: Dict[int, str] = {}
         for name, module in self.geometry.modules.items():
@@ -405,6 +462,43 @@ class GiftState:
         for key, value in stats.items():
             self.step_totals[key] = self.step_totals.get(key, 0) + value
 
+    # ---- the parameter all-gather (gift.params) ----------------------------------------
+    def params_exact_now(self, k: int) -> bool:
+        every = self.cfg.params.resync_interval
+        return self.params_codec is None or (every is not None and (k + 1) % every == 0)
+
+    def optimizer_step(self, native_step, *args, **kwargs):
+        """DeepSpeed's optimizer step, with what its all-gather needs set aside: this rank's
+        replicas before the step (the base of the deltas), or that this step gathers exactly."""
+        k = self.k
+        if k < 0:
+            return native_step(*args, **kwargs)
+        me = self.comm.rank
+        self._params_pending = ("exact" if self.params_exact_now(k)
+                                else [parts[me].clone() for parts in self.opt.parallel_partitioned_bit16_groups])
+        try:
+            return native_step(*args, **kwargs)  # an overflow step returns before its all-gather
+        finally:
+            self._params_pending = None
+
+    def gather_params(self, native_gather) -> None:
+        """In place of DeepSpeed's all-gather of the step: the compressed one, or the exact one
+        (``native_gather``) on a resync step or when the format is the replicas' own dtype."""
+        pending, self._params_pending = self._params_pending, None
+        parts = self.opt.parallel_partitioned_bit16_groups
+        me = self.comm.rank
+        if isinstance(pending, str):
+            t0 = time.perf_counter()
+            native_gather()
+            stats = self.params.exact_stats(sum(p[me].numel() for p in parts), self.replica_dtype.itemsize)
+            stats["params_comm_s"] = time.perf_counter() - t0
+            stats["params_exact_steps"] = 1
+        else:
+            stats = self.params.gather(parts, me, pending)
+        self._params_gap = max(self._params_gap, stats.pop("params_gap_rel"))
+        for key, value in stats.items():
+            self.step_totals[key] = self.step_totals.get(key, 0) + value
+
     # ---- telemetry ------------------------------------------------------------------
     def _flush_telemetry(self, k: int) -> None:
         t = self.step_totals
@@ -443,6 +537,19 @@ class GiftState:
             kinds = [self.geometry.active[n] for n in in_use]
             record["geometry_kinds"] = {kind: kinds.count(kind) for kind in self.geometry.kinds}
         record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
+        if t.get("params_elements"):
+            record["params_bytes"] = int(t["params_bytes"])
+            record["params_bytes_internode"] = int(t["params_bytes_internode"])
+            record["params_bytes_per_elem"] = t["params_bytes"] / t["params_elements"]
+            record["params_gap_rel"] = self._params_gap
+            record["params_exact"] = bool(t.get("params_exact_steps"))
+            record["params_s"] = t.get("params_codec_s", 0.0) + t.get("params_comm_s", 0.0)
+        elif self.replica_dtype is not None:  # DeepSpeed's own all-gather: the replica's dtype per element
+            record["params_bytes_per_elem"] = float(self.replica_dtype.itemsize)
+        self._params_gap = 0.0
+        if "params_bytes_per_elem" in record:
+            # per element of the model and step: gradients (and geometry) out, parameters back
+            record["bytes_per_elem_total"] = record["bytes_per_elem"] + record["params_bytes_per_elem"]
         if self.cfg.error_feedback:
             record["error_feedback_bytes"] = self.reducer.residual_nbytes()
         if t.get("fidelity_ref_sq"):
@@ -528,6 +635,14 @@ def attach(engine) -> Optional[GiftState]:
     state = GiftState(engine, cfg)
     engine.gift = state
     _replace(state, state.opt, "average_tensor", state.average_tensor)
+    if state.params is not None:
+        native_opt_step = state.opt.step
+
+        def optimizer_step(*args, **kwargs):
+            return state.optimizer_step(native_opt_step, *args, **kwargs)
+
+        _replace(state, state.opt, "step", optimizer_step)
+        _route_param_gather(state)
 
     def on_forward(module, inputs):
         state.on_forward()
@@ -567,6 +682,39 @@ def attach(engine) -> Optional[GiftState]:
 
 _ABSENT = object()
 
+# DeepSpeed's ZeRO-1/2 step calls the module function ``all_gather_dp_groups`` of stage_1_and_2
+# with the optimizer's own ``bit16_groups_flat``; while an engine with ``gift.params`` exists, that
+# name points at a router that sends the call of such an engine's step to GIFT and every other
+# call (other engines, ``update_lp_params`` after a universal checkpoint load) to DeepSpeed.
+_PARAM_GATHERS: Dict[int, GiftState] = {}
+_native_all_gather = None
+
+
+def _all_gather_router(groups_flat, *args, **kwargs):
+    state = _PARAM_GATHERS.get(id(groups_flat))
+    if state is None or state._params_pending is None or state.opt.bit16_groups_flat is not groups_flat:
+        return _native_all_gather(groups_flat, *args, **kwargs)
+    return state.gather_params(lambda: _native_all_gather(groups_flat, *args, **kwargs))
+
+
+def _route_param_gather(state: GiftState) -> None:
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    global _native_all_gather
+    if stage_1_and_2.all_gather_dp_groups is not _all_gather_router:
+        _native_all_gather = stage_1_and_2.all_gather_dp_groups
+        stage_1_and_2.all_gather_dp_groups = _all_gather_router
+    _PARAM_GATHERS[id(state.opt.bit16_groups_flat)] = state
+
+
+def _unroute_param_gather(state: GiftState) -> None:
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if _PARAM_GATHERS.get(id(state.opt.bit16_groups_flat)) is state:
+        del _PARAM_GATHERS[id(state.opt.bit16_groups_flat)]
+    if not _PARAM_GATHERS and stage_1_and_2.all_gather_dp_groups is _all_gather_router:
+        stage_1_and_2.all_gather_dp_groups = _native_all_gather
+
 
 def _replace(state: GiftState, obj, name: str, new) -> None:
     """Set ``obj.name = new``, remembering what the instance held, for :func:`detach`."""
@@ -588,6 +736,8 @@ def detach(engine) -> None:
         else:
             setattr(obj, name, before)
     state.replaced.clear()
+    if state.params is not None:
+        _unroute_param_gather(state)
     state._forward_hook.remove()
     state.geometry.remove_hooks()
     if state._jsonl is not None:

@@ -102,6 +102,19 @@ def build_engine(spec: dict):
     return engine
 
 
+def param_digest(module) -> str:
+    """A hash of every parameter's bytes, in name order: equal on two ranks iff their replicas are."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def initialize_error(rank: int, world_size: int, spec: dict) -> str:
     """Build the engine and return the error it raised ("" if none): for config tests."""
     try:
@@ -139,7 +152,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
             return g * scale if scale is not None else g + float("nan")
 
         param.register_hook(hook)
-    losses, step_times, rss_steps = [], [], {}
+    losses, step_times, rss_steps, digests = [], [], {}, []
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
     done = 0
     if spec.get("resume"):
@@ -160,6 +173,8 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         engine.step()
         step_times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))
+        if (i + 1) % ga == 0:  # tests compare every rank's replicas after every step
+            digests.append(param_digest(engine.module))
         if spec.get("rss_at") and engine.global_steps in spec["rss_at"] and (i + 1) % ga == 0:
             import resource
 
@@ -176,7 +191,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
                 if len(opt.param_to_partition_ids[group][opt.get_param_id(p)]) > 1:
                     split.append(name)
     gift = getattr(engine, "gift", None)
-    result = {"losses": losses, "params": params, "skipped": getattr(engine, "skipped_steps", 0),
+    result = {"losses": losses, "params": params, "digests": digests, "skipped": getattr(engine, "skipped_steps", 0),
               "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks}
     if gift is not None:
         g = gift.geometry

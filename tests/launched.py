@@ -31,7 +31,8 @@ def main():
     out = {"rank": rank, "world_size": world, "losses": result["losses"], "gift": gift,
            "records": result.get("records", []), "backend": result.get("backend"), "version": result.get("version"),
            "whitener_digest": result.get("whitener_digest"),
-           "param_sum": float(sum(p.double().sum() for p in result["params"].values()))}
+           "param_sum": float(sum(p.double().sum() for p in result["params"].values())),
+           "digests": result["digests"]}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 

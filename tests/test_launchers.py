@@ -45,7 +45,7 @@ def _check(results, world):
     assert first["gift"] and len(first["records"]) == 3
     assert max(rec["fidelity_rel_err"] for rec in first["records"]) < 0.0625
     for r in results:  # ZeRO all-gathers the updated parameters: every rank holds the same model
-        assert r["param_sum"] == first["param_sum"]
+        assert r["param_sum"] == first["param_sum"] and r["digests"] == first["digests"]
         assert r["whitener_digest"] == first["whitener_digest"]
 
 
@@ -67,9 +67,10 @@ def test_mpirun_with_mpi_backend(tmp_path):
 
 
 def test_mpirun_two_level_with_mpi_backend(tmp_path):
-    # 4 ranks posing as 2 nodes x 2: MPI communicators split by node and by slot
+    # 4 ranks posing as 2 nodes x 2: MPI communicators split by node and by slot, for the
+    # gradients and for the compressed parameter all-gather
     spec = json.loads(json.dumps(SPEC))
-    spec["gift"].update(backend="mpi", hierarchy="two_level", ranks_per_node=2)
+    spec["gift"].update(backend="mpi", hierarchy="two_level", ranks_per_node=2, params={"format": "nvfp4"})
     # --map-by slot: Open MPI's default mapping numbers local ranks out of rank order at 4 ranks on 2
     # cores, which DeepSpeed's MPI discovery rejects (LOCAL_RANK != OMPI_COMM_WORLD_LOCAL_RANK)
     cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--map-by", "slot", "-np", "4",
@@ -79,6 +80,10 @@ def test_mpirun_two_level_with_mpi_backend(tmp_path):
     _check(results, 4)
     assert all(r["backend"] == "mpi" for r in results)
     assert all(rec["hierarchy"] == "two_level" and rec["bytes_node"] > 0 for rec in results[0]["records"])
+    # nvfp4 deltas: 4.5 bits + headers per element. Two-level: a rank sends its blob to the other
+    # node once, then both nodes' blobs to its node peer: 1 of the 3 blobs leaves the node.
+    assert all(0.55 < rec["params_bytes_per_elem"] < 0.6 and rec["params_bytes"] == 3 * rec["params_bytes_internode"]
+               for rec in results[0]["records"])
 
 
 def test_deepspeed_launcher_with_hostfile(tmp_path):

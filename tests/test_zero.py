@@ -147,15 +147,16 @@ def test_world_size_one_runs_and_sends_nothing():
 
 
 def test_detach_restores_deepspeed_exactly():
-    # kfac (forward pre-hooks on every linear layer) at fp8: attached, then detached before step 1;
-    # the run must then be DeepSpeed's own to the last bit, with no GIFT hook left on the model.
+    # kfac (forward pre-hooks on every linear layer) at fp8, fp8 parameter all-gather (the optimizer
+    # step and DeepSpeed's all-gather routed): attached, then detached before step 1; the run must
+    # then be DeepSpeed's own to the last bit, with no GIFT hook left on the model.
     gift = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
-            "telemetry": {"every": 1}}
+            "telemetry": {"every": 1}, "params": {"format": "fp8_e4m3"}}
     base = dict(stage=2, steps=3, bucket=20000)
     for native, detached in run_ranks(train_many, 2, [base, dict(base, gift=gift, detach=True)]):
         assert detached["hooks"] == native["hooks"]  # DeepSpeed's own hooks only
         assert "records" not in detached or detached["records"] == []
-        assert detached["losses"] == native["losses"]
+        assert detached["losses"] == native["losses"] and detached["digests"] == native["digests"]
         assert _max_param_diff(native, detached) == 0.0
 
 

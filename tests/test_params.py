@@ -1,0 +1,156 @@
+"""``gift.params``: the parameter all-gather sends the quantized change of the replica. Replicas
+stay bit-identical on every rank, track their target without drift, and the format that is the
+replica's own dtype is DeepSpeed's all-gather exactly."""
+
+import pytest
+import torch
+
+from deepspeed_gift import formats
+from deepspeed_gift.param_gather import GAP_BLOCK, ReplicaGather, relative_gap
+from launch.common import initialize_error, train_many
+from launch.spawn import run_ranks
+
+BF16_ULP = 2.0**-8  # bf16's spacing relative to the top of its binade (8 significant bits)
+# fp8_e4m3 deltas: the delta's own rounding is far below a bf16 ulp of the parameter, so the
+# replica sits at its target or one ulp next to it (relative to its block's largest value).
+FP8_GAP_BOUND = 2 * BF16_ULP
+
+
+def _partitions(world, numel, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16) for _ in range(world)]
+
+
+def _gather_rounds(rank, world, fmt, per_node, rounds):
+    """``rounds`` steps of a random walk of every partition's target (Adam-sized steps), gathered
+    flat and two-level; returns what every rank ends with, the gaps and the bytes."""
+    import torch.distributed as dist
+
+    from deepspeed_gift.comm import TorchComm, split_by_node
+
+    dist.init_process_group("gloo")
+    comm = TorchComm()
+    codec = formats.get_format(fmt)
+    node_comm, slot_comm = split_by_node(comm, per_node)
+    out = {}
+    for name, gather in (("flat", ReplicaGather(comm, codec, ranks_per_node=per_node)),
+                         ("two_level", ReplicaGather(comm, codec, node_comm=node_comm, slot_comm=slot_comm))):
+        groups = [_partitions(world, 1000, seed=1), _partitions(world, 333, seed=2)]  # the same on every rank
+        walk = torch.Generator().manual_seed(100 + rank)
+        gaps, reference_ok, stats = [], True, None
+        for _ in range(rounds):
+            before = [parts[rank].clone() for parts in groups]
+            targets = []
+            for parts in groups:  # the owner's new master, in the replica's dtype
+                step = torch.randn(parts[rank].shape, generator=walk) * 1e-3
+                parts[rank].copy_((parts[rank].float() + step).to(torch.bfloat16))
+                targets.append(parts[rank].clone())
+            expected = [(b.float() + codec.decode(codec.encode(t.float() - b.float()))).to(torch.bfloat16)
+                        for b, t in zip(before, targets)]  # the slow reference: one rank's view
+            stats = gather.gather(groups, rank, before)
+            reference_ok &= all(torch.equal(parts[rank], e) for parts, e in zip(groups, expected))
+            gaps.append(stats["params_gap_rel"])
+            drift = max(relative_gap(parts[rank], t) for parts, t in zip(groups, targets))
+            assert drift == stats["params_gap_rel"]
+        out[name] = {"final": [torch.cat([parts[r] for parts in groups]) for r in range(world)],
+                     "gaps": gaps, "reference_ok": reference_ok, "stats": stats}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
+def test_replicas_are_identical_on_every_rank_and_do_not_drift(fmt):
+    world, per_node, rounds = 4, 2, 30
+    results = run_ranks(_gather_rounds, world, fmt, per_node, rounds)
+    codec = formats.get_format(fmt)
+    for mode in ("flat", "two_level"):
+        first = results[0][mode]["final"]
+        for res in results:
+            assert all(torch.equal(a, b) for a, b in zip(res[mode]["final"], first))  # bit-identical replicas
+            assert res[mode]["reference_ok"]
+        # every rank's partition, as gathered, is what the owner's reference computed: same bits flat and two-level
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["flat"]["final"], results[0]["two_level"]["final"]))
+        gaps = [g for res in results for g in res[mode]["gaps"]]
+        late = [g for res in results for g in res[mode]["gaps"][rounds // 2:]]
+        bound = FP8_GAP_BOUND if fmt == "fp8_e4m3" else 8 * BF16_ULP
+        assert 0 < max(gaps) <= bound
+        assert max(late) <= bound  # carried forward, not accumulated: the second half is no worse
+    numel = 1000 + 333
+    blob = codec.nbytes(1000) + codec.nbytes(333)
+    flat, two = results[0]["flat"]["stats"], results[0]["two_level"]["stats"]
+    assert flat["params_bytes"] == 3 * blob and flat["params_bytes_internode"] == 2 * blob
+    assert two["params_bytes"] == blob + 2 * blob and two["params_bytes_internode"] == blob  # half of flat's
+    assert flat["params_elements"] == two["params_elements"] == 3 * numel
+
+
+def test_relative_gap_is_per_block_and_never_hides_nan():
+    target = torch.zeros(2 * GAP_BLOCK)
+    target[0], target[GAP_BLOCK] = 1.0, 1e-3  # a large block and a small one
+    replica = target.clone()
+    replica[GAP_BLOCK + 1] = 1e-4  # small next to its own block's 1e-3, tiny next to the other's 1.0
+    assert relative_gap(replica, target) == pytest.approx(0.1)
+    assert relative_gap(target, target) == 0.0
+    target[3] = float("nan")
+    assert relative_gap(replica, target) != relative_gap(replica, target)  # nan
+
+
+LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
+FP8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
+       "telemetry": {"every": 1}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_own_dtype_is_deepspeeds_all_gather_exactly(stage):
+    # fp32 model, W=2, Muon: GIFT's lossless gradients are DeepSpeed's bits (x/2 + y/2 == (x + y)/2),
+    # so with params in fp32 the whole run is native DeepSpeed's, bit for bit. bf16 model: params in
+    # bf16 against the same GIFT config without gift.params.
+    fp32 = dict(stage=stage, steps=4, bucket=20000, optimizer="muon", lr=2e-2)
+    bf16 = dict(stage=stage, steps=4, bucket=20000, dtype="bf16")
+    specs = [fp32, dict(fp32, gift=dict(LOSSLESS, params={"format": "fp32"})),
+             dict(bf16, gift=FP8), dict(bf16, gift=dict(FP8, params={"format": "bf16"}))]
+    for native, exact32, gift, exact16 in run_ranks(train_many, 2, specs):
+        assert exact32["losses"] == native["losses"] and exact32["digests"] == native["digests"]
+        assert exact16["losses"] == gift["losses"] and exact16["digests"] == gift["digests"]
+        for rec in exact32["records"] + exact16["records"]:
+            assert rec["params_exact"] and rec["params_gap_rel"] == 0.0
+        assert [r["params_bytes_per_elem"] for r in exact32["records"]] == [4.0] * 4
+        assert [r["params_bytes_per_elem"] for r in exact16["records"]] == [2.0] * 4
+        assert [r["params_bytes_per_elem"] for r in gift["records"]] == [2.0] * 4  # DeepSpeed's own, reported
+
+
+def test_compressed_replicas_identical_at_2_and_3_ranks_with_resync():
+    # bf16 model, fp8 gradients and fp8 parameter deltas, stage 1 and 2, Adam; every 4th step exact
+    steps = 8
+    base = dict(steps=steps, bucket=20000, dtype="bf16", gift=dict(FP8, params={"resync_interval": 4}))
+    for world in (2, 3):
+        results = run_ranks(train_many, world, [dict(base, stage=1), dict(base, stage=2)])
+        for run in range(2):
+            first = results[0][run]
+            assert len(first["digests"]) == steps
+            for res in results:  # every rank's replicas after every step: the same bytes
+                assert res[run]["digests"] == first["digests"]
+            recs = first["records"]
+            assert [r["params_exact"] for r in recs] == [k % 4 == 3 for k in range(steps)]
+            for r in recs:
+                if r["params_exact"]:
+                    assert r["params_gap_rel"] == 0.0 and r["params_bytes_per_elem"] == 2.0
+                else:  # fp8 with fp32 scales per 128, headers: just over 1 B/element
+                    assert 0 < r["params_gap_rel"] <= FP8_GAP_BOUND
+                    assert 1.03 < r["params_bytes_per_elem"] < 1.06
+                assert r["bytes_per_elem_total"] == pytest.approx(r["bytes_per_elem"] + r["params_bytes_per_elem"])
+            assert first["losses"][-1] < first["losses"][0] - 0.5
+
+
+def test_resume_with_compressed_params_is_bit_exact(tmp_path):
+    # DeepSpeed saves the module (the replicas) and the fp32 masters: a resumed run continues exactly
+    save_dir = str(tmp_path / "ckpt")
+    base = dict(stage=2, steps=6, bucket=30000, dtype="bf16", gift=dict(FP8, params={"format": "nvfp4"}))
+    full, first = run_ranks(train_many, 2, [base, dict(base, steps=3, save_at=3, save_dir=save_dir)])[0]
+    (resumed,) = run_ranks(train_many, 2, [dict(base, resume=save_dir)])[0]
+    assert first["digests"] == full["digests"][:3]
+    assert resumed["losses"] == full["losses"][3:] and resumed["digests"] == full["digests"][3:]
+
+
+def test_params_config_the_replicas_cannot_use_fails_at_initialize():
+    errors = run_ranks(initialize_error, 2, dict(stage=2, dtype="bf16", gift=dict(FP8, params={"format": "fp32"})))
+    assert "gift.params.format: got 'fp32', but the parameter replicas are torch.bfloat16" in errors[0]
