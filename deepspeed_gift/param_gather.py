@@ -17,7 +17,7 @@ Pure of DeepSpeed: it works on lists of partition tensors and a :class:`~deepspe
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 from torch import Tensor
@@ -84,15 +84,18 @@ class ReplicaGather:
                     "params_bytes_internode": blob_nbytes * (nodes - 1)}
         return {"params_bytes": blob_nbytes * (world - 1), "params_bytes_internode": blob_nbytes * (world - per_node)}
 
-    def gather(self, replicas: Sequence[Sequence[Tensor]], me: int, before: Sequence[Tensor]) -> Dict[str, float]:
+    def gather(self, replicas: Sequence[Sequence[Tensor]], me: int, before: Sequence[Tensor],
+               measure_gap: bool = True) -> Dict[str, float]:
         """``replicas[g][r]``: partition r of group g. On entry every rank holds the same replica in
         every partition, except its own ``replicas[g][me]``, which holds the target (the new master
         in the replica's dtype); ``before[g]`` is what that partition held before the step. On
         return ``replicas[g][r] = dtype(replica + decode(encode(target - replica)))`` for every r,
-        bit-identical on every rank. Returns telemetry counters."""
+        bit-identical on every rank. Returns telemetry counters; ``params_gap_rel`` (the owner's
+        :func:`relative_gap`, one more pass over its partition) only with ``measure_gap``."""
         t0 = time.perf_counter()
         codec = self.codec
-        blobs = [codec.encode_to_bytes(parts[me].float() - old.float()) for parts, old in zip(replicas, before)]
+        # in place where possible: a fresh fp32 temporary of a partition costs more than the math
+        blobs = [codec.encode_to_bytes(parts[me].float().sub_(old)) for parts, old in zip(replicas, before)]
         sizes = [b.numel() for b in blobs]
         blob = torch.cat(blobs) if len(blobs) > 1 else blobs[0]
         t1 = time.perf_counter()
@@ -104,15 +107,16 @@ class ReplicaGather:
             for g, parts in enumerate(replicas):
                 piece = buf[offset:offset + sizes[g]]
                 offset += sizes[g]
-                delta = codec.decode_from_bytes(piece, (parts[r].numel(),), check_header=(r == 0))
-                base = before[g] if r == me else parts[r]
-                new = (base.float() + delta).to(parts[r].dtype)
-                if r == me:
-                    gap = max(gap, relative_gap(new, parts[r]))
+                new = codec.decode_from_bytes(piece, (parts[r].numel(),), check_header=(r == 0))
+                new.add_(before[g] if r == me else parts[r])  # fp32 sum, rounded once by the copy
+                if r == me and measure_gap:
+                    gap = max(gap, relative_gap(new.to(parts[r].dtype), parts[r]))
                 parts[r].copy_(new)
         numel = sum(parts[me].numel() for parts in replicas)
-        stats = {"params_elements": numel * (self.comm.world_size - 1), "params_gap_rel": gap,
+        stats = {"params_elements": numel * (self.comm.world_size - 1),
                  "params_codec_s": (t1 - t0) + (time.perf_counter() - t2), "params_comm_s": t2 - t1}
+        if measure_gap:
+            stats["params_gap_rel"] = gap
         stats.update(self.sent_bytes(blob.numel()))
         return stats
 
@@ -121,11 +125,3 @@ class ReplicaGather:
         world, per_node = self.comm.world_size, self.ranks_per_node
         return {"params_elements": numel * (world - 1), "params_bytes": numel * itemsize * (world - 1),
                 "params_bytes_internode": numel * itemsize * (world - per_node), "params_gap_rel": 0.0}
-
-
-def replica_nbytes_per_elem(codec: Optional[Codec], numel: int, itemsize: int) -> float:
-    """Bytes per element a partition of ``numel`` costs on the wire: the codec's (header and
-    scales included), or the replica's own ``itemsize`` for an exact all-gather."""
-    if codec is None or numel == 0:
-        return float(itemsize)
-    return codec.nbytes(numel) / numel

@@ -209,7 +209,8 @@ class GiftState:
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
-        self._params_gap = 0.0
+        self._params_gap = None  # the largest replica-target gap measured this step
+        self._params_sampled = False
         self.replica_dtype = opt.bit16_groups_flat[0].dtype if getattr(opt, "bit16_groups_flat", None) else None
         if cfg.params is not None:
             _probe_params_internals(opt)
@@ -476,6 +477,7 @@ class GiftState:
         me = self.comm.rank
         self._params_pending = ("exact" if self.params_exact_now(k)
                                 else [parts[me].clone() for parts in self.opt.parallel_partitioned_bit16_groups])
+        self._params_sampled = self.sampling(k)  # the replica-target gap: on telemetry's sampled steps
         try:
             return native_step(*args, **kwargs)  # an overflow step returns before its all-gather
         finally:
@@ -494,8 +496,10 @@ class GiftState:
             stats["params_comm_s"] = time.perf_counter() - t0
             stats["params_exact_steps"] = 1
         else:
-            stats = self.params.gather(parts, me, pending)
-        self._params_gap = max(self._params_gap, stats.pop("params_gap_rel"))
+            stats = self.params.gather(parts, me, pending, measure_gap=self._params_sampled)
+        if "params_gap_rel" in stats:
+            gap = stats.pop("params_gap_rel")
+            self._params_gap = gap if self._params_gap is None else max(self._params_gap, gap)
         for key, value in stats.items():
             self.step_totals[key] = self.step_totals.get(key, 0) + value
 
@@ -541,12 +545,13 @@ class GiftState:
             record["params_bytes"] = int(t["params_bytes"])
             record["params_bytes_internode"] = int(t["params_bytes_internode"])
             record["params_bytes_per_elem"] = t["params_bytes"] / t["params_elements"]
-            record["params_gap_rel"] = self._params_gap
+            if self._params_gap is not None:
+                record["params_gap_rel"] = self._params_gap
             record["params_exact"] = bool(t.get("params_exact_steps"))
             record["params_s"] = t.get("params_codec_s", 0.0) + t.get("params_comm_s", 0.0)
         elif self.replica_dtype is not None:  # DeepSpeed's own all-gather: the replica's dtype per element
             record["params_bytes_per_elem"] = float(self.replica_dtype.itemsize)
-        self._params_gap = 0.0
+        self._params_gap = None
         if "params_bytes_per_elem" in record:
             # per element of the model and step: gradients (and geometry) out, parameters back
             record["bytes_per_elem_total"] = record["bytes_per_elem"] + record["params_bytes_per_elem"]

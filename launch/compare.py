@@ -97,7 +97,7 @@ def _report_order(path: str):
     if g["wire"] == "native":
         return (opt, 0)
     return (opt, 1, FORMAT_ORDER.index(g["format"]), g["block"], g["geometry"] != "identity",
-            str(g["layers"]) == "all", path)
+            str(g["layers"]) == "all", g.get("params") is not None, path)
 
 
 def is_baseline(path: str) -> bool:
@@ -122,7 +122,7 @@ def describe_gift(path: str) -> dict:
         return {"wire": "native", "optimizer": optimizer}
     return {"wire": "gift", "optimizer": optimizer, "format": cfg.format, "block": cfg.effective_block_size,
             "scale": cfg.scale, "geometry": cfg.geometry.kind, "error_feedback": cfg.error_feedback,
-            "layers": cfg.layers}
+            "layers": cfg.layers, "params": cfg.params.format if cfg.params is not None else None}
 
 
 def optimizer_name(g: dict) -> str:
@@ -283,7 +283,8 @@ def wire_name(g: dict) -> str:
     kinds = g["geometry"] if isinstance(g["geometry"], list) else [g["geometry"]]
     geo = "/".join(names[k] for k in kinds)
     layers = "" if g["geometry"] == "identity" else f" (layers {g['layers']})"
-    return f"{geo} {g['format']} {block}{layers}" + (" + EF" if g.get("error_feedback") else "")
+    return (f"{geo} {g['format']} {block}{layers}" + (" + EF" if g.get("error_feedback") else "")
+            + (f" + params {g['params']}" if g.get("params") else ""))
 
 
 def baseline_of(r: dict, results: list):
@@ -294,9 +295,10 @@ def baseline_of(r: dict, results: list):
 
 def report_table(results: list, with_seed: bool = False) -> list:
     rows = ["| config | optim | " + ("seed | " if with_seed else "") + "wire | status | train loss | vs bf16 | "
-            "val loss | vs bf16 | val acc | B/elem | fidelity err | geo layers | step s | x bf16 | cpu s | x bf16 |",
+            "val loss | vs bf16 | val acc | B/elem | total B/elem | fidelity err | geo layers | step s | x bf16 | "
+            "cpu s | x bf16 |",
             "|---|---|" + ("---:|" if with_seed else "") + "---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-            "---:|---:|---:|"]
+            "---:|---:|---:|---:|"]
     for r in results:
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
         if r.get("error"):
@@ -307,7 +309,7 @@ def report_table(results: list, with_seed: bool = False) -> list:
             wire_name(r["gift"]), status,
             _f(r.get("final_train_loss")), _gap(r.get("final_train_loss"), b.get("final_train_loss")),
             _f(r.get("final_val_loss")), _gap(r.get("final_val_loss"), b.get("final_val_loss")),
-            _f(r.get("final_val_acc")), _f(r.get("bytes_per_elem"), ".3f"),
+            _f(r.get("final_val_acc")), _f(r.get("bytes_per_elem"), ".3f"), _f(r.get("bytes_per_elem_total"), ".3f"),
             _f(r.get("fidelity_rel_err"), ".2e"),
             str(r["geometry_layers"]) if r.get("geometry_layers") is not None
             and r["gift"].get("geometry") not in (None, "identity") else "-",
@@ -396,10 +398,38 @@ def matched_pairs(results: list) -> list:
         for e in results:
             ee = e["gift"]
             if (ee.get("wire") == "gift" and ee["geometry"] == "identity"
-                    and (ee["optimizer"], ee["format"], ee["block"], ee["scale"])
-                    == (gg["optimizer"], gg["format"], gg["block"], gg["scale"])):
+                    and (ee["optimizer"], ee["format"], ee["block"], ee["scale"], ee.get("params"))
+                    == (gg["optimizer"], gg["format"], gg["block"], gg["scale"], gg.get("params"))):
                 out.append((g, e))
     return out
+
+
+def params_pairs(results: list) -> list:
+    """(run with a compressed parameter all-gather, the same config with DeepSpeed's own)."""
+    out = []
+    for c in results:
+        if c["gift"].get("params") is None:
+            continue
+        same = {k: v for k, v in c["gift"].items() if k != "params"}
+        for b in results:
+            if b["gift"].get("params") is None and {k: v for k, v in b["gift"].items() if k != "params"} == same:
+                out.append((c, b))
+    return out
+
+
+def params_lines(results: list) -> list:
+    lines = []
+    for c, b in params_pairs(results):
+        lines.append(
+            f"- {optimizer_name(c['gift'])}, {wire_name(c['gift'])} vs without `params`: val loss "
+            f"{_f(c.get('final_val_loss'))} vs {_f(b.get('final_val_loss'))} "
+            f"({_gap(c.get('final_val_loss'), b.get('final_val_loss'))}), train loss "
+            f"{_f(c.get('final_train_loss'))} vs {_f(b.get('final_train_loss'))}, total B/elem "
+            f"{_f(c.get('bytes_per_elem_total'), '.3f')} vs {_f(b.get('bytes_per_elem_total'), '.3f')} "
+            f"({_ratio(c.get('bytes_per_elem_total'), b.get('bytes_per_elem_total'))}x), largest replica gap "
+            f"{_f(c.get('params_gap_rel_max'), '.2e')}, step time {_f(c.get('median_step_s'), '.3f')} vs "
+            f"{_f(b.get('median_step_s'), '.3f')} s")
+    return lines
 
 
 def pairs(results: list, optimizer: str = None) -> list:
@@ -487,6 +517,7 @@ def write_report(runs: list, combined: list, args, path: str, plot_path, plot_no
         "next-token accuracy on held-out text); vs bf16 = gap in % to the bf16 baseline with the same optimizer"
         + (" and seed" if n_seeds > 1 else "") + "; B/elem = bytes on the wire per "
         "gradient element over the run, scales, headers and geometry exchange included (native bf16 = 2); "
+        "total B/elem = that plus the parameter all-gather's bytes per element, mean per step (native bf16 = 4); "
         "fidelity err = relative L2 error of the reduced gradient against an exact fp32 reduction, mean over "
         "sampled steps; geo layers = layers in the geometry branch at the end; step s = median wall-clock step "
         "time after 5 warm-up steps, cpu s = median CPU time of rank 0 per step (what the step computes, barely "
@@ -531,6 +562,15 @@ def write_report(runs: list, combined: list, args, path: str, plot_path, plot_no
         else:
             lines += [f"## GIFT vs Euclidean at the same format ({optimizer_name({'optimizer': optimizer})})", ""]
         lines += [*mean_note, *pair_lines, ""]
+    compressed = params_lines(combined)
+    if compressed:
+        lines += ["## Compressed parameter all-gather", "",
+                  "`gift.params`: after the step the owner sends the quantized change of the bf16 replica instead "
+                  "of the replica; every rank applies the same decoded change. Against the same config with "
+                  "DeepSpeed's own all-gather. total B/elem = gradient bytes (geometry included) plus parameter "
+                  "bytes per element and step (native bf16: 2 + 2); replica gap = the largest |replica - "
+                  "bf16(master)| over the run, relative to the largest value of its 128-element block.", "",
+                  *mean_note, *compressed, ""]
     stats = {}
     if n_seeds > 1:
         seed_lines, by_config, verdicts = seed_section(runs, combined, args)

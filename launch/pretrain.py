@@ -252,14 +252,17 @@ PROFILE_KEYS = (*PROFILE_ERRORS, "profile_layers", "profile_judged", "update_met
 def gift_step_telemetry(engine, step_index: int) -> dict:
     """The GIFT record of optimizer step ``step_index`` (0-based), or the native wire size."""
     gift = getattr(engine, "gift", None)
-    if gift is None:
-        return {"bytes_per_elem": float(engine.communication_data_type.itemsize), "wire": "native"}
-    rec = next((r for r in reversed(gift.records) if r["step"] == step_index), None)
-    if rec is None:  # before gift.start_step: DeepSpeed's own reduction
-        return {"bytes_per_elem": float(engine.communication_data_type.itemsize), "wire": "native"}
+    rec = None if gift is None else next((r for r in reversed(gift.records) if r["step"] == step_index), None)
+    if rec is None:  # no GIFT, or before gift.start_step: DeepSpeed's own reduce-scatter and all-gather
+        grads = float(engine.communication_data_type.itemsize)
+        params = float(next(engine.module.parameters()).element_size())
+        return {"bytes_per_elem": grads, "params_bytes_per_elem": params, "bytes_per_elem_total": grads + params,
+                "wire": "native"}
     out = {k: rec[k] for k in ("bytes_per_elem", "bytes_per_elem_run", "fidelity_rel_err", "geometry_layers",
                                "geometry_version", "underflow_rate", "saturated", "comm_s", "codec_s",
-                               "transform_s", "hierarchy", "bytes_node", "node_s", "bytes_internode", *PROFILE_KEYS)
+                               "transform_s", "hierarchy", "bytes_node", "node_s", "bytes_internode",
+                               "params_bytes_per_elem", "bytes_per_elem_total", "params_gap_rel", "params_s",
+                               "params_bytes_internode", "params_exact", *PROFILE_KEYS)
            if rec.get(k) is not None}
     out["wire"] = "gift"
     return out
@@ -365,6 +368,10 @@ def summarize(train_records: list, eval_records: list, tail: int = 10, skip: int
     if train_records:
         last_rec = train_records[-1]
         out["bytes_per_elem"] = last_rec.get("bytes_per_elem_run", last_rec.get("bytes_per_elem"))
+        totals = [r["bytes_per_elem_total"] for r in train_records if "bytes_per_elem_total" in r]
+        out["bytes_per_elem_total"] = statistics.fmean(totals) if totals else None
+        gaps = [r["params_gap_rel"] for r in train_records if "params_gap_rel" in r]
+        out["params_gap_rel_max"] = max(gaps) if gaps else None
     out.update(summarize_profile(train_records))
     if eval_records:
         out["final_val_loss"] = eval_records[-1]["val_loss"]
