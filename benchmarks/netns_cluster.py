@@ -350,6 +350,10 @@ def job_result(metrics: str, sampler: CounterSampler, args) -> dict:
         # GIFT's gradient bytes that left the host, from its own count (rank 0's x ranks per host)
         "gift_internode_bytes_per_step": (statistics.fmean(r["bytes_internode"] for r in timed) * args.ranks_per_host
                                           if all("bytes_internode" in r for r in timed) else None),
+        # the same for the compressed parameter all-gather (gift.params)
+        "gift_param_internode_bytes_per_step": (
+            statistics.fmean(r["params_bytes_internode"] for r in timed) * args.ranks_per_host
+            if all("params_bytes_internode" in r for r in timed) else None),
         # GIFT's own split of the gradient reduction (rank 0, per step): waiting in the
         # all-to-all, encode/decode/sum, whitening and inverse
         **{f"gift_{k}": [r[k] for r in timed] for k in ("comm_s", "codec_s", "transform_s", "node_s")
@@ -374,8 +378,8 @@ def merge_repeats(runs: List[dict]) -> dict:
         if key in ok[0]:
             out[key] = statistics.median(t for r in ok for t in r[key])
     for key in ("gift_bytes_per_elem", "wire", "geometry_layers", "hierarchy", "final_loss",
-                "gift_internode_bytes_per_step"):
-        out[key] = ok[-1][key]
+                "gift_internode_bytes_per_step", "gift_param_internode_bytes_per_step"):
+        out[key] = ok[-1].get(key)
     return out
 
 
@@ -526,24 +530,25 @@ def print_table(results: dict) -> None:
           f"of steps {results['skip'] + 1}..{results['steps']} of {results['repeats']} runs (in brackets: the "
           f"range of the runs' medians); speedup = {base_name} step time / this one; "
           f"MB = bytes each host's interface counted as sent per step (payload and the headers it counts); "
-          f"grad MB = GIFT's own count of its gradient bytes that left the host (rank 0's x ranks per host)\n")
-    head = "| config | " + " | ".join(f"{b} s/step | x | MB | grad MB" for b in bands) + " |"
+          f"grad MB / param MB = GIFT's own count of its gradient / compressed parameter bytes that left the "
+          f"host (rank 0's x ranks per host)\n")
+    head = "| config | " + " | ".join(f"{b} s/step | x | MB | grad MB | param MB" for b in bands) + " |"
     print(head)
-    print("|---|" + "---:|---:|---:|---:|" * len(bands))
+    print("|---|" + "---:|---:|---:|---:|---:|" * len(bands))
     by = {(x["config"], x["bandwidth"]): x for x in points}
     for name in results["configs"]:
         cells = []
         for b in bands:
             pt, base = by.get((name, b)), by.get((base_name, b))
             if pt is None or pt["status"] != "ok":
-                cells.append(f"{pt['status'] if pt else 'not run'} | - | - | -")
+                cells.append(f"{pt['status'] if pt else 'not run'} | - | - | - | -")
                 continue
             sp = base["median_step_s"] / pt["median_step_s"] if base and base["status"] == "ok" else float("nan")
             reps = pt["repeat_medians_s"]
             spread = f" ({min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
-            grad = pt.get("gift_internode_bytes_per_step")
+            grad, param = pt.get("gift_internode_bytes_per_step"), pt.get("gift_param_internode_bytes_per_step")
             cells.append(f"{pt['median_step_s']:.3f}{spread} | {sp:.2f} | {pt['tx_bytes_per_step'] / 1e6:.2f} | "
-                         + (f"{grad / 1e6:.2f}" if grad is not None else "-"))
+                         + " | ".join(f"{x / 1e6:.2f}" if x is not None else "-" for x in (grad, param)))
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

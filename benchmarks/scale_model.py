@@ -25,12 +25,16 @@ rate) / efficiency``, with the bytes of one rank's tensor S (:func:`collective_b
     T_grad   DeepSpeed: ring all-reduce of bf16 (its default use_multi_rank_bucket_allreduce),
              or an ideal bf16 reduce-scatter; GIFT: one flat all-to-all of the codec's bytes
              (``formats.get_format(...).nbytes``), or the two-level exchange
-    T_param  ring all-gather of the updated bf16 parameters (GIFT does not change it)
+    T_param  ring all-gather of the updated bf16 parameters; with ``gift.params``, of the
+             quantized changes of the replicas (the codec's bytes), two-level where the
+             gradients are: across nodes among same-slot GPUs, then inside the node, still
+             quantized (NIC bytes as the ring's; NVLink carries the quantized bytes)
 
 ``T_codec`` is encode + decode of the elements a rank codes (N flat, N/G two-level), from
 the codec's measured time relative to a copy of the tensor (``benchmarks/codec_speed.py``,
 measured here unless ``--codec-json``) times a copy on the target (8 bytes per element at
-``--hbm-tbs``). ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
+``--hbm-tbs``); with ``gift.params`` also the parameters' encode of N/W elements and decode
+plus add of all N (one more copy's worth per element). ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
 and factors are fp32): the input statistics (2 tokens n^2 flops per distinct layer input
 every ``collect_interval`` steps), whitening of what a rank sends and the inverse of what
 it owns (8 and 4 m n r flops, for selected layers), and every rank's Nystrom
@@ -118,23 +122,35 @@ def config_wire(config: dict, world: int = 1, per_node: int = 1) -> dict:
     ``world`` ranks of ``per_node`` per node)."""
     gift = config.get("gift") or {}
     zero = config.get("zero_optimization", {})
+    replica = "bf16" if config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled") else "fp32"
+    replica_bytes = {"bf16": 2.0, "fp32": 4.0}[replica]
     if not gift or not gift.get("enabled", True):
-        dtype = config.get("communication_data_type") or ("bf16" if config.get("bf16", {}).get("enabled") else "fp32")
+        dtype = config.get("communication_data_type") or replica
         b = {"bf16": 2.0, "bfp16": 2.0, "fp16": 2.0, "fp32": 4.0}[dtype]
         allreduce = zero.get("use_multi_rank_bucket_allreduce", True) or not zero.get("reduce_scatter", True)
-        return {"collective": "allreduce" if allreduce else "reducescatter", "bytes_per_elem": b, "format": dtype}
+        return {"collective": "allreduce" if allreduce else "reducescatter", "bytes_per_elem": b, "format": dtype,
+                "param_collective": "allgather", "param_bytes_per_elem": replica_bytes}
     fmt = gift.get("format", "fp8_e4m3")
     b = wire_bytes_per_element(fmt, **{k: gift[k] for k in ("block_size", "scale") if k in gift})
     per_node = gift.get("ranks_per_node") or per_node
     hierarchy = gift.get("hierarchy", "by_topology")
     two = hierarchy == "two_level" or (hierarchy == "by_topology" and per_node > 1 and world // per_node > 1)
-    return {"collective": "two_level" if two else "alltoall", "format": fmt, "bytes_per_elem": b}
+    out = {"collective": "two_level" if two else "alltoall", "format": fmt, "bytes_per_elem": b,
+           "param_collective": "allgather", "param_bytes_per_elem": replica_bytes}
+    params = gift.get("params")
+    if params is not None and params.get("format", "fp8_e4m3") != replica:  # the replicas' own dtype: DeepSpeed's
+        pfmt = params.get("format", "fp8_e4m3")
+        out.update(param_collective="two_level" if two else "allgather", param_format=pfmt,
+                   param_bytes_per_elem=wire_bytes_per_element(pfmt, **{k: params[k] for k in ("block_size",)
+                                                                        if k in params}))
+    return out
 
 
-def link_bytes(wire: dict, n: float, world: int, per_node: int = 1, param_bytes: float = 2.0) -> Dict[str, float]:
+def link_bytes(wire: dict, n: float, world: int, per_node: int = 1) -> Dict[str, float]:
     """NIC bytes per rank and step: the gradient collective, then the parameter all-gather."""
     grad = collective_bytes(wire["collective"], n * wire["bytes_per_elem"], world, per_node)["nic"]
-    return {"grad": grad, "param": collective_bytes("allgather", n * param_bytes, world, per_node)["nic"]}
+    param = collective_bytes(wire["param_collective"], n * wire["param_bytes_per_elem"], world, per_node)["nic"]
+    return {"grad": grad, "param": param}
 
 
 # ---- calibration on the namespace cluster ------------------------------------------------
@@ -262,7 +278,7 @@ def llama_shapes(hidden: int, ffn: int, layers: int, vocab: int) -> dict:
 
 
 def codec_ratios(args) -> Dict[str, float]:
-    """encode + decode time of each format as a multiple of one fp32 copy of the tensor."""
+    """encode and decode time of each format as multiples of one fp32 copy of the tensor."""
     if args.codec_json:
         data = json.loads(Path(args.codec_json).read_text())
     else:
@@ -273,30 +289,36 @@ def codec_ratios(args) -> Dict[str, float]:
             if proc.returncode != 0:
                 raise SystemExit(f"benchmarks/codec_speed.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             data = json.loads(Path(f.name).read_text())
-    return {r["format"]: r["encode_vs_clone"] + r["decode_vs_clone"] for r in data["formats"]}
+    return {r["format"]: {"encode": r["encode_vs_clone"], "decode": r["decode_vs_clone"]} for r in data["formats"]}
 
 
 # label, gradient path ("native" all-reduce, "native_rs", GIFT "flat" or "two_level"),
 # format, whiten all layers (else: measured selects none, statistics only), geometry on,
-# statistics on at most --stats-tokens tokens per forward (geometry.stats_tokens), else on every token
+# statistics on at most --stats-tokens tokens per forward (geometry.stats_tokens), else on every
+# token, format of the parameter all-gather (gift.params; None: DeepSpeed's bf16 all-gather)
 CONFIGS = [
-    ("bf16 (DeepSpeed all-reduce)", "native", "bf16", False, False, False),
-    ("bf16 reduce-scatter", "native_rs", "bf16", False, False, False),
-    ("Euclidean fp8_e4m3", "flat", "fp8_e4m3", False, False, False),
-    ("GIFT fp8_e4m3, auto (no layer selected)", "flat", "fp8_e4m3", False, True, False),
-    ("GIFT fp8_e4m3, all layers", "flat", "fp8_e4m3", True, True, False),
-    ("Euclidean nvfp4", "flat", "nvfp4", False, False, False),
-    ("GIFT nvfp4, all layers", "flat", "nvfp4", True, True, False),
-    ("Euclidean fp8_e4m3, two-level", "two_level", "fp8_e4m3", False, False, False),
-    ("GIFT fp8_e4m3 all layers, two-level", "two_level", "fp8_e4m3", True, True, False),
-    ("GIFT nvfp4 all layers, two-level", "two_level", "nvfp4", True, True, False),
-    ("GIFT fp8_e4m3 all layers, two-level, stats_tokens", "two_level", "fp8_e4m3", True, True, True),
-    ("GIFT nvfp4 all layers, two-level, stats_tokens", "two_level", "nvfp4", True, True, True),
+    ("bf16 (DeepSpeed all-reduce)", "native", "bf16", False, False, False, None),
+    ("bf16 reduce-scatter", "native_rs", "bf16", False, False, False, None),
+    ("Euclidean fp8_e4m3", "flat", "fp8_e4m3", False, False, False, None),
+    ("GIFT fp8_e4m3, auto (no layer selected)", "flat", "fp8_e4m3", False, True, False, None),
+    ("GIFT fp8_e4m3, all layers", "flat", "fp8_e4m3", True, True, False, None),
+    ("Euclidean nvfp4", "flat", "nvfp4", False, False, False, None),
+    ("GIFT nvfp4, all layers", "flat", "nvfp4", True, True, False, None),
+    ("Euclidean fp8_e4m3, two-level", "two_level", "fp8_e4m3", False, False, False, None),
+    ("GIFT fp8_e4m3 all layers, two-level", "two_level", "fp8_e4m3", True, True, False, None),
+    ("GIFT nvfp4 all layers, two-level", "two_level", "nvfp4", True, True, False, None),
+    ("GIFT fp8_e4m3 all layers, two-level, stats_tokens", "two_level", "fp8_e4m3", True, True, True, None),
+    ("GIFT nvfp4 all layers, two-level, stats_tokens", "two_level", "nvfp4", True, True, True, None),
+    ("Euclidean fp8_e4m3, two-level, params fp8_e4m3", "two_level", "fp8_e4m3", False, False, False, "fp8_e4m3"),
+    ("GIFT fp8_e4m3 all layers, two-level, stats_tokens, params fp8_e4m3", "two_level", "fp8_e4m3", True, True, True,
+     "fp8_e4m3"),
+    ("GIFT nvfp4 all layers, two-level, stats_tokens, params nvfp4", "two_level", "nvfp4", True, True, True, "nvfp4"),
 ]
+NATIVE = ("bf16", False, False, False, None)  # what a native path's entry holds after its path
 
 
-def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled: bool, args, shapes: dict,
-               ratios: Dict[str, float], nic_gbit: float) -> dict:
+def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled: bool, param_fmt, args,
+               shapes: dict, ratios: Dict[str, dict], nic_gbit: float) -> dict:
     """Step time of one config at cluster scale (seconds), by term."""
     n, w, g = shapes["params"], args.world, min(args.gpus_per_node, args.world)
     tokens = args.tokens_per_gpu
@@ -323,7 +345,7 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             t_grad = collective_seconds("two_level", b * n, net, nvlink_s=2 * n)  # bf16 buckets inside the node
             coded = n / g
             sent = n / g * (w // g - 1) / (w // g)
-        codec = ratios[fmt] * copy_s * coded
+        codec = (ratios[fmt]["encode"] + ratios[fmt]["decode"]) * copy_s * coded
         if geometry:
             forwards = max(1, tokens // (args.micro_batch * args.seq))
             counted = min(tokens, args.stats_tokens * forwards) if subsampled else tokens
@@ -336,14 +358,19 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             whiten = sum(m * k * args.rank for m, k in shapes["linears"]) * (8 * sent / n + 4 / w) \
                 if all_layers else 0.0
             gift = (stats + refit + whiten) / fp32
-    t_param = collective_seconds("allgather", 2 * n, net)
+    if param_fmt is None:
+        t_param = collective_seconds("allgather", 2 * n, net)
+    else:  # the owner encodes N/W; every rank decodes all N and adds them to its replicas
+        pb = wire_bytes_per_element(param_fmt) * n
+        t_param = collective_seconds("two_level" if path == "two_level" else "allgather", pb, net, nvlink_s=pb)
+        codec += (ratios[param_fmt]["encode"] / w + ratios[param_fmt]["decode"] + 1) * copy_s * n
     comm = (1 - args.overlap) * (t_grad + t_param)
     return {"total": compute + gift + codec + comm, "compute": compute, "gift": gift, "codec": codec,
             "grad_comm": t_grad, "param_comm": t_param, "exposed_comm": comm}
 
 
 def saving_pct(entry, base_path: str, args, shapes, ratios, gbit: float) -> float:
-    base = step_model(base_path, "bf16", False, False, False, args, shapes, ratios, gbit)["total"]
+    base = step_model(base_path, *NATIVE, args, shapes, ratios, gbit)["total"]
     return 100 * (step_model(*entry[1:], args, shapes, ratios, gbit)["total"] / base - 1)
 
 
@@ -364,7 +391,7 @@ def scale_table(args, ratios) -> dict:
     shapes = llama_shapes(args.hidden, args.ffn, args.layers, args.vocab)
     out = {"params": shapes["params"], "non_embedding": shapes["non_embedding"], "bandwidths_gbit": args.nic_gbit,
            "rows": []}
-    bases = [tuple(step_model(path, "bf16", False, False, False, args, shapes, ratios, gbit)["total"]
+    bases = [tuple(step_model(path, *NATIVE, args, shapes, ratios, gbit)["total"]
                    for path in ("native", "native_rs")) for gbit in args.nic_gbit]
     for entry in CONFIGS:
         row = {"config": entry[0], "by_bandwidth": []}  # in the order of args.nic_gbit

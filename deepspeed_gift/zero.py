@@ -310,9 +310,14 @@ class GiftState:
         self.geometry.end_step(k)
         self._flush_telemetry(k)
 
-    def sampling(self, k: int) -> bool:
+    def sampled(self, k: int) -> bool:
+        """Step ``k`` is one of telemetry's sampled steps (``telemetry.every``)."""
         every = self.cfg.telemetry.every
-        return bool(self.cfg.telemetry.fidelity and every and k >= 0 and k % every == 0)
+        return bool(every and k >= 0 and k % every == 0)
+
+    def sampling(self, k: int) -> bool:
+        """The fidelity check (an exact reduction beside GIFT's) runs on step ``k``."""
+        return self.cfg.telemetry.fidelity and self.sampled(k)
 
     # ---- the reduction --------------------------------------------------------------
     def mode_of(self, param_id: int):
@@ -477,7 +482,7 @@ class GiftState:
         me = self.comm.rank
         self._params_pending = ("exact" if self.params_exact_now(k)
                                 else [parts[me].clone() for parts in self.opt.parallel_partitioned_bit16_groups])
-        self._params_sampled = self.sampling(k)  # the replica-target gap: on telemetry's sampled steps
+        self._params_sampled = self.sampled(k)  # the replica-target gap: on telemetry's sampled steps
         try:
             return native_step(*args, **kwargs)  # an overflow step returns before its all-gather
         finally:
