@@ -210,3 +210,12 @@ def test_netns_cluster_smoke(tmp_path, ranks, per_host):
         assert 0.85 * model < pt["tx_bytes_per_step"] < 1.25 * model, (name, pt["tx_bytes_per_step"], model)
     assert pts["bf16_baseline_zero2"]["tx_bytes_per_step"] > 1.5 * pts["gift_fp8_zero2"]["tx_bytes_per_step"]
     assert "| bf16_baseline_zero2 |" in proc.stdout
+
+
+def test_replica_gap_reports_every_step():
+    from benchmarks import replica_gap
+
+    out = replica_gap.main(["--preset", "tiny", "--steps", "6", "--window", "3"])
+    assert [w["steps"] for w in out["windows"]] == [(1, 3), (4, 6)]
+    # fp8 changes of bf16 replicas: within a bf16 ulp or two of the target, measured on every step
+    assert len(out["gaps"]) == 6 and all(0 < g < 2 * replica_gap.BF16_ULP for g in out["gaps"])
