@@ -215,9 +215,11 @@ class GiftConfig(_GiftModel):
                                  f"{list(FP8_FORMATS)} only")
             if block not in (None, E8M0_BLOCK):
                 raise ValueError(f"gift.block_size: got {block}; scale 'e8m0' needs block_size {E8M0_BLOCK}")
-        if fmt in PASSTHROUGH_FORMATS and self.rounding == "stochastic":
-            raise ValueError(f"gift.rounding: got 'stochastic' with format '{fmt}'; "
-                             "stochastic rounding applies to quantized formats only")
+        try:  # what else a format accepts is its codec's to say (bf16 rounds stochastically; fp32 is exact)
+            format_class(fmt)(block_size=None if fmt in PASSTHROUGH_FORMATS else self.effective_block_size,
+                              scale=self.scale, rounding=self.rounding, seed=self.seed)
+        except ValueError as exc:
+            raise ValueError(f"gift.rounding: got {self.rounding!r} with format '{fmt}': {exc}") from None
         kinds = self.geometry.kind
         if isinstance(kinds, list):
             if not kinds or len(set(kinds)) != len(kinds) or "identity" in kinds:

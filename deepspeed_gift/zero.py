@@ -123,8 +123,8 @@ def _params_codec(cfg: GiftConfig, replica_dtype: torch.dtype):
 
 
 def _main_codec(cfg: GiftConfig):
-    if cfg.format in PASSTHROUGH_FORMATS:
-        return formats.get_format(cfg.format)
+    if cfg.format in PASSTHROUGH_FORMATS:  # no blocks or scales; bf16 may still round stochastically
+        return formats.get_format(cfg.format, rounding=cfg.rounding, seed=cfg.seed)
     return formats.get_format(cfg.format, block_size=cfg.effective_block_size, scale=cfg.scale,
                               rounding=cfg.rounding, seed=cfg.seed)
 
