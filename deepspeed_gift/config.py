@@ -138,9 +138,16 @@ class ParamsConfig(_GiftModel):
 
     @property
     def effective_block_size(self) -> int:
-        if self.format in PASSTHROUGH_FORMATS:
-            return 0
-        return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE[self.format]
+        return resolved_block_size(self.format, self.block_size)
+
+
+def resolved_block_size(fmt: str, block: Optional[int], scale: str = "fp32") -> int:
+    """The block size a codec of ``fmt`` uses for a configured ``block`` (null: the format's default)."""
+    if fmt in PASSTHROUGH_FORMATS:
+        return 0
+    if block is not None:
+        return block
+    return E8M0_BLOCK if scale == "e8m0" else DEFAULT_BLOCK_SIZE[fmt]
 
 
 def _check_block_size(fmt: str, block: Optional[int], key: str) -> None:
@@ -238,13 +245,7 @@ class GiftConfig(_GiftModel):
     @property
     def effective_block_size(self) -> int:
         """The block size the codec uses (format defaults resolved)."""
-        if self.format in PASSTHROUGH_FORMATS:
-            return 0
-        if self.block_size is not None:
-            return self.block_size
-        if self.scale == "e8m0":
-            return E8M0_BLOCK
-        return DEFAULT_BLOCK_SIZE[self.format]
+        return resolved_block_size(self.format, self.block_size, self.scale)
 
     def fingerprint(self) -> str:
         """Canonical JSON of every setting; ranks compare it before training starts."""

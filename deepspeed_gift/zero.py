@@ -102,15 +102,12 @@ def _probe_params_internals(opt) -> None:
                          "against DeepSpeed 0.19.8); remove gift.params or install a DeepSpeed in setup.py's range")
 
 
-_REPLICA_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
 def _params_codec(cfg: GiftConfig, replica_dtype: torch.dtype):
     """The codec of the replicas' deltas; None when ``gift.params.format`` is the replicas' own
     dtype (then DeepSpeed's exact all-gather runs)."""
     p = cfg.params
     if p.format in PASSTHROUGH_FORMATS:
-        dtype = _REPLICA_DTYPES[p.format]
+        dtype = formats.format_class(p.format).data_dtype  # a passthrough codec's elements
         if dtype == replica_dtype:
             return None
         _require(dtype.itemsize < replica_dtype.itemsize,
