@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Optional, Tuple, Type, Union
+from typing import ClassVar, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor
@@ -869,33 +869,6 @@ def _e2m1_nearest_reference(y: Tensor) -> Tensor:
     return mags.copysign_(y)
 
 
-def _pick_block_scales(flat: Tensor, row_len: int, n_rows: int, g: Tensor, candidates) -> Tensor:
-    """Per block, the candidate E4M3 scale code whose nearest-rounded E2M1 block has the least
-    squared error against the block (the first candidate wins a tie). Tiled like the encode."""
-    best = candidates[0].clone()
-    if len(candidates) == 1:
-        return best
-    step = _tile_rows(n_rows, row_len, flat.device)
-    work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
-    scaled = torch.empty_like(work)  # apart from x: a padded tile comes back as `work` itself
-    for r0 in range(0, n_rows, step):
-        r1 = min(r0 + step, n_rows)
-        x, _ = _load_rows(flat, row_len, r0, r1, work)
-        y = scaled[: x.numel()].view_as(x)
-        best_err = None
-        for codes in candidates:
-            scale = codes[r0:r1].view(torch.float8_e4m3fn).float().mul_(g)
-            torch.div(x, _safe_divisor(scale)[:, None], out=y)
-            err = _e2m1_nearest(y).mul_(scale[:, None]).sub_(x).square_().sum(1)
-            if best_err is None:
-                best_err = err
-                continue
-            better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
-            best[r0:r1] = torch.where(better, codes[r0:r1], best[r0:r1])
-            best_err = torch.where(better, err, best_err)
-    return best
-
-
 _DEVICE_TABLES: Dict[Tuple[int, torch.device], Tensor] = {}
 
 
@@ -930,39 +903,76 @@ class NvFp4Codec(_ScaledCodec):
     def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
         return p.scales.float().mul_(p.global_scale)
 
-    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Tensor:
-        amax = _rows_amax(flat, row_len)
-        finite = torch.isfinite(amax)
-        tensor_amax = torch.where(finite, amax, 0.0).amax().reshape(1)
-        g = _fp32_scales(tensor_amax, _FP4_MAX * _E4M3_MAX)
-        p.global_scale.copy_(g)
-        # candidate block scales, each chosen per block by the block's own squared error (same
-        # bytes): "up", the smallest E4M3 value >= amax / (6 g) (no element clips); "down", the
-        # E4M3 value below it (the largest elements may saturate at 6); "4/6", the smallest E4M3
-        # value >= amax / (4 g) (the block's amax lands on 4, where E2M1 steps are finer relative
-        # to the amax). Stochastic rounding keeps to the two that never clip, so it stays unbiased.
+    def _candidate_codes(self, amax: Tensor, g: Tensor) -> List[Tensor]:
+        """The E4M3 block scale codes tried per block, in tie-break order: "up", the smallest
+        E4M3 value >= amax / (6 g) (no element clips); "down", the E4M3 value below it (the
+        largest elements may saturate at 6); "4/6", the smallest E4M3 value >= amax / (4 g)
+        (the block's amax lands on 4, where E2M1 steps are finer relative to the amax).
+        Stochastic rounding keeps to the two that never clip, so it stays unbiased."""
         target = amax / (_safe_divisor(g) * _FP4_MAX)  # g == 0: all-zero tensor, target 0
         up = _e4m3_at_least(target)
         options = {"up": up, "down": torch.where(up > 0, up - 1, up),
                    "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
         allowed = self.scale_candidates if self.rounding == "nearest" else ("up", "4/6")
-        codes = _pick_block_scales(flat, row_len, n_rows, g, [options[k] for k in allowed])
+        return [options[k] for k in allowed]
+
+    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
+        # One pass per tile: every candidate scale divides the tile and rounds it to E2M1 (by
+        # the fp32-bit keys), each block keeps the candidate whose decoded block errs least
+        # (the first wins a tie), and the winner's keys (nearest) or scaled values (stochastic,
+        # rounded here) are stored: no tile is divided or looked up again for the store.
+        numel = flat.numel()
+        if numel == 0:
+            p.global_scale.zero_()
+            return
+        row_len = self.block_size
+        n_rows = -(-numel // row_len)
+        amax = _rows_amax(flat, row_len)
+        finite = torch.isfinite(amax)
+        g = _fp32_scales(torch.where(finite, amax, 0.0).amax().reshape(1), _FP4_MAX * _E4M3_MAX)
+        p.global_scale.copy_(g)
+        candidates = self._candidate_codes(amax, g)
+        codes = candidates[0].clone()
+        values = _table_on(_FP4_KEY_VALUES, flat.device)
+        step = _tile_rows(n_rows, row_len, flat.device)
+        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
+        for r0 in range(0, n_rows, step):
+            r1 = min(r0 + step, n_rows)
+            x, _ = _load_rows(flat, row_len, r0, r1, work)
+            best = best_err = None
+            for cand in candidates:
+                scale = cand[r0:r1].view(torch.float8_e4m3fn).float().mul_(g)
+                y = torch.div(x, _safe_divisor(scale)[:, None])
+                key = _fp4_keys(y)
+                err = torch.index_select(values, 0, key.view(-1)).view_as(y)
+                err = err.mul_(scale[:, None]).sub_(x).square_().sum(1)
+                keep = y if gen is not None else key
+                if best is None:
+                    best, best_err = keep, err
+                    continue
+                better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
+                codes[r0:r1] = torch.where(better, cand[r0:r1], codes[r0:r1])
+                best_err = torch.where(better, err, best_err)
+                torch.where(better[:, None], keep, best, out=best)
+            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+            best = best.view(-1)[: e1 - e0]
+            if gen is not None:
+                best.clamp_(-_FP4_MAX, _FP4_MAX)
+                best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, gen))
+            self._pack_keys(best, p, e0, e1)
         codes.masked_fill_(~finite, 0x7F)  # nan scale marks a non-finite block
         p.scales.view(torch.uint8).copy_(codes)
-        return _safe_divisor(self._row_scales(p, n_rows))
 
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
-        if gen is not None:
-            y.clamp_(-_FP4_MAX, _FP4_MAX)
-            _stochastic_round_bits(y, 1, 1.0, gen)
-        # codes by table lookup on the fp32 bits (no search); nan/inf only occur in
-        # blocks whose scale is nan, where any code decodes to nan
-        key = _fp4_keys(y)
+    @staticmethod
+    def _pack_keys(key: Tensor, p: Payload, e0: int, e1: int) -> None:
+        """Signed E2M1 codes of elements e0:e1 from their keys, two per byte (codes by table
+        lookup, no search); nan/inf only occur in blocks whose scale is nan, where any code
+        decodes to nan."""
         if key.numel() % 2:
             key = torch.cat([key, key.new_zeros(1)])
         pairs = key.view(-1, 2)
-        lo = torch.index_select(_table_on(_FP4_KEY_LO, y.device), 0, pairs[:, 0])
-        hi = torch.index_select(_table_on(_FP4_KEY_HI, y.device), 0, pairs[:, 1])
+        lo = torch.index_select(_table_on(_FP4_KEY_LO, key.device), 0, pairs[:, 0])
+        hi = torch.index_select(_table_on(_FP4_KEY_HI, key.device), 0, pairs[:, 1])
         torch.bitwise_or(lo, hi, out=p.data[e0 // 2 : (e1 + 1) // 2])
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
