@@ -17,12 +17,13 @@ Pure of DeepSpeed: it works on lists of partition tensors and a :class:`~deepspe
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .formats import Codec
+from .stats import StepStats
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of
 # this many elements: a scale local enough that a small parameter next to a large one is judged
@@ -75,22 +76,21 @@ class ReplicaGather:
         nodes, per_node = len(by_node), len(by_slot)
         return [by_slot[l][n * size:(n + 1) * size] for n in range(nodes) for l in range(per_node)]
 
-    def sent_bytes(self, blob_nbytes: int) -> Dict[str, int]:
+    def sent_bytes(self, blob_nbytes: int) -> Tuple[int, int]:
         """What one rank sends for a blob of ``blob_nbytes``: in all, and to ranks of other nodes."""
         world, per_node = self.comm.world_size, self.ranks_per_node
         nodes = world // per_node
         if self.two_level:
-            return {"params_bytes": blob_nbytes * (nodes - 1) + nodes * blob_nbytes * (per_node - 1),
-                    "params_bytes_internode": blob_nbytes * (nodes - 1)}
-        return {"params_bytes": blob_nbytes * (world - 1), "params_bytes_internode": blob_nbytes * (world - per_node)}
+            return blob_nbytes * (nodes - 1) + nodes * blob_nbytes * (per_node - 1), blob_nbytes * (nodes - 1)
+        return blob_nbytes * (world - 1), blob_nbytes * (world - per_node)
 
     def gather(self, replicas: Sequence[Sequence[Tensor]], me: int, before: Sequence[Tensor],
-               measure_gap: bool = True) -> Dict[str, float]:
+               measure_gap: bool = True) -> StepStats:
         """``replicas[g][r]``: partition r of group g. On entry every rank holds the same replica in
         every partition, except its own ``replicas[g][me]``, which holds the target (the new master
         in the replica's dtype); ``before[g]`` is what that partition held before the step. On
         return ``replicas[g][r] = dtype(replica + decode(encode(target - replica)))`` for every r,
-        bit-identical on every rank. Returns telemetry counters; ``params_gap_rel`` (the owner's
+        bit-identical on every rank. Returns this rank's counters; ``params_gap_rel`` (the owner's
         :func:`relative_gap`, one more pass over its partition) only with ``measure_gap``."""
         t0 = time.perf_counter()
         codec = self.codec
@@ -113,15 +113,15 @@ class ReplicaGather:
                     gap = max(gap, relative_gap(new.to(parts[r].dtype), parts[r]))
                 parts[r].copy_(new)
         numel = sum(parts[me].numel() for parts in replicas)
-        stats = {"params_elements": numel * (self.comm.world_size - 1),
-                 "params_codec_s": (t1 - t0) + (time.perf_counter() - t2), "params_comm_s": t2 - t1}
-        if measure_gap:
-            stats["params_gap_rel"] = gap
-        stats.update(self.sent_bytes(blob.numel()))
-        return stats
+        sent, internode = self.sent_bytes(blob.numel())
+        return StepStats(params_elements=numel * (self.comm.world_size - 1), params_bytes=sent,
+                         params_bytes_internode=internode, params_codec_s=(t1 - t0) + (time.perf_counter() - t2),
+                         params_comm_s=t2 - t1, params_gap_rel=gap if measure_gap else None)
 
-    def exact_stats(self, numel: int, itemsize: int) -> Dict[str, float]:
-        """Counters of an exact all-gather (DeepSpeed's own) of ``numel`` elements per rank."""
+    def exact_stats(self, numel: int, itemsize: int, seconds: float) -> StepStats:
+        """Counters of an exact all-gather (DeepSpeed's own, flat) of ``numel`` elements per rank
+        that took ``seconds``: the replicas are the targets, the gap is 0."""
         world, per_node = self.comm.world_size, self.ranks_per_node
-        return {"params_elements": numel * (world - 1), "params_bytes": numel * itemsize * (world - 1),
-                "params_bytes_internode": numel * itemsize * (world - per_node), "params_gap_rel": 0.0}
+        return StepStats(params_elements=numel * (world - 1), params_bytes=numel * itemsize * (world - 1),
+                         params_bytes_internode=numel * itemsize * (world - per_node), params_comm_s=seconds,
+                         params_exact_steps=1, params_gap_rel=0.0)

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .formats import quantization_stats
+from .stats import StepStats
 from .geometry import row_runs
 
 CONTROL_HEADER_BYTES = 16
@@ -276,7 +277,7 @@ class GiftReducer:
         gen.manual_seed(int.from_bytes(digest, "little"))
         return gen
 
-    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: Dict, sample: bool, step: int = 0) -> List[_Packed]:
+    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool, step: int = 0) -> List[_Packed]:
         """Step 1: every section this rank contributes to, transformed and (where it leaves
         this rank) encoded once."""
         me = self.comm.rank
@@ -288,11 +289,11 @@ class GiftReducer:
             # joins the sum after the inverse (S^-1 (sum of the others) + mine: the same by
             # linearity, with no transform of 1/W of the gradient and no round trip of mine).
             values = self._gather(tensor, sec.pieces, sec.numel, None if own_section else whiteners)
-            stats["transform_s"] += time.perf_counter() - t0
-            stats["elements"] += sec.numel
+            stats.transform_s += time.perf_counter() - t0
+            stats.elements += sec.numel
             if own_section:
                 if sample:  # it skips the codec; count its non-finite inputs here
-                    stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(values)).sum())
+                    stats.nonfinite += int((~torch.isfinite(values)).sum())
                 packed.append(_Packed(own=values))
                 continue
             t0 = time.perf_counter()
@@ -307,37 +308,40 @@ class GiftReducer:
                 wire = codec.payload_to_bytes(payload)
                 if sample:
                     q = quantization_stats(values, payload, codec)
-                    for key in ("underflow", "saturated", "nonfinite"):
-                        stats[key] = stats.get(key, 0) + q[key]
-                    stats["quantized"] = stats.get("quantized", 0) + q["numel"]
+                    stats.underflow += q["underflow"]
+                    stats.saturated += q["saturated"]
+                    stats.nonfinite += q["nonfinite"]
+                    stats.quantized += q["numel"]
                 decoded = codec.decode(payload) if (self.error_feedback or me in sec.dests) else None
                 own = decoded if me in sec.dests else None
                 if self.error_feedback:
                     self._keep_residual(plan, sec, values.sub_(decoded), whiteners)
             copies = sum(1 for d in sec.dests if d != me)
-            stats["elements_sent"] += copies * sec.numel
-            stats["bytes_high" if sec.high else "bytes_main"] += copies * wire.numel()
-            if not sec.high:
-                stats["bytes_scales"] = stats.get("bytes_scales", 0) + copies * codec.scale_nbytes(sec.numel)
-            stats["codec_s"] += time.perf_counter() - t0
+            stats.elements_sent += copies * sec.numel
+            if sec.high:
+                stats.bytes_high += copies * wire.numel()
+            else:
+                stats.bytes_main += copies * wire.numel()
+                stats.bytes_scales += copies * codec.scale_nbytes(sec.numel)
+            stats.codec_s += time.perf_counter() - t0
             packed.append(_Packed(own=own, wire=wire))
         return packed
 
     # ---- the reduction --------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
                versions: Dict[int, int], *, divisor: float, step: int = 0,
-               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> Dict:
+               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Reduce ``tensor`` (a flat bucket, this rank's local gradients) so that every
         slice owned by this rank holds the sum over ranks divided by ``divisor`` (and every
         shared parameter this rank is a copy rank of holds it whole).
 
         ``outputs[i]`` (optional, owner side) is an extra fp32 destination for slice i:
         the result is added to it (DeepSpeed's compact fp32 gradient partition).
-        Returns statistics for telemetry."""
+        Returns this rank's counters for telemetry (``sample``: with the quantization counts
+        and the fidelity against an exact fp32 reduction)."""
         plan = self.plan_for(slices, versions)
         exact = self._exact_reduction(tensor, plan, divisor) if sample else None
-        stats = {"elements": 0, "elements_sent": 0, "bytes_main": 0, "bytes_high": 0, "bytes_header": 0,
-                 "transform_s": 0.0, "codec_s": 0.0, "comm_s": 0.0}
+        stats = StepStats(sampled=sample)
         packed = self._pack(tensor, plan, whiteners, stats, sample, step)
         recv = self._exchange(plan, packed, step, tensor.device, stats)
         totals = self._sum_at_owner(plan, packed, recv, step, stats)
@@ -348,14 +352,14 @@ class GiftReducer:
                 total.add_(mine)
             total.div_(divisor)
             self._scatter(tensor, total, sec, plan, outputs)
-        stats["transform_s"] += time.perf_counter() - t0
+        stats.transform_s += time.perf_counter() - t0
         if exact is not None and totals:
             result = torch.cat([total for _, total, _ in totals])
-            stats["fidelity_err_sq"] = float((result - exact).square().sum())
-            stats["fidelity_ref_sq"] = float(exact.square().sum())
+            stats.fidelity_err_sq = float((result - exact).square().sum())
+            stats.fidelity_ref_sq = float(exact.square().sum())
         return stats
 
-    def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: Dict) -> torch.Tensor:
+    def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: StepStats) -> torch.Tensor:
         """Step 2: one all-to-all; the message to ``dst`` holds every section it receives."""
         me, world = self.comm.rank, self.comm.world_size
         messages, sizes = [], []
@@ -371,20 +375,20 @@ class GiftReducer:
             if msg.numel() != expected:
                 raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
                                    f"plan expects {expected}; codec byte count is inconsistent")
-            stats["bytes_header"] += CONTROL_HEADER_BYTES
+            stats.bytes_header += CONTROL_HEADER_BYTES
             if dst // self.ranks_per_node != me // self.ranks_per_node:
-                stats["bytes_internode"] = stats.get("bytes_internode", 0) + msg.numel()
+                stats.bytes_internode += msg.numel()
             messages.append(msg)
             sizes.append(msg.numel())
         my_size = plan.message_sizes[me]
         t0 = time.perf_counter()
         recv = self.comm.all_to_all_bytes(torch.cat(messages), sizes,
                                           [0 if src == me else my_size for src in range(world)], kind="payload")
-        stats["comm_s"] += time.perf_counter() - t0
+        stats.comm_s += time.perf_counter() - t0
         return recv
 
     def _sum_at_owner(self, plan: BucketPlan, packed: List[_Packed], recv: torch.Tensor, step: int,
-                      stats: Dict) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
+                      stats: StepStats) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
         """Step 3: decode every source and sum in fp32 - my own section starting from my exact
         contribution (or, where it has transformed pieces, the others' sum, with mine returned
         to be added after the inverse), a shared one in rank order from everyone's decoded
@@ -420,7 +424,7 @@ class GiftReducer:
                 total = torch.zeros_like(own)
             off += n
             totals.append((sec, total, own if after else None))
-        stats["codec_s"] += time.perf_counter() - t0
+        stats.codec_s += time.perf_counter() - t0
         return totals
 
     def _add_residual(self, plan: BucketPlan, sec: Section, main: torch.Tensor, whiteners) -> torch.Tensor:
@@ -596,7 +600,7 @@ class TwoLevelReducer:
 
     def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
                versions: Dict[int, int], *, divisor: float, step: int = 0,
-               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> Dict:
+               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
         plan = self.plan_for(slices)
         t0 = time.perf_counter()
@@ -607,8 +611,8 @@ class TwoLevelReducer:
                                   sample=sample)
         for compact_at, bucket_at, numel in plan.delivered:
             tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
-        stats["node_s"] = node_s
-        stats["bytes_node"] = node_bytes
+        stats.node_s = node_s
+        stats.bytes_node = node_bytes
         return stats
 
     def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, step: int) -> Tuple[torch.Tensor, int]:

@@ -30,6 +30,7 @@ from .layers import GeometryManager
 from .metrics import AdamRule, MuonRule
 from .param_gather import ReplicaGather
 from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice, TwoLevelReducer
+from .stats import StepStats
 
 logger = logging.getLogger("deepspeed_gift")
 CHECKPOINT_FORMAT = "deepspeed_gift/1"
@@ -206,7 +207,6 @@ class GiftState:
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
-        self._params_gap = None  # the largest replica-target gap measured this step
         self._params_sampled = False
         self.replica_dtype = opt.bit16_groups_flat[0].dtype if getattr(opt, "bit16_groups_flat", None) else None
         if cfg.params is not None:
@@ -231,7 +231,7 @@ class GiftState:
         self.geometry.capture_rank = {name: self._main_owner(*where) for name, where in self._layer_params.items()}
         self.geometry.rule_for = self.update_rule
         self.geometry.second_moment_sums = self.second_moment_sums
-        self.step_totals: Dict[str, float] = {}
+        self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.records: List[dict] = []
         self.replaced: List[tuple] = []  # (object, attribute, what the instance held) that attach set
@@ -462,8 +462,7 @@ class GiftState:
         with _reduction_stream(opt, communication_data_type):
             stats = self.reducer.reduce(tensor, slices, whiteners, versions, divisor=divisor, step=k,
                                         outputs=outputs, sample=self.sampling(k))
-        for key, value in stats.items():
-            self.step_totals[key] = self.step_totals.get(key, 0) + value
+        self._count(stats)
 
     # ---- the parameter all-gather (gift.params) ----------------------------------------
     def params_exact_now(self, k: int) -> bool:
@@ -494,78 +493,73 @@ class GiftState:
         if isinstance(pending, str):
             t0 = time.perf_counter()
             native_gather()
-            stats = self.params.exact_stats(sum(p[me].numel() for p in parts), self.replica_dtype.itemsize)
-            stats["params_comm_s"] = time.perf_counter() - t0
-            stats["params_exact_steps"] = 1
+            stats = self.params.exact_stats(sum(p[me].numel() for p in parts), self.replica_dtype.itemsize,
+                                            time.perf_counter() - t0)
         else:
             stats = self.params.gather(parts, me, pending, measure_gap=self._params_sampled)
-        if "params_gap_rel" in stats:
-            gap = stats.pop("params_gap_rel")
-            self._params_gap = gap if self._params_gap is None else max(self._params_gap, gap)
-        for key, value in stats.items():
-            self.step_totals[key] = self.step_totals.get(key, 0) + value
+        self._count(stats)
 
     # ---- telemetry ------------------------------------------------------------------
+    def _count(self, stats: StepStats) -> None:
+        self.step_totals = stats if self.step_totals is None else self.step_totals.add(stats)
+
     def _flush_telemetry(self, k: int) -> None:
-        t = self.step_totals
-        self.step_totals = {}
-        if not t:
+        t, self.step_totals = self.step_totals, None
+        if t is None:
             return
         geometry_bytes = self.geometry.take_geometry_bytes()
-        sent = t.get("bytes_main", 0) + t.get("bytes_high", 0) + t.get("bytes_header", 0)
-        elements = t.get("elements_sent", 0)
+        sent = t.bytes_sent
+        elements = t.elements_sent
         self.run_totals["bytes"] += sent + geometry_bytes
         self.run_totals["elements"] += elements
         in_use = self.geometry.whiteners  # a dict built per call: once per step here
         record = {
             "step": k + self.cfg.start_step,
-            "bytes_payload": int(t.get("bytes_main", 0) + t.get("bytes_high", 0)),
-            "bytes_scales": int(t.get("bytes_scales", 0)),
-            "bytes_header": int(t.get("bytes_header", 0)),
+            "bytes_payload": t.bytes_main + t.bytes_high,
+            "bytes_scales": t.bytes_scales,
+            "bytes_header": t.bytes_header,
             "bytes_geometry": int(geometry_bytes),
             "elements_sent": int(elements),
             "bytes_per_elem": (sent + geometry_bytes) / elements if elements else 0.0,
             "bytes_per_elem_run": (self.run_totals["bytes"] / self.run_totals["elements"]
                                    if self.run_totals["elements"] else 0.0),
-            "transform_s": t.get("transform_s", 0.0),
-            "codec_s": t.get("codec_s", 0.0),
-            "comm_s": t.get("comm_s", 0.0),
+            "transform_s": t.transform_s,
+            "codec_s": t.codec_s,
+            "comm_s": t.comm_s,
             "hierarchy": self.hierarchy,
             # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
-            "bytes_internode": int(t.get("bytes_internode", 0)),
+            "bytes_internode": t.bytes_internode,
             "geometry_version": self.geometry.version,
             "geometry_layers": len(in_use),
         }
         if self.hierarchy == "two_level":
-            record["bytes_node"] = int(t.get("bytes_node", 0))
-            record["node_s"] = t.get("node_s", 0.0)
+            record["bytes_node"] = t.bytes_node
+            record["node_s"] = t.node_s
         if len(self.geometry.kinds) > 1:
             kinds = [self.geometry.active[n] for n in in_use]
             record["geometry_kinds"] = {kind: kinds.count(kind) for kind in self.geometry.kinds}
         record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
-        if t.get("params_elements"):
-            record["params_bytes"] = int(t["params_bytes"])
-            record["params_bytes_internode"] = int(t["params_bytes_internode"])
-            record["params_bytes_per_elem"] = t["params_bytes"] / t["params_elements"]
-            if self._params_gap is not None:
-                record["params_gap_rel"] = self._params_gap
-            record["params_exact"] = bool(t.get("params_exact_steps"))
-            record["params_s"] = t.get("params_codec_s", 0.0) + t.get("params_comm_s", 0.0)
+        if t.params_elements:
+            record["params_bytes"] = t.params_bytes
+            record["params_bytes_internode"] = t.params_bytes_internode
+            record["params_bytes_per_elem"] = t.params_bytes / t.params_elements
+            if t.params_gap_rel is not None:
+                record["params_gap_rel"] = t.params_gap_rel
+            record["params_exact"] = bool(t.params_exact_steps)
+            record["params_s"] = t.params_codec_s + t.params_comm_s
         elif self.replica_dtype is not None:  # DeepSpeed's own all-gather: the replica's dtype per element
             record["params_bytes_per_elem"] = float(self.replica_dtype.itemsize)
-        self._params_gap = None
         if "params_bytes_per_elem" in record:
             # per element of the model and step: gradients (and geometry) out, parameters back
             record["bytes_per_elem_total"] = record["bytes_per_elem"] + record["params_bytes_per_elem"]
         if self.cfg.error_feedback:
             record["error_feedback_bytes"] = self.reducer.residual_nbytes()
-        if t.get("fidelity_ref_sq"):
-            record["fidelity_rel_err"] = (t["fidelity_err_sq"] / t["fidelity_ref_sq"]) ** 0.5
-        for key in ("saturated", "underflow", "nonfinite", "quantized"):
-            if key in t:
-                record[key] = int(t[key])
-        if t.get("quantized"):
-            record["underflow_rate"] = t["underflow"] / t["quantized"]
+        if t.fidelity_ref_sq:
+            record["fidelity_rel_err"] = (t.fidelity_err_sq / t.fidelity_ref_sq) ** 0.5
+        if t.sampled:
+            record.update(saturated=t.saturated, underflow=t.underflow, nonfinite=t.nonfinite, quantized=t.quantized)
+        if t.quantized:
+            record["underflow_rate"] = t.underflow / t.quantized
         profile, self.geometry.profile = self.geometry.profile, None
         if profile:
             record.update(profile)

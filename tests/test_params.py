@@ -49,9 +49,9 @@ def _gather_rounds(rank, world, fmt, per_node, rounds):
                         for b, t in zip(before, targets)]  # the slow reference: one rank's view
             stats = gather.gather(groups, rank, before)
             reference_ok &= all(torch.equal(parts[rank], e) for parts, e in zip(groups, expected))
-            gaps.append(stats["params_gap_rel"])
+            gaps.append(stats.params_gap_rel)
             drift = max(relative_gap(parts[rank], t) for parts, t in zip(groups, targets))
-            assert drift == stats["params_gap_rel"]
+            assert drift == stats.params_gap_rel
         out[name] = {"final": [torch.cat([parts[r] for parts in groups]) for r in range(world)],
                      "gaps": gaps, "reference_ok": reference_ok, "stats": stats}
     dist.destroy_process_group()
@@ -78,9 +78,9 @@ def test_replicas_are_identical_on_every_rank_and_do_not_drift(fmt):
     numel = 1000 + 333
     blob = codec.nbytes(1000) + codec.nbytes(333)
     flat, two = results[0]["flat"]["stats"], results[0]["two_level"]["stats"]
-    assert flat["params_bytes"] == 3 * blob and flat["params_bytes_internode"] == 2 * blob
-    assert two["params_bytes"] == blob + 2 * blob and two["params_bytes_internode"] == blob  # half of flat's
-    assert flat["params_elements"] == two["params_elements"] == 3 * numel
+    assert flat.params_bytes == 3 * blob and flat.params_bytes_internode == 2 * blob
+    assert two.params_bytes == blob + 2 * blob and two.params_bytes_internode == blob  # half of flat's
+    assert flat.params_elements == two.params_elements == 3 * numel
 
 
 def test_relative_gap_is_per_block_and_never_hides_nan():

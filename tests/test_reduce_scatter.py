@@ -183,7 +183,7 @@ def _shared_body(rank, world, fmt, error_feedback):
     exact = torch.stack(grads).sum(0) / world
     mine = [(s.param_offset, o) for s, o in zip(slices, outputs) if s.param_key == 1 and o is not None]
     return (rank in owners, bucket[start:start + numel].clone(), exact[start:start + numel], mine,
-            stats["elements_sent"])
+            stats.elements_sent)
 
 
 def test_a_shared_matrix_reaches_every_copy_rank_whole_and_identical():
@@ -269,6 +269,17 @@ def test_two_level_reduction_matches_the_flat_one_and_keeps_shared_copies_identi
                 assert 0 < rel < 0.08 and 0 < shared_rel < 0.08, (rel, shared_rel)
             # Each element leaves every rank but its owner's (flat) or every node but its owner's (two-level),
             # a shared matrix once per copy rank in both: summed over ranks, exactly (N-1)/(W-1) of flat's.
-            sent_two = sum(out["two"][2]["elements_sent"] for out, *_ in per_rank)
-            sent_flat = sum(out["flat"][2]["elements_sent"] for out, *_ in per_rank)
+            sent_two = sum(out["two"][2].elements_sent for out, *_ in per_rank)
+            sent_flat = sum(out["flat"][2].elements_sent for out, *_ in per_rank)
             assert sent_flat * (world // 2 - 1) == sent_two * (world - 1), (sent_flat, sent_two)
+
+
+def test_step_stats_sum_counters_keep_the_largest_gap_and_any_sample():
+    from deepspeed_gift.stats import StepStats
+
+    a = StepStats(elements=3, bytes_main=10, codec_s=0.5, params_gap_rel=None)
+    b = StepStats(elements=4, bytes_main=1, bytes_header=16, sampled=True, quantized=7, params_gap_rel=0.25)
+    total = StepStats().add(a).add(b).add(StepStats(params_gap_rel=0.125))
+    assert (total.elements, total.bytes_main, total.bytes_sent, total.quantized) == (7, 11, 27, 7)
+    assert total.codec_s == 0.5 and total.sampled and total.params_gap_rel == 0.25
+    assert StepStats().add(a).params_gap_rel is None  # never measured stays unmeasured, not 0

@@ -1,0 +1,62 @@
+"""What one step's gradient reduction and parameter all-gather did on this rank: one typed
+record that every bucket adds into and telemetry reads (pure: no torch.distributed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+@dataclass
+class StepStats:
+    """Counters of one rank over one step (or one bucket; :meth:`add` sums them).
+
+    Bytes are what this rank sent, counted once per destination; seconds are wall time on
+    this rank. Fields marked "sampled" are only counted on telemetry's fidelity steps."""
+
+    # the gradient reduction
+    elements: int = 0  # gradient elements of every section this rank reduced
+    elements_sent: int = 0  # elements this rank put on the wire, once per destination
+    bytes_main: int = 0  # payload of quantized sections (scales included)
+    bytes_high: int = 0  # payload of sections in the high-precision format
+    bytes_scales: int = 0  # the scales inside bytes_main
+    bytes_header: int = 0  # control headers
+    bytes_internode: int = 0  # payload + headers to ranks of other nodes
+    bytes_node: int = 0  # two-level: the node stage (bucket dtype, inside the node)
+    transform_s: float = 0.0
+    codec_s: float = 0.0
+    comm_s: float = 0.0
+    node_s: float = 0.0
+    sampled: bool = False  # the counters below were taken on this step
+    quantized: int = 0  # sampled: elements through a quantizing codec
+    underflow: int = 0  # sampled: nonzero elements that decoded to zero
+    saturated: int = 0  # sampled: elements at the format's largest code
+    nonfinite: int = 0  # sampled: nan/inf elements in the codec's input
+    fidelity_err_sq: float = 0.0  # sampled: |GIFT's reduction - an exact fp32 one|^2
+    fidelity_ref_sq: float = 0.0  # sampled: |exact fp32 reduction|^2
+    # the parameter all-gather (gift.params)
+    params_elements: int = 0  # parameter elements received (world - 1 partitions)
+    params_bytes: int = 0
+    params_bytes_internode: int = 0
+    params_codec_s: float = 0.0
+    params_comm_s: float = 0.0
+    params_exact_steps: int = 0  # gathers done exactly (DeepSpeed's own: resync or passthrough)
+    params_gap_rel: Optional[float] = None  # the largest replica-target gap measured; None: not measured
+
+    def add(self, other: "StepStats") -> "StepStats":
+        """Add ``other`` into this record (the gap takes the max, ``sampled`` the or); returns self."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "params_gap_rel":
+                value = theirs if mine is None else mine if theirs is None else max(mine, theirs)
+            elif f.name == "sampled":
+                value = mine or theirs
+            else:
+                value = mine + theirs
+            setattr(self, f.name, value)
+        return self
+
+    @property
+    def bytes_sent(self) -> int:
+        """Gradient bytes this rank sent across data-parallel ranks (payload and headers)."""
+        return self.bytes_main + self.bytes_high + self.bytes_header
