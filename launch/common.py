@@ -87,6 +87,10 @@ def build_engine(spec: dict):
     timeout = spec.get("dist_timeout_s")
     deepspeed.init_distributed(dist_backend="gloo",
                                **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
+    if spec.get("muon_ns_fp32"):  # tests: Muon's Newton-Schulz in fp32, not its half-precision default
+        from deepspeed.runtime.zero.muon import original_muon
+
+        original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
     torch.manual_seed(spec.get("seed", 0))
     preset = PRESETS[spec.get("preset", "tiny")]
     model = LlamaForCausalLM(LlamaConfig(**{**preset, **spec.get("model", {})}))

@@ -27,7 +27,9 @@ def _max_param_diff(a, b):
 def test_two_level_lossless_config_matches_deepspeed(world, stage, optimizer):
     base = dict(stage=stage, steps=10, ga=2, bucket=12000)
     if optimizer == "muon":  # matrices cut by partitions reach every owner whole, across slots and nodes
-        base.update(optimizer="muon", lr=2e-2, bucket=20000)
+        # fp32 Newton-Schulz: in DeepSpeed's half-precision default the ulps of another summation
+        # order grow to ~1e-4 within a step, for native alike (see test_zero's Muon test)
+        base.update(optimizer="muon", lr=2e-2, bucket=20000, muon_ns_fp32=True)
     results = run_ranks(train_many, world, [base, dict(base, gift=LOSSLESS)])
     for native, gift in results:
         assert gift["losses"] == pytest.approx(native["losses"], abs=LOSS_ATOL)
