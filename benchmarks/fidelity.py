@@ -5,7 +5,7 @@ in the whitened norm and in the error of the update the optimizer takes.
 
 What it does, in order:
 
-1. Builds the model (``--preset`` tiny/small Llama from ``launch.common``, ``--model-config``
+1. Builds the model (``--preset``, a Llama preset of ``launch/pretrain.py``, ``--model-config``
    for any HF causal-LM config json, or ``--hf-model`` for a local pretrained directory;
    nothing is downloaded; tokens are bytes of the Python standard library's sources) and
    trains it, global batch ``ranks x micro`` sequences, so the gradients are not only those
@@ -114,7 +114,8 @@ from deepspeed_gift import geometry as geo  # noqa: E402
 from deepspeed_gift import metrics as fm  # noqa: E402
 from deepspeed_gift.formats import FORMAT_NAMES, get_format, quantization_stats  # noqa: E402
 from deepspeed_gift.layers import InputMoments  # noqa: E402
-from launch.common import PRESETS, corpus_bytes  # noqa: E402
+from launch.data import corpus_bytes  # noqa: E402
+from launch.pretrain import PRESETS  # noqa: E402
 
 # The formats compared and their block sizes (None: the format's default, 16 for nvfp4 and
 # 128 for int; 0: one scale per encoded tensor, the paper's e5m2 layout).
@@ -712,7 +713,7 @@ def print_auto(auto, formats, kfac, n_layers: int, min_gain: float, selection_me
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="small", choices=sorted(PRESETS), help="launch.common Llama preset")
+    src.add_argument("--preset", default="small", choices=sorted(PRESETS), help="a launch/pretrain.py Llama preset")
     src.add_argument("--model-config", default=None, help="HF config json (with model_type) of a causal LM")
     src.add_argument("--hf-model", default=None, help="local pretrained model directory (save_pretrained)")
     p.add_argument("--ranks", type=int, default=4, help="simulated data-parallel ranks")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import sysconfig
@@ -46,6 +47,17 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 Document = Tuple[str, str]  # (name, text)
+
+
+def corpus_bytes(limit: int = 200_000) -> bytes:
+    """Real text with nothing to download: sources of a few standard-library modules."""
+    out = b""
+    for name in ("json.decoder", "argparse", "functools", "textwrap", "dataclasses"):
+        with open(importlib.util.find_spec(name).origin, "rb") as f:
+            out += f.read()
+        if len(out) >= limit:
+            break
+    return out[:limit]
 
 
 # ---- tokenizers -------------------------------------------------------------------------

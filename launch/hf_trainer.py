@@ -57,7 +57,7 @@ class ByteText:
     def __init__(self, seq: int, n: int, seed: int):
         import torch
 
-        from launch.common import corpus_bytes
+        from launch.data import corpus_bytes
 
         data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
         gen = torch.Generator().manual_seed(seed)
@@ -89,7 +89,7 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     import deepspeed_gift
-    from launch.common import PRESETS
+    from launch.pretrain import PRESETS
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # no C++ build on CPU
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -130,7 +130,7 @@ def run_accelerate_rank(rank: int, world: int, opts: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import deepspeed_gift
-    from launch.common import PRESETS
+    from launch.pretrain import PRESETS
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     os.environ.setdefault("LOCAL_RANK", str(rank))

@@ -45,11 +45,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from launch import data as gift_data  # noqa: E402
-from launch.common import PRESETS as COMMON_PRESETS  # noqa: E402
 
 PRESETS = {
-    "tiny": dict(COMMON_PRESETS["tiny"]),
-    "small": dict(COMMON_PRESETS["small"]),
+    # CPU-sized: tests and smoke runs
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128),
+    "small": dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=256),
     # the paper's family: ~300M and ~600M parameters without embeddings
     "300m": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=24, num_attention_heads=16,
                  num_key_value_heads=16, max_position_embeddings=2048),

@@ -3,7 +3,7 @@
     mpirun --allow-run-as-root -np 2 python tests/launched.py --spec '{"stage": 2, "gift": {...}}' --out DIR
     deepspeed --hostfile H --no_ssh --node_rank 0 --master_addr 127.0.0.1 tests/launched.py --spec ... --out DIR
 
-Trains the tiny Llama of ``workers.py`` and writes ``DIR/rank{N}.json`` (losses, GIFT
+Trains the tiny Llama of ``tests/harness.py`` and writes ``DIR/rank{N}.json`` (losses, GIFT
 telemetry, backend) so the test can check every rank.
 """
 
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch.common import train  # noqa: E402
+from tests.harness import train  # noqa: E402
 
 
 def main():

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from launch.common import train_many
+from tests.harness import train_many
 from launch.spawn import run_ranks
 
 # The error-feedback residual is saved in gradient coordinates and mapped back through the
@@ -41,7 +41,7 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path, optimizer, gift):
 
 
 def test_resume_on_another_world_size_keeps_geometry(tmp_path):
-    from launch.common import initialize_error  # noqa: F401  (same process layout as train)
+    from tests.harness import initialize_error  # noqa: F401  (same process layout as train)
 
     save_dir = str(tmp_path / "ckpt")
     base = dict(stage=2, steps=3, bucket=30000, gift=GIFT)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from launch.common import train_many
+from tests.harness import train_many
 from launch.spawn import run_ranks
 
 DIST_TIMEOUT_S = 20

@@ -17,7 +17,7 @@ def _build_body(rank, world, spec, switch):
     import os
 
     import deepspeed_gift
-    from launch.common import build_engine, train
+    from tests.harness import build_engine, train
 
     records = []
 
@@ -75,7 +75,7 @@ def test_deepspeed_gift_initialize_neither_warns_nor_attaches_twice():
 
 def _init_body(rank, world, spec):
     import deepspeed_gift
-    from launch.common import build_engine
+    from tests.harness import build_engine
 
     records = []
 

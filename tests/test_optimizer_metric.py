@@ -19,7 +19,7 @@ ADAM_DIRECTION_RTOL = 1e-4
 def _predict_body(rank, world, spec):
     import torch.distributed as dist
 
-    from launch.common import batches, build_engine
+    from tests.harness import batches, build_engine
 
     engine = build_engine(spec)
     gift = engine.gift
@@ -93,7 +93,7 @@ def test_rules_see_what_plain_l2_does_not():
 
 
 def _auto_body(rank, world, spec):
-    from launch.common import train
+    from tests.harness import train
 
     result = train(rank, world, spec)
     return [r for r in result["records"] if "profile_update" in r], result["active"], result["gains"]
@@ -118,7 +118,7 @@ def test_auto_selects_layers_by_the_muon_update_error():
 
 
 def _choice_body(rank, world, spec):
-    from launch.common import train
+    from tests.harness import train
 
     result = train(rank, world, spec)
     return [r for r in result["records"] if "profile_update" in r], result["kinds"], result["gains"]

@@ -7,7 +7,7 @@ import torch
 
 from deepspeed_gift import formats
 from deepspeed_gift.param_gather import GAP_BLOCK, ReplicaGather, relative_gap
-from launch.common import initialize_error, train_many
+from tests.harness import initialize_error, train_many
 from launch.spawn import run_ranks
 
 BF16_ULP = 2.0**-8  # bf16's spacing relative to the top of its binade (8 significant bits)

@@ -3,7 +3,7 @@
 
 import pytest
 
-from launch.common import train_many
+from tests.harness import train_many
 from launch.spawn import run_ranks
 
 STEPS = 1000

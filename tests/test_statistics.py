@@ -41,7 +41,7 @@ def test_moments_of_a_strided_token_subsample_with_shared_inputs():
 
 
 def _hooks_per_step(rank, world, spec):
-    from launch.common import batches, build_engine
+    from tests.harness import batches, build_engine
 
     engine = build_engine(spec)
     gift = engine.gift

@@ -5,7 +5,7 @@ same-slot ranks of the nodes, compared with DeepSpeed's own reduction."""
 import pytest
 
 from deepspeed_gift.comm import ranks_per_node_from
-from launch.common import initialize_error, train_many
+from tests.harness import initialize_error, train_many
 from launch.spawn import run_ranks
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1},

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from launch.spawn import run_ranks
-from launch.common import train_many
+from tests.harness import train_many
 
 # W=2 with fp32 gradients: DeepSpeed divides by 2 (exact) then sums; GIFT sums in fp32 then
 # divides by 2 (exact): the same bits. Adam can still amplify a last-bit difference from a
@@ -168,7 +168,7 @@ def test_detach_restores_deepspeed_exactly():
 
 def _missing_internal_body(rank, world, name):
     import deepspeed_gift
-    from launch.common import build_engine
+    from tests.harness import build_engine
 
     engine = build_engine(dict(stage=2, steps=1, bucket=20000, builder="deepspeed",
                                gift={"format": "fp8_e4m3", "layers": "all"}))
@@ -189,7 +189,7 @@ def test_a_deepspeed_without_an_internal_gift_reads_fails_at_attach():
 
 
 def _errors(world, specs):
-    from launch.common import initialize_error
+    from tests.harness import initialize_error
 
     return [run_ranks(initialize_error, world, spec) for spec in specs]
 

@@ -1,30 +1,16 @@
-"""Shared by the launch scripts and the tests: a small HF Llama trained through DeepSpeed
-(natively or with GIFT) on real text that needs no download (byte tokens of the Python
-standard library's sources)."""
+"""The multi-rank test harness: a small HF Llama trained through real DeepSpeed engines
+(natively or with GIFT) on real text that needs no download, with the switches the tests
+use to break, freeze, poison or time a run. Tests and ``tests/launched.py`` use it; what
+users run is ``launch/pretrain.py``."""
 
 from __future__ import annotations
 
 import copy
 import fnmatch
 import os
-import importlib.util
 
-TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-SMALL_LLAMA = dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
-PRESETS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}
-
-
-def corpus_bytes(limit: int = 200_000) -> bytes:
-    """Real text with nothing to download: sources of a few standard-library modules."""
-    out = b""
-    for name in ("json.decoder", "argparse", "functools", "textwrap", "dataclasses"):
-        with open(importlib.util.find_spec(name).origin, "rb") as f:
-            out += f.read()
-        if len(out) >= limit:
-            break
-    return out[:limit]
+from launch.data import corpus_bytes
+from launch.pretrain import PRESETS
 
 
 def batches(rank: int, steps: int, micro: int, seq: int, seed: int = 0):
@@ -98,7 +84,8 @@ def build_engine(spec: dict):
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in spec.get("freeze", [])):
             param.requires_grad_(False)
     if spec.get("unused_layer"):  # tests: a trainable layer that never gets a gradient
-        model.model.unused_proj = torch.nn.Linear(TINY_LLAMA["hidden_size"], TINY_LLAMA["hidden_size"])
+        width = model.config.hidden_size
+        model.model.unused_proj = torch.nn.Linear(width, width)
     # builder "deepspeed": DeepSpeed's own initialize even with a gift block (the install switch's tests)
     use_gift = spec.get("gift") is not None and spec.get("builder", "gift") == "gift"
     init = deepspeed_gift.initialize if use_gift else deepspeed.initialize
