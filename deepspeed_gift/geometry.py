@@ -385,7 +385,7 @@ class Whitener:
 
     def apply_run(self, values: Tensor, start: int) -> Tensor:
         """``apply`` on a flat run of a row-major parameter starting at element ``start``
-        (whole rows only); float32, flat."""
+        (whole rows only); float32, flat, a new tensor (the reducer packs it without a copy)."""
         return self.apply(self._rows_of_run(values, start)).reshape(-1)
 
     def invert_run(self, values: Tensor, start: int) -> Tensor:
@@ -893,7 +893,7 @@ class FactoredScaling:
         return scaled.reshape(X.shape)
 
     def apply_run(self, values: Tensor, start: int) -> Tensor:
-        """The scaling of the flat elements ``[start, start + n)`` of the weight; float32, flat."""
+        """The scaling of the flat elements ``[start, start + n)`` of the weight; float32, flat, a new tensor."""
         return self._scale(values, start, self.row, self.col)
 
     def invert_run(self, values: Tensor, start: int) -> Tensor:

@@ -244,7 +244,10 @@ class GiftReducer:
     @staticmethod
     def _gather(tensor: torch.Tensor, pieces: List[Piece], numel: int, whiteners) -> torch.Tensor:
         """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates;
-        ``whiteners`` None: all in gradient coordinates)."""
+        ``whiteners`` None: all in gradient coordinates), always a buffer of its own."""
+        if len(pieces) == 1 and pieces[0].rows and whiteners is not None:  # the transform's own output
+            p = pieces[0]
+            return whiteners[p.param_key].apply_run(tensor.narrow(0, p.bucket_offset, p.numel), p.param_start)
         out = torch.empty(numel, dtype=torch.float32, device=tensor.device)
         pos = 0
         for p in pieces:
@@ -258,8 +261,12 @@ class GiftReducer:
         return out
 
     @staticmethod
-    def _transform_rows(buf: torch.Tensor, pieces: List[Piece], whiteners, *, inverse: bool) -> None:
-        """In place, on a packed buffer: transformed pieces into (or back from) their coordinates."""
+    def _transform_rows(buf: torch.Tensor, pieces: List[Piece], whiteners, *, inverse: bool) -> torch.Tensor:
+        """A packed buffer with its transformed pieces moved into (or back from) their coordinates:
+        the transform's own output when one piece fills it, else ``buf`` changed in place."""
+        if len(pieces) == 1 and pieces[0].rows:
+            p, w = pieces[0], whiteners[pieces[0].param_key]
+            return w.invert_run(buf, p.param_start) if inverse else w.apply_run(buf, p.param_start)
         pos = 0
         for p in pieces:
             if p.rows:
@@ -267,6 +274,7 @@ class GiftReducer:
                 w = whiteners[p.param_key]
                 view.copy_(w.invert_run(view, p.param_start) if inverse else w.apply_run(view, p.param_start))
             pos += p.numel
+        return buf
 
     def _generator_for(self, sec: Section, step: int):
         if self.shared_seed is None or not sec.shared or self.generator is None:
@@ -347,7 +355,7 @@ class GiftReducer:
         totals = self._sum_at_owner(plan, packed, recv, step, stats)
         t0 = time.perf_counter()
         for sec, total, mine in totals:
-            self._transform_rows(total, sec.pieces, whiteners, inverse=True)
+            total = self._transform_rows(total, sec.pieces, whiteners, inverse=True)
             if mine is not None:
                 total.add_(mine)
             total.div_(divisor)
@@ -436,8 +444,8 @@ class GiftReducer:
         residual, pieces, used = entry
         if pieces != sec.pieces or any(used.get(p.param_key) is not whiteners.get(p.param_key)
                                        for p in sec.pieces + pieces if p.rows):
-            self._transform_rows(residual, pieces, used, inverse=True)
-            self._transform_rows(residual, sec.pieces, whiteners, inverse=False)
+            residual = self._transform_rows(residual, pieces, used, inverse=True)
+            residual = self._transform_rows(residual, sec.pieces, whiteners, inverse=False)
         return main.add_(residual)
 
     def _keep_residual(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, whiteners) -> None:
@@ -452,8 +460,7 @@ class GiftReducer:
         rounding generator."""
         residuals = []
         for (layout_key, key), (residual, pieces, used) in self.residuals.items():
-            grad_coords = residual.clone()
-            self._transform_rows(grad_coords, pieces, used, inverse=True)
+            grad_coords = self._transform_rows(residual.clone(), pieces, used, inverse=True)
             flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start, p.param_start)
                     for p in pieces]
             residuals.append((layout_key, key, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))

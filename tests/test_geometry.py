@@ -15,9 +15,11 @@ from deepspeed_gift.geometry import (
     StructuredWhitener,
     blend_low_rank,
     fit_low_rank_diag,
+    factored_scaling_from_sums,
     fit_whitener,
     low_rank_to_dense,
     make_whitener,
+    row_col_sums,
     second_moment,
     whitener_from_low_rank,
     whitener_from_tensors,
@@ -494,3 +496,20 @@ def test_nystrom_sketch_recovers_the_top_subspace_and_diagonal():
     Q = torch.randn(dim, 3, generator=g)
     torch.testing.assert_close(geometry.low_rank_matmul(lrd, Q), dense @ Q, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(geometry.low_rank_diagonal(lrd), torch.diagonal(dense), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["adam_factored"])
+def test_runs_come_back_in_buffers_of_their_own(kind):
+    # The reducer packs a one-piece section straight from apply_run / invert_run and then
+    # adds to it in place: a result that aliased the bucket would corrupt the gradients.
+    dim = 16
+    if kind == "adam_factored":
+        v = torch.rand(4, dim, generator=torch.Generator().manual_seed(0)) + 0.1
+        w = factored_scaling_from_sums(*row_col_sums(v.reshape(-1), 0, v.shape))
+    else:
+        w = _whitener(kind, dim)
+    values = torch.randn(4 * dim, generator=torch.Generator().manual_seed(1))
+    before = values.clone()
+    for run in (w.apply_run(values, 0), w.invert_run(values, 0)):
+        run.add_(1.0)
+        assert torch.equal(values, before) and run.dtype == torch.float32
