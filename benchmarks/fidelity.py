@@ -24,10 +24,10 @@ What it does, in order:
    A refresh on a capture step fits ``fit_low_rank_diag`` to the statistics at that step,
    with a floor on the residual diagonal of ``--damping`` (``--damping-mode absolute``) or
    ``--damping`` times the mean of ``diag(A)`` of that statistic (``relative``).
-3. Reduction at t2 for every format x geometry, as the plugin does it: each rank sends
-   ``Z_r = G_r S`` encoded once; the owner decodes, sums in fp32 with its own contribution
-   exact (it never goes through the codec), divides by the number of ranks and maps back
-   with ``S^{-1}``. The kfac whiteners are the ones fitted at t1, a refresh interval
+3. Reduction at t2 for every format x geometry by the plugin's own ``GiftReducer``, the
+   ranks simulated as threads: each rank sends ``Z_r = G_r S`` encoded once; the owner
+   decodes, sums in fp32, maps back with ``S^{-1}``, adds its own contribution exact (it
+   never goes through the codec) and divides by the number of ranks. The kfac whiteners are the ones fitted at t1, a refresh interval
    earlier: as stale as the plugin's get before their next refresh. Compared with the
    exact fp32 average (``deepspeed_gift.metrics`` does the measuring), per layer and in
    aggregate:
@@ -112,8 +112,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepspeed_gift import geometry as geo  # noqa: E402
 from deepspeed_gift import metrics as fm  # noqa: E402
-from deepspeed_gift.formats import FORMAT_NAMES, get_format, quantization_stats  # noqa: E402
+from deepspeed_gift.comm import run_local  # noqa: E402
+from deepspeed_gift.formats import FORMAT_NAMES, get_format  # noqa: E402
 from deepspeed_gift.layers import InputMoments  # noqa: E402
+from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice  # noqa: E402
+from deepspeed_gift.stats import StepStats  # noqa: E402
 from launch.data import corpus_bytes  # noqa: E402
 from launch.pretrain import PRESETS  # noqa: E402
 
@@ -414,6 +417,15 @@ class FullSecondMomentScaling:
     def invert(self, Z: Tensor) -> Tensor:
         return Z.float() / self.scale
 
+    # what the reducer calls: elementwise, so any run of the flat weight is a unit
+    version, run_unit = 0, 1
+
+    def apply_run(self, values: Tensor, start: int) -> Tensor:
+        return values.float() * self.scale.reshape(-1).narrow(0, start, values.numel())
+
+    def invert_run(self, values: Tensor, start: int) -> Tensor:
+        return values.float() / self.scale.reshape(-1).narrow(0, start, values.numel())
+
 
 def parse_kfac(items: List[str]) -> List[GeometrySpec]:
     out = []
@@ -490,31 +502,33 @@ class WhitenerFactory:
 
 
 def reduce_ranks(G: Tensor, codec, whitener: geo.Whitener, *, owner: Optional[int],
-                 Z: Optional[Tensor] = None, stats: bool = True) -> Tuple[Tensor, Dict[str, int]]:
-    """The plugin's reduction of one layer: ``G`` (ranks, out, in) -> averaged (out, in).
+                 stats: bool = True) -> Tuple[Tensor, Dict[str, int]]:
+    """The plugin's reduction of one layer, ``G`` (ranks, out, in) -> averaged (out, in), run by
+    the plugin's own :class:`GiftReducer` on ``G.shape[0]`` ranks simulated as threads.
 
     Every rank but ``owner`` sends ``Z_r = G_r S`` encoded once; the owner decodes, sums in
-    fp32 with its own exact ``Z``, divides by the number of ranks and maps back with
-    ``S^{-1}``. ``owner=None`` quantizes every rank (an all-reduce). ``Z`` may be passed when
-    already computed; ``stats`` adds ``quantization_stats`` counts (saturated, underflow) of
-    every payload.
+    fp32, maps back with ``S^{-1}``, adds its own exact gradient and divides by the number of
+    ranks. ``owner=None`` quantizes every rank (the layer is a shared section: every rank
+    receives it whole, as Muon's copy ranks do). ``stats`` adds the codec counters
+    (elements sent, saturated, underflow) of every payload.
     """
-    if Z is None:
-        Z = whitener.apply(G)
-    total = torch.zeros_like(Z[0])
-    counts = {"sent": 0, "saturated": 0, "underflow": 0}
-    for r in range(Z.shape[0]):
-        if r == owner:
-            total.add_(Z[r])
-            continue
-        payload = codec.encode(Z[r])
-        total.add_(codec.decode(payload).view_as(total))
-        if stats:
-            q = quantization_stats(Z[r], payload, codec)
-            counts["sent"] += q["numel"]
-            counts["saturated"] += q["saturated"]
-            counts["underflow"] += q["underflow"]
-    return whitener.invert(total.div_(Z.shape[0])), counts
+    world, numel = G.shape[0], G[0].numel()
+    dst = 0 if owner is None else owner
+    copies = tuple(range(world)) if owner is None else ()
+    slices = [ParamSlice(dst, 0, numel, 0, 0, whitener.run_unit, GEO, copies)]
+
+    def rank_body(comm):
+        bucket = G[comm.rank].reshape(-1).to(torch.float32, copy=True)
+        counters = GiftReducer(comm, codec).reduce(bucket, slices, {0: whitener}, {0: whitener.version},
+                                                   divisor=float(world), sample=stats)
+        return bucket if comm.rank == dst else None, counters
+
+    per_rank = run_local(world, rank_body)
+    total = StepStats()
+    for _, counters in per_rank:
+        total.add(counters)
+    counts = {"sent": total.quantized, "saturated": total.saturated, "underflow": total.underflow}
+    return per_rank[dst][0].view(G.shape[1:]), counts
 
 
 def adam_scale(rule: fm.AdamRule, g_exact: Tensor) -> Tensor:
@@ -848,9 +862,8 @@ def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner
     for g in geoms:
         ws = whiteners_t1[g.key]
         for n in names:
-            Z = ws[n].apply(G2[n])
             for f, codec in codecs.items():
-                avg, counts = reduce_ranks(G2[n], codec, ws[n], owner=owner_of[n], Z=Z)
+                avg, counts = reduce_ranks(G2[n], codec, ws[n], owner=owner_of[n])
                 parts[f][g.key][n] = compare(avg, refs[n], counts)
     results = {f: {g.key: {"aggregate": metrics(list(parts[f][g.key].values())),
                            "layers": {n: metrics([parts[f][g.key][n]]) for n in names}} for g in geoms}

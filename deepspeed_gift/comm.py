@@ -1,6 +1,7 @@
 """Communication backends: byte exchange between data-parallel ranks. No math here.
 
-Two backends with one interface:
+Two backends with one interface (and ``LocalComm``, ranks as threads of one process, for
+benchmarks that simulate ranks):
 
 * ``TorchComm``: ``torch.distributed`` on the data-parallel process group (gloo on CPU,
   NCCL on GPU). Everything quantized travels as ``uint8`` (gloo rejects float8 dtypes).
@@ -273,6 +274,80 @@ def _displacements(sizes: Sequence[int]) -> List[int]:
     return out
 
 
+class LocalComm(Comm):
+    """Ranks as threads of one process, for code that simulates ranks (benchmarks): every
+    exchange goes through a mailbox shared by the group, between two barriers. Made by
+    :func:`run_local`, which runs one function per rank."""
+
+    name = "local"
+
+    def __init__(self, rank: int, world_size: int, mailbox: list, barrier: threading.Barrier) -> None:
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+        self._mailbox, self._barrier = mailbox, barrier
+
+    def _exchange(self, outgoing) -> list:
+        """Post ``outgoing`` (anything, one per rank or one for all); return what every rank posted."""
+        self._mailbox[self.rank] = outgoing
+        self._barrier.wait()
+        posted = list(self._mailbox)
+        self._barrier.wait()  # every rank has read before the next exchange overwrites the box
+        return posted
+
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
+        chunks = list(torch.split(send, [int(n) for n in send_splits]))
+        posted = self._exchange(chunks)
+        got = [posted[src][self.rank] for src in range(self.world_size)]
+        if [g.numel() for g in got] != [int(n) for n in recv_splits]:
+            raise RuntimeError(f"deepspeed_gift: rank {self.rank} expected {list(recv_splits)} bytes, ranks sent "
+                               f"{[g.numel() for g in got]}")
+        self._count(kind, sum(int(n) for n in send_splits) - int(send_splits[self.rank]))
+        return torch.cat(got) if got else send.new_empty(0)
+
+    def all_reduce_sum(self, tensor, *, kind="geometry"):
+        posted = self._exchange(tensor.clone())
+        total = posted[0].clone()
+        for part in posted[1:]:  # rank order, as every rank sees it: the same bits everywhere
+            total.add_(part)
+        tensor.copy_(total)
+        if self.world_size > 1:
+            self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
+        return tensor
+
+    def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
+        posted = self._exchange(blob.clone())
+        self._count(kind, blob.numel() * (self.world_size - 1))
+        return [b.clone() for b in posted]
+
+
+def run_local(world_size: int, fn, *args) -> list:
+    """``fn(comm, *args)`` on ``world_size`` threads, each with the :class:`LocalComm` of its
+    rank; their results in rank order. A rank that raises breaks the barrier, so the others
+    stop instead of waiting, and its exception is raised here."""
+    mailbox: list = [None] * world_size
+    barrier = threading.Barrier(world_size)
+    results: list = [None] * world_size
+    errors: list = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(LocalComm(rank, world_size, mailbox, barrier), *args)
+        except threading.BrokenBarrierError:
+            pass  # another rank failed; its error is the one to report
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def _mpi_is_cuda_aware(MPI) -> bool:
     try:
         query = getattr(MPI, "Query_cuda_support", None)
@@ -341,5 +416,5 @@ def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> C
     raise ValueError(f"gift.backend: got {backend!r}; allowed: 'torch', 'mpi'")
 
 
-__all__ = ["Comm", "TorchComm", "MpiComm", "make_comm", "split_by_node", "detect_ranks_per_node",
+__all__ = ["Comm", "TorchComm", "MpiComm", "LocalComm", "run_local", "make_comm", "split_by_node", "detect_ranks_per_node",
            "ranks_per_node_from"]
