@@ -28,7 +28,15 @@ def test_lossless_config_matches_deepspeed_w2(stage):
     # small buckets: many buckets per step, parameters cut by partition boundaries;
     # ga=2: stage 2 reduces every micro step, stage 1 only at the boundary.
     base = dict(stage=stage, steps=3, ga=2, bucket=12000)
-    native, gift = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS)])[0]
+    # zero_optimization.reduce_scatter false: DeepSpeed all-reduces the bucket instead; what
+    # the optimizer reads (the owner's partition, Muon's whole matrices) is the same, so GIFT's
+    # reduce-scatter serves it, and must match it
+    zero = {"stage": stage, "reduce_bucket_size": 12000, "allgather_bucket_size": 10**6, "overlap_comm": False,
+            "contiguous_gradients": True, "reduce_scatter": False}
+    all_reduce = dict(base, extra={"zero_optimization": zero})
+    native, gift, native_ar, gift_ar = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS), all_reduce,
+                                                                 dict(all_reduce, gift=LOSSLESS)])[0]
+    assert gift_ar["losses"] == native_ar["losses"] and _max_param_diff(native_ar, gift_ar) == 0.0
     assert native["losses"] == pytest.approx(gift["losses"], abs=1e-6)
     assert _max_param_diff(native, gift) <= FP32_LOSSLESS_ATOL
     assert len(gift["records"]) == 3  # GIFT reduced every step
