@@ -30,10 +30,12 @@ def test_lossless_config_matches_deepspeed_w2(stage):
     base = dict(stage=stage, steps=3, ga=2, bucket=12000)
     # zero_optimization.reduce_scatter false: DeepSpeed all-reduces the bucket instead; what
     # the optimizer reads (the owner's partition, Muon's whole matrices) is the same, so GIFT's
-    # reduce-scatter serves it, and must match it
+    # reduce-scatter serves it, and must match it. With parameter_alignment and widths that are
+    # not multiples of 4, the flat buffer also holds padding between parameters.
     zero = {"stage": stage, "reduce_bucket_size": 12000, "allgather_bucket_size": 10**6, "overlap_comm": False,
-            "contiguous_gradients": True, "reduce_scatter": False}
-    all_reduce = dict(base, extra={"zero_optimization": zero})
+            "contiguous_gradients": True, "reduce_scatter": False, "parameter_alignment": True}
+    odd = {"hidden_size": 66, "num_attention_heads": 3, "num_key_value_heads": 3, "intermediate_size": 161}
+    all_reduce = dict(base, model=odd, extra={"zero_optimization": zero})
     native, gift, native_ar, gift_ar = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS), all_reduce,
                                                                  dict(all_reduce, gift=LOSSLESS)])[0]
     assert gift_ar["losses"] == native_ar["losses"] and _max_param_diff(native_ar, gift_ar) == 0.0
