@@ -354,15 +354,17 @@ class GiftReducer:
         recv = self._exchange(plan, packed, step, tensor.device, stats)
         totals = self._sum_at_owner(plan, packed, recv, step, stats)
         t0 = time.perf_counter()
+        results = []  # the inverse may hand back a new tensor: keep what was scattered
         for sec, total, mine in totals:
             total = self._transform_rows(total, sec.pieces, whiteners, inverse=True)
             if mine is not None:
                 total.add_(mine)
             total.div_(divisor)
             self._scatter(tensor, total, sec, plan, outputs)
+            results.append(total)
         stats.transform_s += time.perf_counter() - t0
-        if exact is not None and totals:
-            result = torch.cat([total for _, total, _ in totals])
+        if exact is not None and results:
+            result = torch.cat(results)
             stats.fidelity_err_sq = float((result - exact).square().sum())
             stats.fidelity_ref_sq = float(exact.square().sum())
         return stats
