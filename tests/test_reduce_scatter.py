@@ -63,16 +63,19 @@ def _reduce_body(rank, world, fmt):
     bucket = grads[rank].clone()
     outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in slices]
     whiteners = _whiteners()
-    reducer.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, step=7, outputs=outputs)
+    stats = reducer.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, step=7,
+                           outputs=outputs, sample=True)
     exact = torch.stack(grads).sum(0) / world
     mine = [(s, o) for s, o in zip(slices, outputs) if s.dst == rank]
     return [(s, bucket[s.bucket_offset:s.bucket_offset + s.numel].clone(), o,
-             exact[s.bucket_offset:s.bucket_offset + s.numel]) for s, o in mine]
+             exact[s.bucket_offset:s.bucket_offset + s.numel]) for s, o in mine], stats
 
 
 def test_owner_gets_the_average_with_whitened_rows_and_cut_rows():
     for world in (2, 3):
-        for per_rank in run_ranks(_reduce_body, world, "fp32"):
+        for per_rank, stats in run_ranks(_reduce_body, world, "fp32"):
+            # the sampled fidelity sees the delivered result (the bf16 sections' rounding only)
+            assert 0 < (stats.fidelity_err_sq / stats.fidelity_ref_sq) ** 0.5 < 2 ** -8
             for s, got, out, exact in per_rank:
                 if s.mode == HIGH:  # others=bf16: exact up to one bf16 rounding per rank
                     torch.testing.assert_close(got, exact, rtol=2 ** -7, atol=1e-2)
@@ -81,8 +84,32 @@ def test_owner_gets_the_average_with_whitened_rows_and_cut_rows():
                 torch.testing.assert_close(out, got)  # compact output receives the same result
 
 
+def _one_piece_body(rank, world):
+    import torch.distributed as dist
+
+    from deepspeed_gift.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    # one 8 x 16 matrix cut between whole rows: every section is a single transformed piece,
+    # packed and unpacked straight from the transform's own output
+    slices = [ParamSlice(dst, dst * 64, 64, dst * 64, 0, 16, GEO) for dst in range(2)]
+    grads = [torch.randn(128, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+    bucket = grads[rank].clone()
+    stats = GiftReducer(TorchComm(), formats.get_format("fp32")).reduce(
+        bucket, slices, {0: _whiteners()[0]}, {0: 0}, divisor=world, sample=True)
+    exact = (torch.stack(grads).sum(0) / world)[rank * 64:(rank + 1) * 64]
+    return bucket[rank * 64:(rank + 1) * 64], exact, grads[rank], stats
+
+
+def test_single_piece_sections_reduce_exactly_and_the_fidelity_sees_the_result():
+    for got, exact, mine, stats in run_ranks(_one_piece_body, 2):
+        torch.testing.assert_close(got, exact, rtol=FP32_WHITENED_RTOL, atol=FP32_WHITENED_RTOL)
+        assert not torch.equal(got, mine)  # reduced, not left as this rank's own gradient
+        assert (stats.fidelity_err_sq / stats.fidelity_ref_sq) ** 0.5 < FP32_WHITENED_RTOL
+
+
 def test_fp8_reduction_error_is_bounded():
-    for per_rank in run_ranks(_reduce_body, 2, "fp8_e4m3"):
+    for per_rank, _ in run_ranks(_reduce_body, 2, "fp8_e4m3"):
         got = torch.cat([g for s, g, _, _ in per_rank if s.mode != HIGH])
         exact = torch.cat([e for s, _, _, e in per_rank if s.mode != HIGH])
         rel = float((got - exact).norm() / exact.norm())
