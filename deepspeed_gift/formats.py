@@ -857,10 +857,15 @@ def _e4m3_at_least(target: Tensor) -> Tensor:
     return codes.add_((s8.float() < target) & (codes < 0x7E))
 
 
+def _e2m1_of_keys(key: Tensor) -> Tensor:
+    """The E2M1 value (fp32) of every :func:`_fp4_keys` key, same shape: one lookup each."""
+    return torch.index_select(_table_on(_FP4_KEY_VALUES, key.device), 0, key.reshape(-1)).view(key.shape)
+
+
 def _e2m1_nearest(y: Tensor) -> Tensor:
-    """``y`` (fp32) rounded to the nearest E2M1 value (ties to even), saturating at +-6: one
-    lookup per element by the same fp32-bit keys the encoder uses."""
-    return torch.index_select(_table_on(_FP4_KEY_VALUES, y.device), 0, _fp4_keys(y.contiguous()).view(-1)).view(y.shape)
+    """``y`` (fp32) rounded to the nearest E2M1 value (ties to even), saturating at +-6, by the
+    fp32-bit keys the encoder uses."""
+    return _e2m1_of_keys(_fp4_keys(y.contiguous()))
 
 
 def _e2m1_nearest_reference(y: Tensor) -> Tensor:
@@ -933,7 +938,6 @@ class NvFp4Codec(_ScaledCodec):
         p.global_scale.copy_(g)
         candidates = self._candidate_codes(amax, g)
         codes = candidates[0].clone()
-        values = _table_on(_FP4_KEY_VALUES, flat.device)
         step = _tile_rows(n_rows, row_len, flat.device)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
         for r0 in range(0, n_rows, step):
@@ -944,8 +948,7 @@ class NvFp4Codec(_ScaledCodec):
                 scale = cand[r0:r1].view(torch.float8_e4m3fn).float().mul_(g)
                 y = torch.div(x, _safe_divisor(scale)[:, None])
                 key = _fp4_keys(y)
-                err = torch.index_select(values, 0, key.view(-1)).view_as(y)
-                err = err.mul_(scale[:, None]).sub_(x).square_().sum(1)
+                err = _e2m1_of_keys(key).mul_(scale[:, None]).sub_(x).square_().sum(1)
                 keep = y if gen is not None else key
                 if best is None:
                     best, best_err = keep, err

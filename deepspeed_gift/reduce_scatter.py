@@ -246,8 +246,8 @@ class GiftReducer:
         """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates;
         ``whiteners`` None: all in gradient coordinates), always a buffer of its own."""
         if len(pieces) == 1 and pieces[0].rows and whiteners is not None:  # the transform's own output
-            p = pieces[0]
-            return whiteners[p.param_key].apply_run(tensor.narrow(0, p.bucket_offset, p.numel), p.param_start)
+            src = tensor.narrow(0, pieces[0].bucket_offset, pieces[0].numel)
+            return GiftReducer._transform_rows(src, pieces, whiteners, inverse=False)
         out = torch.empty(numel, dtype=torch.float32, device=tensor.device)
         pos = 0
         for p in pieces:
