@@ -8,7 +8,7 @@ import pytest
 from tests.harness import train_many
 from launch.spawn import run_ranks
 
-DIST_TIMEOUT_S = 20
+DIST_TIMEOUT_S = 8
 GIFT = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
         "comm_timeout_s": DIST_TIMEOUT_S}
 
@@ -21,5 +21,5 @@ def test_survivor_fails_within_the_timeout(mode):
     message = str(info.value)
     found = re.search(r"rank 0 \(after ([0-9.]+) s\): (\w+)", message)
     assert found, message[-2000:]  # rank 0 raised an error of its own, it was not killed by the harness
-    # start-up and two steps take ~10 s; then at most the timeout (a dead peer is seen at once)
-    assert float(found.group(1)) < DIST_TIMEOUT_S + 25, message[-2000:]
+    # start-up and two steps take ~2 s (ranks fork from launch.spawn's server); then at most the timeout
+    assert float(found.group(1)) < DIST_TIMEOUT_S + 10, message[-2000:]
