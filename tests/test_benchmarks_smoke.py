@@ -164,6 +164,7 @@ def _netns_usable() -> str:
     return ""
 
 
+@pytest.mark.slow  # namespaces, tc shaping and fresh interpreters per rank: long by nature
 @pytest.mark.parametrize("ranks,per_host", [(2, 1), (4, 2)])
 def test_netns_cluster_smoke(tmp_path, ranks, per_host):
     """Hosts in namespaces at 1 Gbit/s, one rank each or two sharing a host's link: bf16 and GIFT

@@ -1,0 +1,42 @@
+"""    .venv/bin/python scripts/test_times.py --budget-min 12 fast.xml slow.xml
+
+Reads pytest's JUnit XML reports and prints each report's test time, their sum against a
+budget, and the slowest tests of all reports together (.ci/run calls it at the end)."""
+
+from __future__ import annotations
+
+import argparse
+import xml.etree.ElementTree as ET
+
+
+def read_cases(path: str) -> list:
+    """(seconds, "file::test[id]") for every test case in one report."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        cases.append((float(case.get("time", 0.0)), f"{module}.py::{case.get('name')}"))
+    return cases
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("reports", nargs="+")
+    parser.add_argument("--budget-min", type=float, default=12.0)
+    parser.add_argument("--slowest", type=int, default=15)
+    args = parser.parse_args(argv)
+    every = []
+    for path in args.reports:
+        cases = read_cases(path)
+        every += cases
+        print(f"{path}: {len(cases)} tests, {sum(t for t, _ in cases) / 60:.1f} min")
+    total = sum(t for t, _ in every) / 60
+    verdict = "within" if total <= args.budget_min else "OVER"
+    print(f"tests: {total:.1f} min in all, {verdict} the {args.budget_min:g}-minute budget")
+    print(f"slowest {args.slowest}:")
+    for seconds, name in sorted(every, reverse=True)[:args.slowest]:
+        print(f"  {seconds:7.2f} s  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
