@@ -338,6 +338,7 @@ class Codec:
         self.seed = seed
         self.block_size, self.scale_kind = self._check_options(block_size, scale)
         self._generators: Dict[torch.device, torch.Generator] = {}
+        self._headers: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> header bytes there
 
     # -- options ---------------------------------------------------------------
 
@@ -397,6 +398,17 @@ class Codec:
         )
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
+    def header_on(self, numel: int, device) -> Tensor:
+        """The header of a payload of ``numel`` elements, made on ``device`` once (a bucket's
+        sections keep their sizes from step to step): no host-to-device copy per encode."""
+        key = (numel, str(device))
+        got = self._headers.get(key)
+        if got is None:
+            if len(self._headers) >= 4096:  # layouts of earlier selections
+                self._headers.clear()
+            got = self._headers[key] = self._header_tensor(numel).to(device)
+        return got
+
     def _views(self, buf: Tensor, numel: int, shape: torch.Size) -> Payload:
         g, s, d, end = self._offsets(numel)
         glob = _view_dtype(buf[g:s], torch.float32) if self.has_global_scale else None
@@ -437,7 +449,7 @@ class Codec:
         flat = _flat_input(x)
         numel = flat.numel()
         buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=x.device)
-        buf[:HEADER_BYTES].copy_(self._header_tensor(numel))
+        buf[:HEADER_BYTES].copy_(self.header_on(numel, buf.device))
         p = self._views(buf, numel, x.shape)
         gen = self._generator(x.device, generator) if self.rounding == "stochastic" and numel else None
         self._encode_into(flat, p, gen)
@@ -456,7 +468,7 @@ class Codec:
         self._check_payload(p)
         if p.wire is not None and p.wire.numel() == self.nbytes(p.numel):
             return p.wire
-        parts = [self._header_tensor(p.numel).to(p.device)]
+        parts = [self.header_on(p.numel, p.device)]
         for t in (p.global_scale, p.scales, p.data):
             if t is not None:
                 parts.append(t.contiguous().reshape(-1).view(torch.uint8))
@@ -482,7 +494,7 @@ class Codec:
                 f"(block_size {self.block_size}, scale {self.scale_kind!r}), got {buf.numel()}"
             )
         if check_header:
-            self._check_header(bytes(buf[:HEADER_BYTES].cpu().tolist()), numel)
+            self.check_header_bytes(bytes(buf[:HEADER_BYTES].cpu().tolist()), numel)
         return self._views(buf, numel, shape)
 
     def encode_to_bytes(self, x: Tensor, *, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -493,7 +505,8 @@ class Codec:
 
     # -- checks ------------------------------------------------------------------
 
-    def _check_header(self, raw: bytes, numel: int) -> None:
+    def check_header_bytes(self, raw: bytes, numel: int) -> None:
+        """ValueError naming every field of the header ``raw`` that differs from this codec's."""
         magic, version, fmt_id, scale_id, block, hdr_numel = _HEADER.unpack(raw)
         if magic != _MAGIC or version != _VERSION:
             raise ValueError(

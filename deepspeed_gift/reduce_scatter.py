@@ -29,6 +29,7 @@ its own included, and sums them in rank order, so all copies are bit-identical.
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -98,17 +99,77 @@ class Section:
         self.numel += piece.numel
 
 
-def control_header(plan_hash: int, step: int, device) -> torch.Tensor:
-    """The 16 bytes that open every message: the plan's hash and the step."""
-    return torch.tensor([plan_hash, step], dtype=torch.int64).view(torch.uint8).to(device)
+class HeaderChecks:
+    """Header comparisons made on the device and read on the host once, not once per message.
+
+    A message's header is compared with the one the receiver expects by a device op; reading
+    the result would make the host wait for the reduction, so the results are kept and read
+    together by :meth:`verify` (the reducer calls it at the end of ``reduce`` unless it defers,
+    and then its owner calls it before the optimizer takes the step). A mismatch raises there,
+    with the message the host-side check would have given."""
+
+    def __init__(self) -> None:
+        self._pending: list = []  # (0-dim bool "differs", received header copy, explain(raw bytes) -> message)
+        self._cache: Dict[tuple, torch.Tensor] = {}  # the step's part of control headers, per device
+
+    def expect(self, got: torch.Tensor, want: torch.Tensor, explain) -> None:
+        """Check later that ``got`` (bytes) equals ``want``; ``explain(got_bytes)`` returns the
+        error message (or raises its own error) when it does not."""
+        head = got.narrow(0, 0, want.numel())
+        self._pending.append((head.ne(want).any(), head.clone(), explain))
+
+    def verify(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        differs = torch.stack([flag for flag, _, _ in pending]).tolist()  # the one host read
+        for bad, (_, head, explain) in zip(differs, pending):
+            if bad:
+                raise RuntimeError(explain(bytes(head.cpu().tolist())))
+
+    def step_bytes(self, step: int, device) -> torch.Tensor:
+        """The step as 8 bytes on ``device``, made once per step and device."""
+        key = (step, str(device))
+        got = self._cache.get(key)
+        if got is None:
+            self._cache = {k: v for k, v in self._cache.items() if k[0] == step}
+            got = self._cache[key] = torch.tensor([step], dtype=torch.int64).view(torch.uint8).to(device)
+        return got
 
 
-def check_header(msg: torch.Tensor, plan_hash: int, step: int, sender: str, meaning: str) -> None:
-    """Fail loudly when ``msg`` was sent for another plan or step than the receiver's."""
-    head = msg.narrow(0, 0, CONTROL_HEADER_BYTES).clone().view(torch.int64).tolist()
-    if head != [plan_hash, step]:
-        raise RuntimeError(f"deepspeed_gift: {sender} sent a bucket for plan {head[0]:#x} at step {head[1]}, "
-                           f"this rank expects plan {plan_hash:#x} at step {step}: {meaning}")
+def control_header(plan_hash_bytes: torch.Tensor, step_bytes: torch.Tensor) -> torch.Tensor:
+    """The 16 bytes that open every message: the plan's hash and the step (both already on
+    the message's device)."""
+    return torch.cat([plan_hash_bytes, step_bytes])
+
+
+def hash_bytes(plan_hash: int, device) -> torch.Tensor:
+    return torch.tensor([plan_hash], dtype=torch.int64).view(torch.uint8).to(device)
+
+
+def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor, sender: str,
+                          meaning: str) -> None:
+    """Fail loudly (at ``checks.verify``) when ``msg`` was sent for another plan or step than
+    the receiver's (``want``: its own control header)."""
+    def explain(raw: bytes) -> str:
+        got_hash, got_step = struct.unpack("<qq", raw)
+        want_hash, want_step = struct.unpack("<qq", bytes(want.cpu().tolist()))
+        return (f"deepspeed_gift: {sender} sent a bucket for plan {got_hash:#x} at step {got_step}, "
+                f"this rank expects plan {want_hash:#x} at step {want_step}: {meaning}")
+
+    checks.expect(msg, want, explain)
+
+
+def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: int, sender: str) -> None:
+    """The codec's own header of a payload from ``sender``, checked as the codec would."""
+    def explain(raw: bytes) -> str:
+        try:
+            codec.check_header_bytes(raw, numel)
+        except ValueError as exc:
+            return f"deepspeed_gift: payload from {sender}: {exc}"
+        return f"deepspeed_gift: payload from {sender} has an unexpected header"
+
+    checks.expect(buf, codec.header_on(numel, buf.device), explain)
 
 
 def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
@@ -180,9 +241,17 @@ class BucketPlan:
                 self.shared_outputs.setdefault(s.param_key, []).append((index, s.param_offset))
         digest = hashlib.blake2b(repr((self.slices, sorted(versions.items()))).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
+        self._hash_bytes: Dict[str, torch.Tensor] = {}
         # Element positions of the main payloads depend only on which slices are HIGH or shared:
         # an error-feedback residual survives re-selection and refreshes under this key.
         self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
+
+    def hash_on(self, device) -> torch.Tensor:
+        """The plan's hash as 8 bytes on ``device`` (made once per plan and device)."""
+        key = str(device)
+        if key not in self._hash_bytes:
+            self._hash_bytes[key] = hash_bytes(self.hash, device)
+        return self._hash_bytes[key]
 
     def sections_to(self, rank: int) -> List[Section]:
         return [self.sections[i] for i in self.to_rank[rank]]
@@ -204,8 +273,12 @@ class GiftReducer:
     """Runs bucket reductions for one engine. Holds codecs, the comm and per-plan caches."""
 
     def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
-                 error_feedback: bool = False, ranks_per_node: int = 1) -> None:
+                 error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False) -> None:
         self.comm = comm
+        # Headers are compared on the device; deferred, they are read once per step by the
+        # owner's verify_checks() instead of at the end of every reduce (a host wait per bucket).
+        self.checks = HeaderChecks()
+        self.defer_checks = defer_checks
         self.ranks_per_node = ranks_per_node  # accounting only: which messages leave the node
         self.main_codec = main_codec
         self.high_codec = high_codec
@@ -367,7 +440,13 @@ class GiftReducer:
             result = torch.cat(results)
             stats.fidelity_err_sq = float((result - exact).square().sum())
             stats.fidelity_ref_sq = float(exact.square().sum())
+        if not self.defer_checks or sample:
+            self.checks.verify()
         return stats
+
+    def verify_checks(self) -> None:
+        """Raise now if a message of a deferred reduction had a header other than expected."""
+        self.checks.verify()
 
     def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: StepStats) -> torch.Tensor:
         """Step 2: one all-to-all; the message to ``dst`` holds every section it receives."""
@@ -378,7 +457,7 @@ class GiftReducer:
                 messages.append(torch.empty(0, dtype=torch.uint8, device=device))
                 sizes.append(0)
                 continue
-            parts = [control_header(plan.hash, step, device)]
+            parts = [control_header(plan.hash_on(device), self.checks.step_bytes(step, device))]
             parts += [packed[i].wire for i in plan.to_rank[dst]]
             msg = torch.cat(parts)
             expected = plan.message_sizes[dst]
@@ -410,11 +489,12 @@ class GiftReducer:
         my_size = plan.message_sizes[me]
         messages = {}
         pos = 0
+        want = control_header(plan.hash_on(recv.device), self.checks.step_bytes(step, recv.device))
         for src in range(world):
             if src != me:
                 messages[src] = recv.narrow(0, pos, my_size)
-                check_header(messages[src], plan.hash, step, f"rank {src}", "ranks disagree on the bucket "
-                             "layout, the selected layers or the whitener versions")
+                expect_control_header(self.checks, messages[src], want, f"rank {src}", "ranks disagree on the "
+                                      "bucket layout, the selected layers or the whitener versions")
                 pos += my_size
         totals = []
         off = CONTROL_HEADER_BYTES
@@ -428,7 +508,12 @@ class GiftReducer:
             for src in range(world):
                 if src == me and not sec.shared:
                     continue
-                part = own if src == me else codec.decode_from_bytes(messages[src].narrow(0, off, n), (sec.numel,))
+                if src == me:
+                    part = own
+                else:
+                    buf = messages[src].narrow(0, off, n)
+                    expect_codec_header(self.checks, codec, buf, sec.numel, f"rank {src}")
+                    part = codec.decode_from_bytes(buf, (sec.numel,), check_header=False)
                 total = part.clone() if total is None else total.add_(part)
             if total is None:  # a world of one: nobody else contributed
                 total = torch.zeros_like(own)
@@ -451,10 +536,10 @@ class GiftReducer:
         return main.add_(residual)
 
     def _keep_residual(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, whiteners) -> None:
-        if bool(torch.isfinite(residual).all()):
-            self.residuals[(plan.layout_key, sec.key)] = (residual, sec.pieces, dict(whiteners))
-        else:  # an overflowing step (DeepSpeed skips it): its error must not leak into the next
-            self.residuals.pop((plan.layout_key, sec.key), None)
+        # An overflowing step (DeepSpeed skips it): its error must not leak into the next, so a
+        # residual with any inf/nan is kept as zeros (decided on the device: no host read).
+        residual.masked_fill_(~torch.isfinite(residual).all(), 0.0)
+        self.residuals[(plan.layout_key, sec.key)] = (residual, sec.pieces, dict(whiteners))
 
     def state_dict(self) -> dict:
         """Error-feedback residuals, moved to gradient coordinates (the whiteners they were
@@ -574,6 +659,9 @@ class NodePlan:
                           if (self.node in t.copy_ranks if t.copy_ranks else t.dst == self.node)]
         digest = hashlib.blake2b(repr((tuple(slices), L)).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
+        self._hash_bytes: Dict[str, torch.Tensor] = {}
+
+    hash_on = BucketPlan.hash_on
 
 
 class TwoLevelReducer:
@@ -631,7 +719,8 @@ class TwoLevelReducer:
         mine = self._gather_runs(tensor, plan.runs_to_slot[me])
         if L == 1:
             return mine.to(torch.float32, copy=True), 0
-        head = control_header(plan.hash, step, tensor.device)
+        checks = self.inner.checks
+        head = control_header(plan.hash_on(tensor.device), checks.step_bytes(step, tensor.device))
         messages, sizes = [], []
         for j in range(L):
             if j == me:
@@ -649,8 +738,8 @@ class TwoLevelReducer:
                 part = mine
             else:
                 msg = recv.narrow(0, pos, incoming)
-                check_header(msg, plan.hash, step, f"local rank {i}",
-                             "ranks of a node disagree on the bucket layout")
+                expect_control_header(checks, msg, head, f"local rank {i}",
+                                      "ranks of a node disagree on the bucket layout")
                 part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(tensor.dtype)
                 pos += incoming
             partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
@@ -663,6 +752,9 @@ class TwoLevelReducer:
         if not runs:
             return tensor.new_empty(0)
         return torch.cat([tensor.narrow(0, start, numel) for start, numel in runs])
+
+    def verify_checks(self) -> None:
+        self.inner.verify_checks()  # the node stage's headers are checked there too
 
     # the state lives in the node exchange's reducer (residuals, generator)
     def state_dict(self) -> dict:

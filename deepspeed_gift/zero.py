@@ -197,13 +197,14 @@ class GiftState:
         node_comm = slot_comm = None
         if self.hierarchy == "two_level":
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
-            inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback)
+            inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
+                                defer_checks=True)
             if cfg.rounding == "stochastic":
                 inner.shared_seed = cfg.seed
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
-                                       ranks_per_node=self.ranks_per_node)
+                                       ranks_per_node=self.ranks_per_node, defer_checks=True)
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
@@ -652,8 +653,12 @@ def attach(engine) -> Optional[GiftState]:
     native_step = engine.step
 
     def step(*args, **kwargs):
+        # The headers of this step's messages were compared on the device; read them before the
+        # optimizer uses what they carried (one host read per step, not one per bucket).
+        state.reducer.verify_checks()
         before = engine.global_steps
         result = native_step(*args, **kwargs)
+        state.reducer.verify_checks()  # reductions DeepSpeed ran inside its step
         if engine.global_steps != before:
             state.on_optimizer_step(before - cfg.start_step)
         return result

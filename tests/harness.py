@@ -131,6 +131,11 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
 
         deepspeed_gift.detach(engine)
     hooks = sum(len(m._forward_pre_hooks) for m in engine.module.modules())  # forward pre-hooks on the model
+    host_syncs = None
+    if spec.get("count_syncs"):  # tests: host conversions inside every bucket's reduction
+        from benchmarks.host_syncs import count_bucket_syncs
+
+        host_syncs = count_bucket_syncs(engine.gift)
 
     poison = spec.get("poison")  # tests: one parameter's gradient on one rank and step gets a nan (or is scaled)
     if poison and engine.global_rank in poison.get("ranks", [poison.get("rank")]):
@@ -183,7 +188,8 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
                     split.append(name)
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "digests": digests, "skipped": getattr(engine, "skipped_steps", 0),
-              "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks}
+              "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks,
+              "host_syncs": host_syncs}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name

@@ -1,0 +1,144 @@
+"""    .venv/bin/python benchmarks/host_syncs.py [--worlds 2 4 8] [--steps 6] [--json out.json]
+
+Host conversions inside one bucket's reduction, per bucket, on real DeepSpeed ZeRO-2 engines
+(the tiny Llama of ``tests/harness.py``, ranks forked on this machine over gloo): every call
+of ``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a tensor, ``cpu()``,
+``numpy()``, ``torch.equal``, ``nonzero``, ``masked_select`` or a boolean-mask index
+made while GIFT's ``average_tensor`` runs. On a GPU each one waits for DeepSpeed's reduction
+stream, which runs behind the backward. Steps are split into *ordinary* ones (no telemetry
+sample, no geometry refresh, no statistics collection: these must make none) and the others,
+which may sync and are printed beside them. Configs: fp8 + kfac + error feedback, nvfp4; flat
+and two-level (nodes of 2 ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+_T = torch.Tensor
+# What makes the host wait for the device: a value read back, or a shape that depends on data.
+HOST_SYNCS = {_T.item: "item", _T.tolist: "tolist", _T.__bool__: "bool", _T.__int__: "int", _T.__float__: "float",
+              _T.__index__: "index", _T.cpu: "cpu", _T.numpy: "numpy", torch.equal: "equal", _T.equal: "equal",
+              _T.nonzero: "nonzero", torch.nonzero: "nonzero", torch.masked_select: "masked_select",
+              _T.masked_select: "masked_select"}
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts, by name, the calls in ``HOST_SYNCS`` (and indexing by a boolean tensor) made while
+    the mode is active on this thread. (A ``.to()`` of the host cannot be told from a no-op on a
+    CPU run, where every device is the host: not counted.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = HOST_SYNCS.get(func)
+        if name is None and func is _T.__getitem__ and len(args) > 1 and _has_bool_tensor(args[1]):
+            name = "bool_index"
+        if name is not None:
+            self.counts[name] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _has_bool_tensor(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def count_bucket_syncs(gift) -> list:
+    """Wrap the optimizer's ``average_tensor`` (GIFT's, once ``gift``, a ``GiftState``, is
+    attached) so every bucket's reduction runs under a :class:`HostSyncCounter`; returns the
+    list it appends ``{"step", "ordinary", "counts"}`` to."""
+    seen: list = []
+    native = gift.opt.average_tensor
+
+    def counted(tensor, dtype):
+        k = gift.k
+        geometry = gift.geometry
+        ordinary = not (gift.sampled(k) or geometry.refresh_due(k) or geometry.collecting())
+        with HostSyncCounter() as counter:
+            native(tensor, dtype)
+        seen.append({"step": k, "ordinary": ordinary, "counts": dict(counter.counts)})
+
+    gift.opt.average_tensor = counted
+    return seen
+
+
+FP8_KFAC_EF = {"format": "fp8_e4m3", "layers": "all", "error_feedback": True,
+               "geometry": {"rank": 8, "refresh_interval": 3, "collect_interval": 3}, "telemetry": {"every": 3}}
+NVFP4 = {"format": "nvfp4", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 3, "collect_interval": 3},
+         "telemetry": {"every": 3}}
+CONFIGS = {"fp8+kfac+ef": FP8_KFAC_EF, "nvfp4": NVFP4}
+
+
+def per_bucket(buckets: list, ordinary: bool) -> float:
+    chosen = [b for b in buckets if b["ordinary"] == ordinary]
+    return sum(sum(b["counts"].values()) for b in chosen) / len(chosen) if chosen else float("nan")
+
+
+def _rank_body(rank, world, specs):
+    from tests.harness import train
+
+    return [train(rank, world, spec)["host_syncs"] for spec in specs]
+
+
+def measure(world: int, steps: int) -> list:
+    from launch.spawn import run_ranks
+
+    specs, names = [], []
+    for name, gift in CONFIGS.items():
+        for hierarchy in (("flat", "two_level") if world >= 4 else ("flat",)):
+            block = dict(gift, hierarchy=hierarchy, **({"ranks_per_node": 2} if hierarchy == "two_level" else {}))
+            specs.append(dict(stage=2, steps=steps, bucket=20000, gift=block, count_syncs=True))
+            names.append((name, hierarchy))
+    per_rank = run_ranks(_rank_body, world, specs, timeout=600)
+    rows = []
+    for i, (name, hierarchy) in enumerate(names):
+        buckets = [b for rank in per_rank for b in rank[i]]
+        kinds = collections.Counter()
+        for b in buckets:
+            if b["ordinary"]:
+                kinds.update(b["counts"])
+        rows.append({"world": world, "config": name, "hierarchy": hierarchy,
+                     "buckets": len(buckets) // world, "ordinary_per_bucket": per_bucket(buckets, True),
+                     "other_per_bucket": per_bucket(buckets, False), "ordinary_kinds": dict(kinds)})
+    return rows
+
+
+def main(argv=None) -> list:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = [row for world in args.worlds for row in measure(world, args.steps)]
+    print("| W | config | hierarchy | buckets/rank | syncs per bucket, ordinary steps | other steps | ordinary by kind |")
+    print("|---|---|---|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['world']} | {r['config']} | {r['hierarchy']} | {r['buckets']} | {r['ordinary_per_bucket']:.2f} | "
+              f"{r['other_per_bucket']:.2f} | {r['ordinary_kinds'] or '-'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
