@@ -5,6 +5,9 @@ benchmarks that simulate ranks):
 
 * ``TorchComm``: ``torch.distributed`` on the data-parallel process group (gloo on CPU,
   NCCL on GPU). Everything quantized travels as ``uint8`` (gloo rejects float8 dtypes).
+  Its ``device`` is the one the group's backend takes (the host for gloo, the accelerator
+  for NCCL, which rejects host tensors): every tensor handed to a collective is moved there
+  once, and results come back on the device the caller's tensor was on.
 * ``MpiComm``: mpi4py (imported only when chosen), over a communicator holding the
   same ranks as the data-parallel group. Host buffers; CUDA buffers are staged through
   host memory unless the MPI library reports CUDA awareness.
@@ -28,12 +31,16 @@ class Comm:
     """Interface of a backend. ``rank``/``world_size`` are within the data-parallel group."""
 
     name = "base"
+    device = torch.device("cpu")  # where the collectives take their tensors
 
     def __init__(self) -> None:
         self.bytes_sent: Dict[str, int] = collections.defaultdict(int)
 
     rank: int
     world_size: int
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device)
 
     def all_to_all_bytes(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                          *, kind: str = "payload") -> torch.Tensor:
@@ -70,6 +77,35 @@ def group_of(groups: Sequence[Sequence[int]], rank: int, world_size: int) -> int
     return next(i for i, g in enumerate(groups) if rank in g)
 
 
+def served_devices(backend: str) -> Dict[str, str]:
+    """Device type -> backend of a process group's backend string: ``"gloo"`` serves the host
+    (its CUDA support lacks all-to-all), ``"nccl"`` CUDA, ``"cpu:gloo,cuda:nccl"`` each type
+    its own."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        return dict(part.split(":", 1) for part in backend.split(","))
+    if backend in ("gloo", "mpi"):
+        return {"cpu": backend}
+    return {"cuda": backend}  # nccl; other device-only backends name their type with "type:backend"
+
+
+def device_for_backend(backend: str) -> torch.device:
+    """The device GIFT's collectives use on a group with this backend: the host where it has a
+    host backend of its own (not only gloo's CUDA path), else the current accelerator."""
+    served = served_devices(backend)
+    accelerators = [kind for kind in served if kind != "cpu"]
+    if "cpu" in served and all(served[kind] == "gloo" for kind in accelerators):
+        return torch.device("cpu")
+    kind = accelerators[0]
+    module = getattr(torch, kind, None)
+    if module is None or not module.is_available():
+        if "cpu" in served:
+            return torch.device("cpu")
+        raise RuntimeError(f"deepspeed_gift: the data-parallel group's backend {backend!r} takes {kind} tensors only, "
+                           f"and this process has no {kind} device")
+    return torch.device(kind, module.current_device())
+
+
 class TorchComm(Comm):
     name = "torch"
 
@@ -91,6 +127,7 @@ class TorchComm(Comm):
         self.timeout = timeout
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
+        self.device = device_for_backend(dist.get_backend(group))
 
     def split(self, groups):
         dist = self._dist
@@ -104,24 +141,26 @@ class TorchComm(Comm):
                 made = g
         sub = TorchComm.__new__(TorchComm)
         Comm.__init__(sub)
-        sub._dist, sub.group, sub.timeout = dist, made, self.timeout
+        sub._dist, sub.group, sub.timeout, sub.device = dist, made, self.timeout, self.device
         sub.rank, sub.world_size = dist.get_rank(group=made), dist.get_world_size(group=made)
         return sub
 
     def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
         send_splits = [int(s) for s in send_splits]
         recv_splits = [int(s) for s in recv_splits]
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
         if self.world_size == 1:
-            recv.copy_(send)
-            return recv
-        self._dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+            return send.clone()
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        self._dist.all_to_all_single(recv, self._on_device(send), recv_splits, send_splits, group=self.group)
         self._count(kind, sum(send_splits) - send_splits[self.rank])
-        return recv
+        return recv.to(send.device)
 
     def all_reduce_sum(self, tensor, *, kind="geometry"):
         if self.world_size > 1:
-            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self.group)
+            work = self._on_device(tensor)
+            self._dist.all_reduce(work, op=self._dist.ReduceOp.SUM, group=self.group)
+            if work is not tensor:
+                tensor.copy_(work)
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
@@ -130,18 +169,18 @@ class TorchComm(Comm):
             return [blob.clone()]
         if same_size:
             sizes_list = [blob.numel()] * self.world_size
-        else:
-            sizes = torch.tensor([blob.numel()], dtype=torch.int64, device=blob.device)
-            all_sizes = [torch.empty_like(sizes) for _ in range(self.world_size)]
-            self._dist.all_gather(all_sizes, sizes, group=self.group)
-            sizes_list = [int(s.item()) for s in all_sizes]
+        else:  # a host read: attach and refresh steps only (blobs of one size skip it)
+            sizes = torch.tensor([blob.numel()], dtype=torch.int64, device=self.device)
+            all_sizes = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+            self._dist.all_gather_into_tensor(all_sizes, sizes, group=self.group)
+            sizes_list = all_sizes.tolist()
         longest = max(sizes_list)
-        padded = torch.zeros(longest, dtype=torch.uint8, device=blob.device)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[:blob.numel()].copy_(blob)
-        out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=blob.device)
-        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        gather(out, padded, group=self.group)
+        out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
+        self._dist.all_gather_into_tensor(out, padded, group=self.group)
         self._count(kind, longest * (self.world_size - 1))
+        out = out.to(blob.device)
         return [out[j * longest:j * longest + n] for j, n in enumerate(sizes_list)]
 
 
@@ -187,8 +226,14 @@ class MpiComm(Comm):
         return sub
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu" or self._cuda_aware:
+        """A buffer mpi4py may read now: host memory, or (CUDA-aware MPI) the device buffer once
+        the stream that writes it has finished (MPI does not wait on CUDA streams)."""
+        if t.device.type == "cpu":
             return t.contiguous()
+        if self._cuda_aware:
+            t = t.contiguous()
+            torch.cuda.current_stream(t.device).synchronize()
+            return t
         return t.detach().to("cpu").contiguous()
 
     def _deadline(self, op: str):
@@ -222,7 +267,8 @@ class MpiComm(Comm):
         send_splits = [int(s) for s in send_splits]
         recv_splits = [int(s) for s in recv_splits]
         host_send = self._host(send)
-        host_recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=host_send.device)
+        host_recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=host_send.device)  # MPI writes it
+        # before returning, and kernels queued later read it: no wait needed on that side
         sdispl = _displacements(send_splits)
         rdispl = _displacements(recv_splits)
         with self._deadline("all-to-all"):
@@ -417,4 +463,4 @@ def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> C
 
 
 __all__ = ["Comm", "TorchComm", "MpiComm", "LocalComm", "run_local", "make_comm", "split_by_node", "detect_ranks_per_node",
-           "ranks_per_node_from"]
+           "ranks_per_node_from", "device_for_backend", "served_devices"]

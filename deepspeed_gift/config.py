@@ -109,6 +109,11 @@ class TelemetryConfig(_GiftModel):
     fidelity: bool = True
     """Compare the low-precision reduction with an exact one on sampled steps."""
 
+    fidelity_elements: int = Field(65536, ge=1)
+    """The fidelity check's sample: at most about this many elements of what each owner receives
+    of a bucket (evenly strided) are also reduced exactly in fp32; each rank sends 4 bytes per
+    sampled element to each owner (``fidelity_bytes``)."""
+
     jsonl: Optional[str] = None
     """Path of a JSONL file (one record per step, rank 0); none = no file."""
 

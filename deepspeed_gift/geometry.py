@@ -665,6 +665,13 @@ class HadamardWhitener(Whitener):
         self.signs = signs.to(_FACTOR_DTYPE)
         self.block = block
         self.segments = _hadamard_segments(self.dim, block)
+        self._signs_on = {str(self.signs.device): self.signs}  # made on the CPU: one copy per device, once
+
+    def signs_on(self, device) -> Tensor:
+        key = str(device)
+        if key not in self._signs_on:
+            self._signs_on[key] = self.signs.to(device)
+        return self._signs_on[key]
 
     def _transform(self, x: Tensor) -> Tensor:
         out = torch.empty_like(x)
@@ -676,10 +683,10 @@ class HadamardWhitener(Whitener):
         return out
 
     def _apply_rows(self, g: Tensor) -> Tensor:
-        return self._transform(g * self.signs.to(g.device))
+        return self._transform(g * self.signs_on(g.device))
 
     def _invert_rows(self, z: Tensor) -> Tensor:
-        return self._transform(z).mul_(self.signs.to(z.device))
+        return self._transform(z).mul_(self.signs_on(z.device))
 
     def to_tensors(self) -> list[Tensor]:
         return [self.signs]

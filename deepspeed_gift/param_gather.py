@@ -16,14 +16,13 @@ Pure of DeepSpeed: it works on lists of partition tensors and a :class:`~deepspe
 
 from __future__ import annotations
 
-import time
 from typing import List, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .formats import Codec
-from .stats import StepStats
+from .stats import StepStats, clock
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of
 # this many elements: a scale local enough that a small parameter next to a large one is judged
@@ -92,15 +91,16 @@ class ReplicaGather:
         return ``replicas[g][r] = dtype(replica + decode(encode(target - replica)))`` for every r,
         bit-identical on every rank. Returns this rank's counters; ``params_gap_rel`` (the owner's
         :func:`relative_gap`, one more pass over its partition) only with ``measure_gap``."""
-        t0 = time.perf_counter()
+        device, sync = replicas[0][me].device, measure_gap  # seconds that time the work: see StepStats.timed
+        t0 = clock(device, sync)
         codec = self.codec
         # in place where possible: a fresh fp32 temporary of a partition costs more than the math
         blobs = [codec.encode_to_bytes(parts[me].float().sub_(old)) for parts, old in zip(replicas, before)]
         sizes = [b.numel() for b in blobs]
         blob = torch.cat(blobs) if len(blobs) > 1 else blobs[0]
-        t1 = time.perf_counter()
+        t1 = clock(device, sync)
         everyone = self.exchange(blob)
-        t2 = time.perf_counter()
+        t2 = clock(device, sync)
         gap = 0.0
         for r, buf in enumerate(everyone):
             offset = 0
@@ -115,8 +115,9 @@ class ReplicaGather:
         numel = sum(parts[me].numel() for parts in replicas)
         sent, internode = self.sent_bytes(blob.numel())
         return StepStats(params_elements=numel * (self.comm.world_size - 1), params_bytes=sent,
-                         params_bytes_internode=internode, params_codec_s=(t1 - t0) + (time.perf_counter() - t2),
-                         params_comm_s=t2 - t1, params_gap_rel=gap if measure_gap else None)
+                         params_bytes_internode=internode, params_codec_s=(t1 - t0) + (clock(device, sync) - t2),
+                         params_comm_s=t2 - t1, params_gap_rel=gap if measure_gap else None,
+                         timed=sync or device.type == "cpu")
 
     def exact_stats(self, numel: int, itemsize: int, seconds: float) -> StepStats:
         """Counters of an exact all-gather (DeepSpeed's own, flat) of ``numel`` elements per rank

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .formats import quantization_stats
-from .stats import StepStats
+from .stats import StepStats, clock
 from .geometry import row_runs
 
 CONTROL_HEADER_BYTES = 16
@@ -242,6 +241,7 @@ class BucketPlan:
         digest = hashlib.blake2b(repr((self.slices, sorted(versions.items()))).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
         self._hash_bytes: Dict[str, torch.Tensor] = {}
+        self.samples: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}  # see section_sample
         # Element positions of the main payloads depend only on which slices are HIGH or shared:
         # an error-feedback residual survives re-selection and refreshes under this key.
         self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
@@ -273,8 +273,10 @@ class GiftReducer:
     """Runs bucket reductions for one engine. Holds codecs, the comm and per-plan caches."""
 
     def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
-                 error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False) -> None:
+                 error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False,
+                 fidelity_elements: int = 65536) -> None:
         self.comm = comm
+        self.fidelity_elements = fidelity_elements  # the sampled fidelity check: elements per owner and bucket
         # Headers are compared on the device; deferred, they are read once per step by the
         # owner's verify_checks() instead of at the end of every reduce (a host wait per bucket).
         self.checks = HeaderChecks()
@@ -289,6 +291,7 @@ class GiftReducer:
         # encoded by the node's ranks of different slot groups gives the same bytes.
         self.shared_seed: Optional[int] = None
         self._plans: Dict[tuple, BucketPlan] = {}
+        self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
         # (layout key, section key) -> (fp32 residual of the main payload, pieces, whiteners it is expressed in)
         self.residuals: Dict[Tuple[tuple, object], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
 
@@ -364,20 +367,20 @@ class GiftReducer:
         me = self.comm.rank
         packed = []
         for sec in plan.sections:
-            t0 = time.perf_counter()
+            t0 = self._now()
             own_section = sec.dests == (me,) and not sec.shared
             # My own section is exact and never on the wire; it stays in gradient coordinates and
             # joins the sum after the inverse (S^-1 (sum of the others) + mine: the same by
             # linearity, with no transform of 1/W of the gradient and no round trip of mine).
             values = self._gather(tensor, sec.pieces, sec.numel, None if own_section else whiteners)
-            stats.transform_s += time.perf_counter() - t0
+            stats.transform_s += self._now() - t0
             stats.elements += sec.numel
             if own_section:
                 if sample:  # it skips the codec; count its non-finite inputs here
                     stats.nonfinite += int((~torch.isfinite(values)).sum())
                 packed.append(_Packed(own=values))
                 continue
-            t0 = time.perf_counter()
+            t0 = self._now()
             codec = self.codec_of(sec)
             if sec.high:
                 wire = codec.encode_to_bytes(values)
@@ -404,7 +407,7 @@ class GiftReducer:
             else:
                 stats.bytes_main += copies * wire.numel()
                 stats.bytes_scales += copies * codec.scale_nbytes(sec.numel)
-            stats.codec_s += time.perf_counter() - t0
+            stats.codec_s += self._now() - t0
             packed.append(_Packed(own=own, wire=wire))
         return packed
 
@@ -421,23 +424,29 @@ class GiftReducer:
         Returns this rank's counters for telemetry (``sample``: with the quantization counts
         and the fidelity against an exact fp32 reduction)."""
         plan = self.plan_for(slices, versions)
-        exact = self._exact_reduction(tensor, plan, divisor) if sample else None
-        stats = StepStats(sampled=sample)
-        packed = self._pack(tensor, plan, whiteners, stats, sample, step)
+        # On an accelerator the seconds mean something only with the device synchronized: on
+        # sampled steps (a wait per section), not on ordinary ones (then left out of telemetry).
+        self._timing = (tensor.device, sample)
+        stats = StepStats(sampled=sample, timed=sample or tensor.device.type == "cpu")
+        exact = self._exact_reduction(tensor, plan, divisor, stats) if sample else None
+        with full_fp32_matmuls():
+            packed = self._pack(tensor, plan, whiteners, stats, sample, step)
         recv = self._exchange(plan, packed, step, tensor.device, stats)
         totals = self._sum_at_owner(plan, packed, recv, step, stats)
-        t0 = time.perf_counter()
+        t0 = self._now()
         results = []  # the inverse may hand back a new tensor: keep what was scattered
-        for sec, total, mine in totals:
-            total = self._transform_rows(total, sec.pieces, whiteners, inverse=True)
-            if mine is not None:
-                total.add_(mine)
-            total.div_(divisor)
-            self._scatter(tensor, total, sec, plan, outputs)
-            results.append(total)
-        stats.transform_s += time.perf_counter() - t0
+        with full_fp32_matmuls():
+            for sec, total, mine in totals:
+                total = self._transform_rows(total, sec.pieces, whiteners, inverse=True)
+                if mine is not None:
+                    total.add_(mine)
+                total.div_(divisor)
+                self._scatter(tensor, total, sec, plan, outputs)
+                results.append(total)
+        stats.transform_s += self._now() - t0
         if exact is not None and results:
-            result = torch.cat(results)
+            exact, positions = exact
+            result = torch.cat([total[pos] for total, pos in zip(results, positions)])
             stats.fidelity_err_sq = float((result - exact).square().sum())
             stats.fidelity_ref_sq = float(exact.square().sum())
         if not self.defer_checks or sample:
@@ -447,6 +456,9 @@ class GiftReducer:
     def verify_checks(self) -> None:
         """Raise now if a message of a deferred reduction had a header other than expected."""
         self.checks.verify()
+
+    def _now(self) -> float:
+        return clock(*self._timing)
 
     def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: StepStats) -> torch.Tensor:
         """Step 2: one all-to-all; the message to ``dst`` holds every section it receives."""
@@ -470,10 +482,10 @@ class GiftReducer:
             messages.append(msg)
             sizes.append(msg.numel())
         my_size = plan.message_sizes[me]
-        t0 = time.perf_counter()
+        t0 = self._now()
         recv = self.comm.all_to_all_bytes(torch.cat(messages), sizes,
                                           [0 if src == me else my_size for src in range(world)], kind="payload")
-        stats.comm_s += time.perf_counter() - t0
+        stats.comm_s += self._now() - t0
         return recv
 
     def _sum_at_owner(self, plan: BucketPlan, packed: List[_Packed], recv: torch.Tensor, step: int,
@@ -485,7 +497,7 @@ class GiftReducer:
         me, world = self.comm.rank, self.comm.world_size
         if not plan.to_rank[me]:
             return []
-        t0 = time.perf_counter()
+        t0 = self._now()
         my_size = plan.message_sizes[me]
         messages = {}
         pos = 0
@@ -519,7 +531,7 @@ class GiftReducer:
                 total = torch.zeros_like(own)
             off += n
             totals.append((sec, total, own if after else None))
-        stats.codec_s += time.perf_counter() - t0
+        stats.codec_s += self._now() - t0
         return totals
 
     def _add_residual(self, plan: BucketPlan, sec: Section, main: torch.Tensor, whiteners) -> torch.Tensor:
@@ -581,29 +593,70 @@ class GiftReducer:
                         outputs[i].narrow(0, into, n).add_(result.narrow(0, start, n))
             pos += p.numel
 
-    def _exact_reduction(self, tensor, plan: BucketPlan, divisor: float) -> Optional[torch.Tensor]:
-        """fp32 reduction of every section this rank receives (in plan order, gradient
-        coordinates) by a plain exchange; extra traffic on sampled steps, counted as telemetry."""
+    def _exact_reduction(self, tensor, plan: BucketPlan, divisor: float, stats: StepStats):
+        """fp32 reduction, by a plain exchange, of an evenly strided sample of at most about
+        ``fidelity_elements`` of the elements this rank receives (gradient coordinates): the
+        exact values and, per received section, the sampled positions. Every rank samples
+        the same positions (they depend on the plan only); the bytes are counted as
+        ``bytes_fidelity``. None when this rank receives nothing."""
         comm = self.comm
         me, world = comm.rank, comm.world_size
-        chunks, sizes, own = [], [], None
+        chunks, sizes, own, mine = [], [], None, []
         for dst in range(world):
-            pieces = [Piece(p.bucket_offset, p.numel, p.param_key) for sec in plan.sections_to(dst) for p in sec.pieces]
-            raw = self._gather(tensor, pieces, plan.received_numel(dst), {})
+            stride = max(1, -(-plan.received_numel(dst) // self.fidelity_elements))
+            samples = [section_sample(plan, i, stride, tensor.device) for i in plan.to_rank[dst]]
+            raw = (torch.cat([tensor[at].float() for _, at in samples]) if samples
+                   else torch.empty(0, dtype=torch.float32, device=tensor.device))
             if dst == me:
-                own = raw
+                own, mine = raw, [pos for pos, _ in samples]
                 raw = raw[:0]
             chunks.append(raw.view(torch.uint8))
             sizes.append(raw.numel() * 4)
         my_bytes = own.numel() * 4
         recv = comm.all_to_all_bytes(torch.cat(chunks), sizes,
                                      [0 if src == me else my_bytes for src in range(world)], kind="telemetry")
+        stats.bytes_fidelity += sum(sizes)
         if own.numel() == 0:
             return None
         exact = own.clone()
         if world > 1:
             exact += recv.view(torch.float32).view(world - 1, own.numel()).sum(0)
-        return exact.div_(divisor)
+        return exact.div_(divisor), mine
+
+
+def section_sample(plan: BucketPlan, index: int, stride: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every ``stride``-th element of section ``index``: its positions in the section's packed
+    order and its offsets in the bucket (made once per plan, stride and device)."""
+    key = (index, stride, str(device))
+    got = plan.samples.get(key)
+    if got is None:
+        sec = plan.sections[index]
+        starts = [0]
+        for p in sec.pieces[:-1]:
+            starts.append(starts[-1] + p.numel)
+        pos = torch.arange(0, sec.numel, stride, device=device)
+        first = torch.tensor(starts, device=device)
+        which = torch.searchsorted(first, pos, right=True) - 1
+        offsets = torch.tensor([p.bucket_offset for p in sec.pieces], device=device)
+        got = plan.samples[key] = (pos, offsets[which] + (pos - first[which]))
+    return got
+
+
+class full_fp32_matmuls:
+    """Matrix products in full fp32 inside: a user's TF32 setting (HF ``tf32=True``) would
+    round whitening and its inverse to 10 mantissa bits, ~1e-3 on the round trip, above the
+    codec's own error at bf16/fp32."""
+
+    def __enter__(self):
+        self.saved = torch.get_float32_matmul_precision()
+        if self.saved != "highest":
+            torch.set_float32_matmul_precision("highest")
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved != "highest":
+            torch.set_float32_matmul_precision(self.saved)
+        return False
 
 
 # ---- two-level: inside the node first, then among the nodes -------------------------------
@@ -700,9 +753,9 @@ class TwoLevelReducer:
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
         plan = self.plan_for(slices)
-        t0 = time.perf_counter()
+        t0 = clock(tensor.device, sample)
         partial, node_bytes = self._node_stage(tensor, plan, step)
-        node_s = time.perf_counter() - t0
+        node_s = clock(tensor.device, sample) - t0
         stats = self.inner.reduce(partial, plan.slices, whiteners, versions, divisor=divisor, step=step,
                                   outputs=None if outputs is None else [outputs[i] for i in plan.source_index],
                                   sample=sample)

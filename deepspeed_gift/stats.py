@@ -3,6 +3,7 @@ record that every bucket adds into and telemetry reads (pure: no torch.distribut
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -28,12 +29,15 @@ class StepStats:
     comm_s: float = 0.0
     node_s: float = 0.0
     sampled: bool = False  # the counters below were taken on this step
+    timed: bool = True  # the seconds are the work's (the host, or a device synchronized: sampled steps);
+    # False: an accelerator's ordinary step, where they would time the queueing of kernels only
     quantized: int = 0  # sampled: elements through a quantizing codec
     underflow: int = 0  # sampled: nonzero elements that decoded to zero
     saturated: int = 0  # sampled: elements at the format's largest code
     nonfinite: int = 0  # sampled: nan/inf elements in the codec's input
     fidelity_err_sq: float = 0.0  # sampled: |GIFT's reduction - an exact fp32 one|^2
     fidelity_ref_sq: float = 0.0  # sampled: |exact fp32 reduction|^2
+    bytes_fidelity: int = 0  # sampled: fp32 bytes this rank sent for the exact reduction of the sample
     # the parameter all-gather (gift.params)
     params_elements: int = 0  # parameter elements received (world - 1 partitions)
     params_bytes: int = 0
@@ -51,6 +55,8 @@ class StepStats:
                 value = theirs if mine is None else mine if theirs is None else max(mine, theirs)
             elif f.name == "sampled":
                 value = mine or theirs
+            elif f.name == "timed":
+                value = mine and theirs
             else:
                 value = mine + theirs
             setattr(self, f.name, value)
@@ -60,3 +66,13 @@ class StepStats:
     def bytes_sent(self) -> int:
         """Gradient bytes this rank sent across data-parallel ranks (payload and headers)."""
         return self.bytes_main + self.bytes_high + self.bytes_header
+
+
+def clock(device, synchronize: bool) -> float:
+    """``time.perf_counter()``, first waiting for the work queued on ``device`` when it has a
+    queue (an accelerator) and ``synchronize``: seconds that time the work, not its queueing."""
+    if synchronize and device.type != "cpu":
+        import torch
+
+        getattr(torch, device.type).synchronize(device)
+    return time.perf_counter()

@@ -198,13 +198,14 @@ class GiftState:
         if self.hierarchy == "two_level":
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
-                                defer_checks=True)
+                                defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements)
             if cfg.rounding == "stochastic":
                 inner.shared_seed = cfg.seed
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
-                                       ranks_per_node=self.ranks_per_node, defer_checks=True)
+                                       ranks_per_node=self.ranks_per_node, defer_checks=True,
+                                       fidelity_elements=cfg.telemetry.fidelity_elements)
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
@@ -524,18 +525,18 @@ class GiftState:
             "bytes_per_elem": (sent + geometry_bytes) / elements if elements else 0.0,
             "bytes_per_elem_run": (self.run_totals["bytes"] / self.run_totals["elements"]
                                    if self.run_totals["elements"] else 0.0),
-            "transform_s": t.transform_s,
-            "codec_s": t.codec_s,
-            "comm_s": t.comm_s,
             "hierarchy": self.hierarchy,
             # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
             "bytes_internode": t.bytes_internode,
             "geometry_version": self.geometry.version,
             "geometry_layers": len(in_use),
         }
+        if t.timed:  # seconds only where they time the work (see StepStats.timed)
+            record.update(transform_s=t.transform_s, codec_s=t.codec_s, comm_s=t.comm_s)
         if self.hierarchy == "two_level":
             record["bytes_node"] = t.bytes_node
-            record["node_s"] = t.node_s
+            if t.timed:
+                record["node_s"] = t.node_s
         if len(self.geometry.kinds) > 1:
             kinds = [self.geometry.active[n] for n in in_use]
             record["geometry_kinds"] = {kind: kinds.count(kind) for kind in self.geometry.kinds}
@@ -547,7 +548,8 @@ class GiftState:
             if t.params_gap_rel is not None:
                 record["params_gap_rel"] = t.params_gap_rel
             record["params_exact"] = bool(t.params_exact_steps)
-            record["params_s"] = t.params_codec_s + t.params_comm_s
+            if t.timed:
+                record["params_s"] = t.params_codec_s + t.params_comm_s
         elif self.replica_dtype is not None:  # DeepSpeed's own all-gather: the replica's dtype per element
             record["params_bytes_per_elem"] = float(self.replica_dtype.itemsize)
         if "params_bytes_per_elem" in record:
@@ -557,6 +559,8 @@ class GiftState:
             record["error_feedback_bytes"] = self.reducer.residual_nbytes()
         if t.fidelity_ref_sq:
             record["fidelity_rel_err"] = (t.fidelity_err_sq / t.fidelity_ref_sq) ** 0.5
+        if t.bytes_fidelity:
+            record["fidelity_bytes"] = t.bytes_fidelity
         if t.sampled:
             record.update(saturated=t.saturated, underflow=t.underflow, nonfinite=t.nonfinite, quantized=t.quantized)
         if t.quantized:

@@ -310,3 +310,67 @@ def test_step_stats_sum_counters_keep_the_largest_gap_and_any_sample():
     assert (total.elements, total.bytes_main, total.bytes_sent, total.quantized) == (7, 11, 27, 7)
     assert total.codec_s == 0.5 and total.sampled and total.params_gap_rel == 0.25
     assert StepStats().add(a).params_gap_rel is None  # never measured stays unmeasured, not 0
+
+
+# ---- the sampled fidelity check is bounded in bytes ---------------------------------------
+def _sampled_body(comm, limit, grads):
+    from deepspeed_gift.reduce_scatter import ParamSlice
+
+    world = comm.world_size
+    n = grads.shape[1]
+    bounds = [n * j // world for j in range(world + 1)]
+    slices = [ParamSlice(d, bounds[d], bounds[d + 1] - bounds[d], bounds[d], 0) for d in range(world)]
+    reducer = GiftReducer(comm, formats.get_format("fp8_e4m3"), fidelity_elements=limit)
+    stats = reducer.reduce(grads[comm.rank].clone(), slices, {}, {}, divisor=world, sample=True)
+    return stats.bytes_fidelity, (stats.fidelity_err_sq / stats.fidelity_ref_sq) ** 0.5, comm.bytes_sent["telemetry"]
+
+
+def test_the_fidelity_check_reduces_a_bounded_sample_of_what_each_owner_receives():
+    from deepspeed_gift.comm import run_local
+
+    world, n = 4, 400_000
+    grads = torch.randn(world, n, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3.0, n)
+    whole = run_local(world, _sampled_body, n, grads)  # a limit above the bucket: every element
+    sample = run_local(world, _sampled_body, 1000, grads)
+    for (whole_bytes, whole_err, _), (bytes_, err, counted) in zip(whole, sample):
+        # every rank sends each of the 3 other owners 4 bytes per element of its 100,000 (whole)
+        # or of every 100th of them (stride ceil(100,000 / 1000))
+        assert whole_bytes == 3 * 100_000 * 4 and bytes_ == 3 * 1000 * 4 == counted
+        # fp8 e4m3's error is the same on every element in relative terms: the sample sees it
+        assert 0 < whole_err < 0.0625 and abs(err - whole_err) < 0.15 * whole_err, (err, whole_err)
+
+
+class _PrecisionProbe:
+    """A transform that records the fp32 matmul precision it runs under (identity otherwise)."""
+
+    version, run_unit = 0, 1
+
+    def __init__(self):
+        self.seen = set()
+
+    def apply_run(self, flat, start):
+        self.seen.add(torch.get_float32_matmul_precision())
+        return flat.clone()
+
+    invert_run = apply_run
+
+
+def test_transforms_run_in_full_fp32_whatever_the_users_tf32_setting():
+    from deepspeed_gift.comm import run_local
+    from deepspeed_gift.reduce_scatter import ParamSlice
+
+    probe = _PrecisionProbe()
+
+    def body(comm):
+        slices = [ParamSlice(d, d * 64, 64, d * 64, 0, 1, GEO) for d in range(comm.world_size)]
+        reducer = GiftReducer(comm, formats.get_format("fp32"))
+        reducer.reduce(torch.randn(128), slices, {0: probe}, {0: 0}, divisor=2)
+
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # what HF's tf32=True sets
+    try:
+        run_local(2, body)
+        assert torch.get_float32_matmul_precision() == "high"  # the user's setting is back
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert probe.seen == {"highest"}

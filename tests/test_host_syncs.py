@@ -1,0 +1,63 @@
+"""No host conversion inside a bucket's reduction on ordinary steps (no telemetry sample, no
+geometry refresh, no statistics collection): on a GPU each would stall DeepSpeed's reduction
+stream. Counted on real engines by ``benchmarks/host_syncs.py``'s counter; the other steps may
+sync, and do (the counter sees them, so it is not blind)."""
+
+import pytest
+
+from benchmarks.host_syncs import FP8_KFAC_EF, NVFP4, per_bucket
+from launch.spawn import run_ranks
+from tests.harness import train_many
+
+
+def _specs(configs):
+    return [dict(stage=2, steps=4, bucket=20000, gift=gift, count_syncs=True) for gift in configs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ordinary_steps_make_no_host_conversion_in_a_bucket(world):
+    # 4 ranks: two-level as 2 x 2 beside flat; every config refreshes, collects and samples at
+    # steps 0 and 3 (interval 3), so steps 1 and 2 are ordinary
+    configs = [FP8_KFAC_EF, NVFP4]
+    if world == 4:
+        configs += [dict(FP8_KFAC_EF, hierarchy="two_level", ranks_per_node=2),
+                    dict(NVFP4, hierarchy="two_level", ranks_per_node=2)]
+    results = run_ranks(train_many, world, _specs(configs))
+    for per_config in results:
+        for gift, r in zip(configs, per_config):
+            buckets = r["host_syncs"]
+            ordinary = [b for b in buckets if b["ordinary"]]
+            assert {b["step"] for b in ordinary} == {1, 2} and len(ordinary) == len(buckets) // 2
+            assert per_bucket(buckets, True) == 0.0, [b["counts"] for b in ordinary if b["counts"]]
+            assert per_bucket(buckets, False) > 0, gift  # sampled/refresh steps read values back
+            assert r["losses"][-1] < r["losses"][0]
+
+
+def _mismatch_body(rank, world):
+    import torch
+
+    from benchmarks.host_syncs import HostSyncCounter
+    from deepspeed_gift import formats
+    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.reduce_scatter import GiftReducer, ParamSlice
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    reducer = GiftReducer(TorchComm(), formats.get_format("fp8_e4m3"), defer_checks=True)
+    slices = [ParamSlice(d, d * 512, 512, d * 512, 0) for d in range(world)]
+    with HostSyncCounter() as counter:  # deferred: the reduction itself reads nothing back
+        reducer.reduce(torch.randn(512 * world), slices, {}, {}, divisor=world, step=5 + rank)
+    try:
+        reducer.verify_checks()
+    except RuntimeError as exc:
+        return counter.total, str(exc)
+    return counter.total, ""
+
+
+def test_a_header_mismatch_is_found_when_the_step_ends_and_named():
+    # rank 1 believes it is at another step: its messages carry that step in their header
+    for rank, (syncs, message) in enumerate(run_ranks(_mismatch_body, 2)):
+        assert syncs == 0
+        other = 1 - rank
+        assert f"rank {other} sent a bucket for plan" in message and f"at step {5 + other}" in message
+        assert "this rank expects plan" in message and f"at step {5 + rank}" in message
