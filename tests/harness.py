@@ -71,7 +71,7 @@ def build_engine(spec: dict):
 
     os.environ.update(spec.get("env", {}))  # tests: what a launcher would set (LOCAL_WORLD_SIZE)
     timeout = spec.get("dist_timeout_s")
-    deepspeed.init_distributed(dist_backend="gloo",
+    deepspeed.init_distributed(dist_backend=spec.get("dist_backend", "gloo"),  # gpu_check: "cuda:gloo"
                                **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
     if spec.get("muon_ns_fp32"):  # tests: Muon's Newton-Schulz in fp32, not its half-precision default
         from deepspeed.runtime.zero.muon import original_muon
@@ -164,6 +164,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
                 os._exit(3)
             time.sleep(10**6)
         t0 = time.perf_counter()
+        tokens = tokens.to(engine.device)
         out = engine(input_ids=tokens, labels=tokens)
         engine.backward(out.loss)
         engine.step()

@@ -220,3 +220,20 @@ def test_replica_gap_reports_every_step():
     assert [w["steps"] for w in out["windows"]] == [(1, 3), (4, 6)]
     # fp8 changes of bf16 replicas: within a bf16 ulp or two of the target, measured on every step
     assert len(out["gaps"]) == 6 and all(0 < g < 2 * replica_gap.BF16_ULP for g in out["gaps"])
+
+
+def test_gpu_check_cpu_part(tmp_path):
+    """benchmarks/gpu_check.py's checks on the CPU at small sizes (its GPU part needs a GPU)."""
+    from benchmarks import gpu_check
+
+    out = gpu_check.main(["--device", "cpu", "--quick", "--json", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["device"] == "cpu"
+    assert [r["format"] for r in out["parity"]] == ["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
+    assert all(r["bytes_equal"] and r["count_equal"] and r["decode_equal"] for r in out["parity"])
+    assert all(r.get("stochastic_repeatable", True) for r in out["parity"])
+    assert len(out["codec"]) == 4 and all(r["encode_gbs"] > 0 and r["decode_gbs"] > 0 for r in out["codec"])
+    # fp32 round trip through a whitener of condition ~1e2: a few ulps (no TF32 on a CPU)
+    assert all(r["round_trip_rel_err"] < 1e-5 for r in out["whitener"])
+    for r in out["reducer"]:  # fp8 e4m3 + whitening + error feedback, ordinary steps
+        assert r["host_conversions_per_bucket"] == 0 and 0 < r["max_rel_err"] < 0.0625, r
+    assert out["engine"]["world1_lossless_equals_native"] and out["engine"]["world1_fp8_trains"]

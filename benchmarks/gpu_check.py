@@ -1,0 +1,264 @@
+"""    .venv/bin/python benchmarks/gpu_check.py --json gpu_check.json          # on a GPU machine (~5 min)
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --quick --json c.json  # the CPU part (the suite runs it)
+
+What the plugin must do on an accelerator before a user trusts it there, in one command; it
+writes a JSON and prints a table:
+
+1. ``parity``: every format's encode/decode on the device against the CPU codec (nearest
+   rounding): the same bytes, the same byte count, the same decoded values; stochastic
+   rounding gives the same bytes twice from one seed. (On ``--device cpu``: the codec
+   against itself, run twice; the byte count against ``nbytes``.)
+2. ``codec``: encode and decode throughput (GB/s of fp32 input) and peak extra memory per
+   element for fp8 per block and per tensor, nvfp4 and int4 at 64M and 512M elements
+   (``--quick``: 1M), beside a device copy of the same tensor.
+3. ``whitener``: a kfac whitener's apply + inverse on a (4096 x 4096) gradient (quick: 512):
+   seconds and round-trip error, with TF32 matmuls on and off, and inside the reducer's
+   ``full_fp32_matmuls`` with TF32 on.
+4. ``reducer``: ``GiftReducer`` with W = 4 and 8 thread ranks (``comm.LocalComm``) on the
+   device, fp8 + kfac whitening + error feedback on ordinary steps: relative error against
+   the exact mean and the host conversions counted in the reduction (must be 0), and on CUDA
+   the syncs ``torch.cuda.set_sync_debug_mode`` reports.
+5. ``engine``: DeepSpeed ZeRO-2 engines with GIFT on the device, one process: the lossless
+   config equals native bit for bit, fp8 + kfac trains; on CUDA also 2 processes over a
+   process group that takes only CUDA tensors (``cuda:gloo``), which no host tensor may reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.host_syncs import HostSyncCounter  # noqa: E402
+from deepspeed_gift import formats, geometry as geo  # noqa: E402
+from deepspeed_gift.comm import run_local  # noqa: E402
+from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice, full_fp32_matmuls  # noqa: E402
+
+CODEC_ROWS = [("fp8_e4m3 block 128", "fp8_e4m3", {}), ("fp8_e4m3 per tensor", "fp8_e4m3", {"block_size": 0}),
+              ("nvfp4", "nvfp4", {}), ("int4", "int4", {})]
+
+
+def synchronize(device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+def timed(fn, device, repeats: int) -> float:
+    fn()  # warm-up (kernels, caches)
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) / repeats
+
+
+def check_parity(device, numel: int) -> list:
+    rows = []
+    x_cpu = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, numel)
+    for name in formats.FORMAT_NAMES:
+        cpu_codec, dev_codec = formats.get_format(name), formats.get_format(name)
+        ref = cpu_codec.encode_to_bytes(x_cpu)
+        got = dev_codec.encode_to_bytes(x_cpu.to(device))
+        decoded = dev_codec.decode_from_bytes(got, (numel,)).cpu()
+        row = {"format": name, "nbytes": cpu_codec.nbytes(numel), "bytes_equal": torch.equal(ref, got.cpu()),
+               "count_equal": got.numel() == ref.numel() == cpu_codec.nbytes(numel),
+               "decode_equal": torch.equal(decoded, cpu_codec.decode_from_bytes(ref, (numel,)))}
+        try:
+            codec = formats.get_format(name, rounding="stochastic", seed=7)
+            again = formats.get_format(name, rounding="stochastic", seed=7)
+        except ValueError:  # fp32 is exact: it takes no rounding
+            pass
+        else:
+            x = x_cpu.to(device)
+            row["stochastic_repeatable"] = torch.equal(codec.encode_to_bytes(x), again.encode_to_bytes(x))
+        rows.append(row)
+    return rows
+
+
+def codec_speed(device, sizes, repeats: int) -> list:
+    rows = []
+    for numel in sizes:
+        x = torch.randn(numel, device=device)
+        copy_s = timed(lambda: x.clone(), device, repeats)
+        for label, name, options in CODEC_ROWS:
+            codec = formats.get_format(name, **options)
+            wire = codec.encode_to_bytes(x)
+            enc_s = timed(lambda: codec.encode_to_bytes(x), device, repeats)
+            dec_s = timed(lambda: codec.decode_from_bytes(wire, (numel,)), device, repeats)
+            peak = None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                codec.decode_from_bytes(codec.encode_to_bytes(x), (numel,))
+                torch.cuda.synchronize(device)
+                peak = (torch.cuda.max_memory_allocated(device) - base) / numel
+            rows.append({"codec": label, "numel": numel, "encode_gbs": 4 * numel / enc_s / 1e9,
+                         "decode_gbs": 4 * numel / dec_s / 1e9, "copy_gbs": 4 * numel / copy_s / 1e9,
+                         "encode_vs_copy": enc_s / copy_s, "peak_extra_bytes_per_elem": peak})
+        del x
+    return rows
+
+
+def _tf32(on: bool) -> None:
+    torch.set_float32_matmul_precision("high" if on else "highest")
+
+
+def whitener_check(device, dim: int, repeats: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(4 * dim, dim, generator=g) * torch.linspace(0.05, 4.0, dim)
+    w = geo.fit_whitener(X.T @ X / X.shape[0], rank=32, damping=1e-3).to(device)
+    grad = torch.randn(dim, dim, generator=g).to(device)
+    rows, saved = [], torch.get_float32_matmul_precision()
+    try:
+        for label, tf32, guarded in (("tf32 off", False, False), ("tf32 on", True, False),
+                                     ("tf32 on, reducer's guard", True, True)):
+            _tf32(tf32)
+
+            def round_trip():
+                if guarded:
+                    with full_fp32_matmuls():
+                        return w.invert(w.apply(grad))
+                return w.invert(w.apply(grad))
+
+            seconds = timed(round_trip, device, repeats)
+            err = float((round_trip() - grad).norm() / grad.norm())
+            rows.append({"case": label, "dim": dim, "apply_invert_s": seconds, "round_trip_rel_err": err})
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    return rows
+
+
+def _reducer_rank(comm, device, steps, grads, whitener):
+    world, n = comm.world_size, grads.shape[1]
+    width = whitener.dim
+    bounds = [n * j // world for j in range(world + 1)]
+    # one weight (n / width rows) cut by every partition boundary: whole rows whitened, cut rows as is
+    slices = [ParamSlice(d, bounds[d], bounds[d + 1] - bounds[d], bounds[d], 0, width, GEO) for d in range(world)]
+    reducer = GiftReducer(comm, formats.get_format("fp8_e4m3"), error_feedback=True, defer_checks=True)
+    syncs, errs = 0, []
+    for step in range(steps):
+        bucket = grads[comm.rank].to(device)
+        exact = grads.to(device).mean(0)
+        with HostSyncCounter() as counter:
+            reducer.reduce(bucket, slices, {0: whitener}, {0: 0}, divisor=world, step=step)
+        syncs += counter.total
+        reducer.verify_checks()
+        me = slice(bounds[comm.rank], bounds[comm.rank + 1])
+        errs.append(float((bucket[me] - exact[me]).norm() / exact[me].norm()))
+    return syncs, max(errs)
+
+
+def reducer_check(device, worlds, numel: int, steps: int) -> list:
+    rows = []
+    width = 256
+    X = torch.randn(2048, width, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.05, 4.0, width)
+    whitener = geo.fit_whitener(X.T @ X / 2048, rank=16, damping=1e-3).to(device)
+    for world in worlds:
+        grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(world))
+        caught = []
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run_local(world, _reducer_rank, device, steps, grads, whitener)
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+        sync_warnings = sum("synchroniz" in str(w.message) for w in caught)
+        rows.append({"world": world, "numel": numel, "steps": steps,
+                     "host_conversions_per_bucket": sum(s for s, _ in out) / (world * steps),
+                     "sync_debug_warnings": sync_warnings if device.type == "cuda" else None,
+                     "max_rel_err": max(e for _, e in out)})
+    return rows
+
+
+def _engine_body(rank, world, specs, device_type):
+    from tests.harness import train
+
+    out = []
+    for spec in specs:
+        r = train(rank, world, spec)
+        params = {k: v.cpu() for k, v in r["params"].items()}
+        out.append({"losses": r["losses"], "params": params, "records": r.get("records", [])})
+    return out
+
+
+def engine_check(device, steps: int) -> dict:
+    from launch.spawn import run_ranks
+
+    lossless = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
+    fp8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
+           "telemetry": {"every": 1}}
+    base = dict(stage=2, steps=steps, bucket=20000)
+    native, exact, lowp = run_ranks(_engine_body, 1, [base, dict(base, gift=lossless), dict(base, gift=fp8)],
+                                    device.type, timeout=600)[0]
+    result = {"world1_lossless_equals_native": native["losses"] == exact["losses"] and all(
+        torch.equal(native["params"][k], exact["params"][k]) for k in native["params"]),
+        "world1_fp8_trains": lowp["losses"][-1] < lowp["losses"][0], "world1_fp8_losses": lowp["losses"]}
+    if device.type == "cuda":  # two ranks on the one GPU, in a group that rejects host tensors
+        spec = dict(base, gift=dict(fp8, layers="measured"), dist_backend="cuda:gloo", env={"LOCAL_RANK": "0"})
+        try:
+            two = run_ranks(_engine_body, 2, [spec], device.type, timeout=600)
+            result["cuda_only_group_fp8_trains"] = two[0][0]["losses"][-1] < two[0][0]["losses"][0]
+        except RuntimeError as exc:
+            result["cuda_only_group_error"] = str(exc)[-1500:]
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes (the suite's CPU run)")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    quick = args.quick
+    out = {"device": str(device), "torch": torch.__version__,
+           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    out["parity"] = check_parity(device, 4096 + 17)
+    out["codec"] = codec_speed(device, [1 << 20] if quick else [64 << 20, 512 << 20], 2 if quick else 5)
+    out["whitener"] = whitener_check(device, 512 if quick else 4096, 2 if quick else 10)
+    out["reducer"] = reducer_check(device, [4, 8], 256 * 64 if quick else 256 * 4096, 3)
+    out["engine"] = engine_check(device, 3)
+    print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
+    print("| format | bytes | same bytes | same count | same decode | stochastic repeatable |")
+    print("|---|---:|---|---|---|---|")
+    for r in out["parity"]:
+        print(f"| {r['format']} | {r['nbytes']} | {r['bytes_equal']} | {r['count_equal']} | {r['decode_equal']} | "
+              f"{r.get('stochastic_repeatable', '-')} |")
+    print("| codec | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | peak extra B/elem |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in out["codec"]:
+        peak = "-" if r["peak_extra_bytes_per_elem"] is None else f"{r['peak_extra_bytes_per_elem']:.2f}"
+        print(f"| {r['codec']} | {r['numel']} | {r['encode_gbs']:.1f} | {r['decode_gbs']:.1f} | {r['copy_gbs']:.1f} | "
+              f"{r['encode_vs_copy']:.1f} | {peak} |")
+    print("| whitener | dim | apply + inverse s | round-trip rel err |")
+    print("|---|---:|---:|---:|")
+    for r in out["whitener"]:
+        print(f"| {r['case']} | {r['dim']} | {r['apply_invert_s']:.4f} | {r['round_trip_rel_err']:.2e} |")
+    print("| reducer W | elements | host conversions per bucket | sync-debug warnings | max rel err |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in out["reducer"]:
+        print(f"| {r['world']} | {r['numel']} | {r['host_conversions_per_bucket']:.2f} | "
+              f"{r['sync_debug_warnings'] if r['sync_debug_warnings'] is not None else '-'} | {r['max_rel_err']:.4f} |")
+    print("engine:", json.dumps({k: v for k, v in out["engine"].items() if k != "world1_fp8_losses"}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
