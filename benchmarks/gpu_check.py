@@ -106,7 +106,6 @@ def codec_speed(device, sizes, repeats: int) -> list:
             rows.append({"codec": label, "numel": numel, "encode_gbs": 4 * numel / enc_s / 1e9,
                          "decode_gbs": 4 * numel / dec_s / 1e9, "copy_gbs": 4 * numel / copy_s / 1e9,
                          "encode_vs_copy": enc_s / copy_s, "peak_extra_bytes_per_elem": peak})
-        del x
     return rows
 
 
