@@ -361,6 +361,31 @@ class GiftReducer:
         gen.manual_seed(int.from_bytes(digest, "little"))
         return gen
 
+    def _encode(self, sec: Section, values: torch.Tensor, stats: StepStats, sample: bool, generator, *,
+                decode: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The wire bytes of ``values`` in the section's codec and, with ``decode``, what the
+        receiver will decode from them (sampled steps count the quantization)."""
+        codec = self.codec_of(sec)
+        if sec.high:
+            wire = codec.encode_to_bytes(values)
+            return wire, codec.decode_from_bytes(wire, (values.numel(),), check_header=False) if decode else None
+        payload = codec.encode(values, generator=generator)
+        if sample:
+            q = quantization_stats(values, payload, codec)
+            stats.underflow += q["underflow"]
+            stats.saturated += q["saturated"]
+            stats.nonfinite += q["nonfinite"]
+            stats.quantized += q["numel"]
+        return codec.payload_to_bytes(payload), codec.decode(payload) if decode else None
+
+    def _count_sent(self, sec: Section, wire: torch.Tensor, numel: int, copies: int, stats: StepStats) -> None:
+        stats.elements_sent += copies * numel
+        if sec.high:
+            stats.bytes_high += copies * wire.numel()
+        else:
+            stats.bytes_main += copies * wire.numel()
+            stats.bytes_scales += copies * self.codec_of(sec).scale_nbytes(numel)
+
     def _pack(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool, step: int = 0) -> List[_Packed]:
         """Step 1: every section this rank contributes to, transformed and (where it leaves
         this rank) encoded once."""
@@ -381,32 +406,14 @@ class GiftReducer:
                 packed.append(_Packed(own=values))
                 continue
             t0 = self._now()
-            codec = self.codec_of(sec)
-            if sec.high:
-                wire = codec.encode_to_bytes(values)
-                own = codec.decode_from_bytes(wire, (sec.numel,)) if me in sec.dests else None
-            else:
-                if self.error_feedback:
-                    values = self._add_residual(plan, sec, values, whiteners)
-                payload = codec.encode(values, generator=self._generator_for(sec, step))
-                wire = codec.payload_to_bytes(payload)
-                if sample:
-                    q = quantization_stats(values, payload, codec)
-                    stats.underflow += q["underflow"]
-                    stats.saturated += q["saturated"]
-                    stats.nonfinite += q["nonfinite"]
-                    stats.quantized += q["numel"]
-                decoded = codec.decode(payload) if (self.error_feedback or me in sec.dests) else None
-                own = decoded if me in sec.dests else None
-                if self.error_feedback:
-                    self._keep_residual(plan, sec, values.sub_(decoded), whiteners)
-            copies = sum(1 for d in sec.dests if d != me)
-            stats.elements_sent += copies * sec.numel
-            if sec.high:
-                stats.bytes_high += copies * wire.numel()
-            else:
-                stats.bytes_main += copies * wire.numel()
-                stats.bytes_scales += copies * codec.scale_nbytes(sec.numel)
+            if not sec.high and self.error_feedback:
+                values = self._add_residual(plan, sec, values, whiteners)
+            wire, decoded = self._encode(sec, values, stats, sample, self._generator_for(sec, step),
+                                         decode=self.error_feedback or me in sec.dests)
+            own = decoded if me in sec.dests else None
+            if not sec.high and self.error_feedback:
+                self._keep_residual(plan, sec, values.sub_(decoded), whiteners)
+            self._count_sent(sec, wire, sec.numel, sum(1 for d in sec.dests if d != me), stats)
             stats.codec_s += self._now() - t0
             packed.append(_Packed(own=own, wire=wire))
         return packed
