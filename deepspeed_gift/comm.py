@@ -164,6 +164,11 @@ class TorchComm(Comm):
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
+    def _gather_into(self, out, tensor):
+        # torch 2.13 names it all_gather_single (all_gather_into_tensor warns); older ones lack it
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        gather(out, tensor, group=self.group)
+
     def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
         if self.world_size == 1:
             return [blob.clone()]
@@ -172,13 +177,13 @@ class TorchComm(Comm):
         else:  # a host read: attach and refresh steps only (blobs of one size skip it)
             sizes = torch.tensor([blob.numel()], dtype=torch.int64, device=self.device)
             all_sizes = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-            self._dist.all_gather_into_tensor(all_sizes, sizes, group=self.group)
+            self._gather_into(all_sizes, sizes)
             sizes_list = all_sizes.tolist()
         longest = max(sizes_list)
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[:blob.numel()].copy_(blob)
         out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
-        self._dist.all_gather_into_tensor(out, padded, group=self.group)
+        self._gather_into(out, padded)
         self._count(kind, longest * (self.world_size - 1))
         out = out.to(blob.device)
         return [out[j * longest:j * longest + n] for j, n in enumerate(sizes_list)]

@@ -207,6 +207,15 @@ class GiftConfig(_GiftModel):
     once per node partial. ``by_topology``: two-level when the job spans more than one node with
     more than one rank per node, else flat."""
 
+    route: Literal["by_layout", "direct", "relay"] = "by_layout"
+    """How each bucket's all-to-all is routed (flat, and among the nodes of ``two_level``).
+    ``direct``: every rank sends each owner its part, one all-to-all; a bucket that reaches a
+    few owners (buckets smaller than a partition: models past ~1B parameters) funnels into
+    their links. ``relay``: two balanced all-to-alls: chunk j of every owner's part goes to
+    rank j, which sums it in fp32 and sends the sum, quantized once more, to the owner.
+    ``by_layout``: per bucket, the one whose busiest rank receives fewer bytes (relay needs
+    3+ ranks)."""
+
     ranks_per_node: Optional[int] = Field(None, ge=1)
     """Data-parallel ranks per node. ``null``: detected (``LOCAL_WORLD_SIZE`` when data
     parallelism spans the whole job, else host names exchanged at initialize; the ranks of a

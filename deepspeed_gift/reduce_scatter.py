@@ -40,6 +40,7 @@ from .stats import StepStats, clock
 from .geometry import row_runs
 
 CONTROL_HEADER_BYTES = 16
+ROUTES = ("by_layout", "direct", "relay")  # gift.route
 MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
 GEO, MAIN, HIGH = "geo", "main", "high"
 
@@ -171,6 +172,13 @@ def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: i
     checks.expect(buf, codec.header_on(numel, buf.device), explain)
 
 
+def chunk_bounds(numel: int, world: int, align: int) -> List[Tuple[int, int]]:
+    """(start, numel) of ``world`` near-equal chunks of ``numel`` elements, cut at multiples of
+    ``align`` (the codec's block, so no scale block straddles two relays)."""
+    edges = [min(numel, -(-(numel * j // world) // align) * align) for j in range(world)] + [numel]
+    return [(edges[j], edges[j + 1] - edges[j]) for j in range(world)]
+
+
 def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
     """Cut a slice of a row-major (out x in) weight into (start, numel, rows) runs:
     whole run units (rows > 0) and the partial units at either end (rows = 0), which travel
@@ -233,6 +241,15 @@ class BucketPlan:
         # indices into ``sections`` of what each rank receives, in message order
         self.to_rank = [[i for i, sec in enumerate(self.sections) if d in sec.dests] for d in range(world_size)]
         self.message_sizes: List[int] = []  # bytes every other rank sends to each rank (set by the reducer)
+        # The relay route (set by the reducer when it takes it): chunk j of every owned section goes
+        # to rank j, which sums it and sends the sum on to the owner. ``chunks[i]``: (start, numel)
+        # per rank for section i (owned sections only); ``relay_sizes[j]``: bytes every other rank
+        # sends to relay j; ``forward_sizes[j][d]``: bytes relay j sends on to owner d.
+        self.relay = False
+        self.chunks: Dict[int, List[Tuple[int, int]]] = {}
+        self.relay_sizes: List[int] = []
+        self.forward_sizes: List[List[int]] = []
+        self.recv_max = 0  # bytes the busiest rank receives for this bucket (every collective's largest)
         # Compact outputs of the slices of each shared parameter: (slice index, start in the parameter)
         self.shared_outputs: Dict[int, List[Tuple[int, int]]] = {}
         for index, s in enumerate(self.slices):
@@ -274,7 +291,10 @@ class GiftReducer:
 
     def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
                  error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False,
-                 fidelity_elements: int = 65536) -> None:
+                 fidelity_elements: int = 65536, route: str = "direct") -> None:
+        if route not in ROUTES:
+            raise ValueError(f"gift.route: got {route!r}; allowed: {', '.join(ROUTES)}")
+        self.route = route
         self.comm = comm
         self.fidelity_elements = fidelity_elements  # the sampled fidelity check: elements per owner and bucket
         # Headers are compared on the device; deferred, they are read once per step by the
@@ -292,6 +312,10 @@ class GiftReducer:
         self.shared_seed: Optional[int] = None
         self._plans: Dict[tuple, BucketPlan] = {}
         self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
+        # The relay route's second quantization: (plan hash, section index) -> residual of the chunk sum
+        # this rank relays, in the coordinates of that plan's whiteners (the hash names their versions:
+        # a refresh starts it afresh, since a chunk holds rows cut by its edges and cannot be moved)
+        self.relay_residuals: Dict[Tuple[int, int], torch.Tensor] = {}
         # (layout key, section key) -> (fp32 residual of the main payload, pieces, whiteners it is expressed in)
         self.residuals: Dict[Tuple[tuple, object], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
 
@@ -302,10 +326,43 @@ class GiftReducer:
         if plan is None:
             plan = BucketPlan(slices, self.comm.world_size, versions)
             plan.message_sizes = [self._message_nbytes(plan, d) for d in range(self.comm.world_size)]
+            self._plan_route(plan)
             while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older whitener versions
                 self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan  # most recently used last
         return plan
+
+    def _plan_route(self, plan: BucketPlan) -> None:
+        """Direct (every rank sends each owner its part: one all-to-all) or relay (two balanced
+        ones, one more quantization): by ``route``, or for ``by_layout`` the one whose busiest
+        rank receives fewer bytes. The same on every rank: it depends on the plan only."""
+        world = plan.world_size
+        direct_max = max((world - 1) * n for n in plan.message_sizes) if world > 1 else 0
+        owned = [i for i, sec in enumerate(plan.sections) if not sec.shared]
+        if world <= 2 or not owned or self.route == "direct":
+            plan.recv_max = direct_max
+            return
+        align = max(self.main_codec.block_size, 1)
+        chunks = {i: chunk_bounds(plan.sections[i].numel, world, align) for i in owned}
+        relay_sizes, forward_sizes = [], [[0] * world for _ in range(world)]
+        for j in range(world):
+            body = sum(self.codec_of(plan.sections[i]).nbytes(chunks[i][j][1]) for i in owned if chunks[i][j][1])
+            body += sum(self.codec_of(sec).nbytes(sec.numel) for sec in plan.sections if sec.shared and j in sec.dests)
+            relay_sizes.append(CONTROL_HEADER_BYTES + body if body else 0)
+            for i in owned:
+                d, n = plan.sections[i].dests[0], chunks[i][j][1]
+                if d != j and n:
+                    forward_sizes[j][d] += self.codec_of(plan.sections[i]).nbytes(n)
+            for d in range(world):
+                if forward_sizes[j][d]:
+                    forward_sizes[j][d] += CONTROL_HEADER_BYTES
+        relay_max = max((world - 1) * n for n in relay_sizes) + max(
+            sum(forward_sizes[j][d] for j in range(world)) for d in range(world))
+        if self.route == "relay" or relay_max < direct_max:
+            plan.relay, plan.chunks, plan.relay_sizes, plan.forward_sizes = True, chunks, relay_sizes, forward_sizes
+            plan.recv_max = relay_max
+        else:
+            plan.recv_max = direct_max
 
     def codec_of(self, section: Section):
         return self.high_codec if section.high else self.main_codec
@@ -386,12 +443,16 @@ class GiftReducer:
             stats.bytes_main += copies * wire.numel()
             stats.bytes_scales += copies * self.codec_of(sec).scale_nbytes(numel)
 
-    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool, step: int = 0) -> List[_Packed]:
+    def _pack(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool, step: int = 0,
+              only_shared: bool = False):
         """Step 1: every section this rank contributes to, transformed and (where it leaves
-        this rank) encoded once."""
+        this rank) encoded once; a list in plan order, or (``only_shared``, the relay route) a
+        dict of the shared sections by index."""
         me = self.comm.rank
-        packed = []
-        for sec in plan.sections:
+        packed = [] if not only_shared else {}
+        for index, sec in enumerate(plan.sections):
+            if only_shared and not sec.shared:
+                continue
             t0 = self._now()
             own_section = sec.dests == (me,) and not sec.shared
             # My own section is exact and never on the wire; it stays in gradient coordinates and
@@ -403,7 +464,7 @@ class GiftReducer:
             if own_section:
                 if sample:  # it skips the codec; count its non-finite inputs here
                     stats.nonfinite += int((~torch.isfinite(values)).sum())
-                packed.append(_Packed(own=values))
+                packed.append(_Packed(own=values))  # never shared: not reached with only_shared
                 continue
             t0 = self._now()
             if not sec.high and self.error_feedback:
@@ -415,7 +476,10 @@ class GiftReducer:
                 self._keep_residual(plan, sec, values.sub_(decoded), whiteners)
             self._count_sent(sec, wire, sec.numel, sum(1 for d in sec.dests if d != me), stats)
             stats.codec_s += self._now() - t0
-            packed.append(_Packed(own=own, wire=wire))
+            if only_shared:
+                packed[index] = _Packed(own=own, wire=wire)
+            else:
+                packed.append(_Packed(own=own, wire=wire))
         return packed
 
     # ---- the reduction --------------------------------------------------------------
@@ -436,10 +500,15 @@ class GiftReducer:
         self._timing = (tensor.device, sample)
         stats = StepStats(sampled=sample, timed=sample or tensor.device.type == "cpu")
         exact = self._exact_reduction(tensor, plan, divisor, stats) if sample else None
-        with full_fp32_matmuls():
-            packed = self._pack(tensor, plan, whiteners, stats, sample, step)
-        recv = self._exchange(plan, packed, step, tensor.device, stats)
-        totals = self._sum_at_owner(plan, packed, recv, step, stats)
+        stats.recv_max = plan.recv_max
+        if plan.relay:
+            stats.relay_buckets = 1
+            totals = self._relay(tensor, plan, whiteners, stats, sample, step)
+        else:
+            with full_fp32_matmuls():
+                packed = self._pack(tensor, plan, whiteners, stats, sample, step)
+            recv = self._exchange(plan, packed, step, tensor.device, stats)
+            totals = self._sum_at_owner(plan, packed, recv, step, stats)
         t0 = self._now()
         results = []  # the inverse may hand back a new tensor: keep what was scattered
         with full_fp32_matmuls():
@@ -494,6 +563,203 @@ class GiftReducer:
                                           [0 if src == me else my_size for src in range(world)], kind="payload")
         stats.comm_s += self._now() - t0
         return recv
+
+    # ---- the relay route -------------------------------------------------------------
+    def _relay(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool,
+               step: int) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
+        """Two balanced all-to-alls instead of one that funnels into a bucket's few owners:
+
+        1. every rank cuts each owned section (transformed, error feedback added) into ``world``
+           chunks and sends chunk j, encoded, to rank j (its own chunk stays exact); shared
+           sections travel as in the direct route;
+        2. rank j sums chunk j of every section in fp32 (its own exactly, the others decoded),
+           encodes the sum once and sends it to the section's owner, which decodes the chunks
+           (its own chunk exact) into the section's sum.
+
+        The busiest link then carries about twice its share of one quantized copy, whatever the
+        bucket's owners; the sum is quantized a second time on the way to its owner."""
+        me, world, device = self.comm.rank, self.comm.world_size, tensor.device
+        head = control_header(plan.hash_on(device), self.checks.step_bytes(step, device))
+        meaning = "ranks disagree on the bucket layout, the selected layers or the whitener versions"
+        # 1. chunks to the relays
+        chunk_wires: Dict[int, List[Optional[torch.Tensor]]] = {}
+        own_chunks: Dict[int, torch.Tensor] = {}
+        packed: Dict[int, _Packed] = {}
+        with full_fp32_matmuls():
+            for i, sec in enumerate(plan.sections):
+                if sec.shared:
+                    continue
+                t0 = self._now()
+                values = self._gather(tensor, sec.pieces, sec.numel, whiteners)
+                stats.transform_s += self._now() - t0
+                stats.elements += sec.numel
+                t0 = self._now()
+                if not sec.high and self.error_feedback:
+                    values = self._add_residual(plan, sec, values, whiteners)
+                wires: List[Optional[torch.Tensor]] = [None] * world
+                for j, (start, n) in enumerate(plan.chunks[i]):
+                    part = values.narrow(0, start, n)
+                    if j == me:
+                        own_chunks[i] = part.clone()
+                        if not sec.high and self.error_feedback:
+                            part.zero_()  # exact: no residual
+                        continue
+                    if n == 0:
+                        continue
+                    wires[j], decoded = self._encode(sec, part, stats, sample, self.generator,
+                                                     decode=self.error_feedback and not sec.high)
+                    self._count_sent(sec, wires[j], n, 1, stats)
+                    if decoded is not None:
+                        part.sub_(decoded)  # the residual of this chunk
+                if not sec.high and self.error_feedback:
+                    self._keep_residual(plan, sec, values, whiteners)
+                chunk_wires[i] = wires
+                stats.codec_s += self._now() - t0
+            shared = self._pack(tensor, plan, whiteners, stats, sample, step, only_shared=True)
+            packed.update(shared)
+        messages, sizes = [], []
+        for j in range(world):
+            if j == me or not plan.relay_sizes[j]:
+                sizes.append(0)
+                continue
+            parts = [head]
+            for i, sec in enumerate(plan.sections):
+                if not sec.shared and chunk_wires[i][j] is not None:
+                    parts.append(chunk_wires[i][j])
+                elif sec.shared and j in sec.dests:
+                    parts.append(packed[i].wire)
+            msg = torch.cat(parts)
+            self._check_size(msg, plan.relay_sizes[j], j)
+            self._count_message(msg, j, stats)
+            messages.append(msg)
+            sizes.append(msg.numel())
+        t0 = self._now()
+        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes,
+                                          [0 if src == me else plan.relay_sizes[me] for src in range(world)],
+                                          kind="payload")
+        stats.comm_s += self._now() - t0
+        # 2. relay: sum my chunk of every owned section, and the shared sections I copy
+        t0 = self._now()
+        incoming = self._split_messages(recv, plan.relay_sizes[me], head, meaning)
+        sums: Dict[int, torch.Tensor] = {}
+        shared_totals: Dict[int, torch.Tensor] = {}
+        offsets = {src: CONTROL_HEADER_BYTES for src in incoming}
+        for i, sec in enumerate(plan.sections):
+            codec = self.codec_of(sec)
+            if not sec.shared:
+                n = plan.chunks[i][me][1]
+                if not n:
+                    continue
+                total = None
+                for src in range(world):  # rank order
+                    if src == me:
+                        part = own_chunks[i]
+                    else:
+                        part = self._decode_at(codec, incoming[src], offsets, src, n, sec)
+                    total = part.clone() if total is None else total.add_(part)
+                sums[i] = total
+            elif me in sec.dests:
+                total = None
+                for src in range(world):  # every contribution decoded, mine too: copies agree bit for bit
+                    part = packed[i].own if src == me else self._decode_at(codec, incoming[src], offsets, src,
+                                                                           sec.numel, sec)
+                    total = part.clone() if total is None else total.add_(part)
+                shared_totals[i] = total
+        stats.codec_s += self._now() - t0
+        # the sums on to the owners, encoded once
+        t0 = self._now()
+        forward: Dict[int, List[torch.Tensor]] = {}
+        for i, sec in enumerate(plan.sections):
+            d = sec.dests[0]
+            if sec.shared or i not in sums or d == me:
+                continue
+            feedback = self.error_feedback and not sec.high
+            value = sums[i]
+            if feedback:  # the relay's own residual: the second quantization is fed back too
+                held = self.relay_residuals.get((plan.hash, i))
+                if held is not None:
+                    value = value.add_(held)
+            wire, decoded = self._encode(sec, value, stats, sample, self.generator, decode=feedback)
+            if feedback:
+                residual = value.sub_(decoded)
+                residual.masked_fill_(~torch.isfinite(residual).all(), 0.0)
+                self.relay_residuals[(plan.hash, i)] = residual
+            self._count_sent(sec, wire, sums[i].numel(), 1, stats)
+            forward.setdefault(d, []).append(wire)
+        stats.codec_s += self._now() - t0
+        messages, sizes = [], []
+        for d in range(world):
+            if d not in forward:
+                sizes.append(0)
+                continue
+            msg = torch.cat([head] + forward[d])
+            self._check_size(msg, plan.forward_sizes[me][d], d)
+            self._count_message(msg, d, stats)
+            messages.append(msg)
+            sizes.append(msg.numel())
+        t0 = self._now()
+        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes,
+                                          [plan.forward_sizes[j][me] for j in range(world)], kind="payload")
+        stats.comm_s += self._now() - t0
+        # the owner: my sections whole, from every relay's chunk
+        t0 = self._now()
+        pos, sums_from = 0, {}
+        for j in range(world):
+            n = plan.forward_sizes[j][me]
+            if n:
+                msg = recv.narrow(0, pos, n)
+                expect_control_header(self.checks, msg, head, f"rank {j}", meaning)
+                sums_from[j] = msg
+                pos += n
+        offsets = {j: CONTROL_HEADER_BYTES for j in sums_from}
+        totals = []
+        for i in plan.to_rank[me]:
+            sec = plan.sections[i]
+            if sec.shared:
+                totals.append((sec, shared_totals[i], None))
+                continue
+            total = torch.empty(sec.numel, dtype=torch.float32, device=device)
+            for j, (start, n) in enumerate(plan.chunks[i]):
+                if not n:
+                    continue
+                part = sums[i] if j == me else self._decode_at(self.codec_of(sec), sums_from[j], offsets, j, n, sec)
+                total.narrow(0, start, n).copy_(part)
+            totals.append((sec, total, None))
+        stats.codec_s += self._now() - t0
+        return totals
+
+    def _decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int,
+                   sec: Section) -> torch.Tensor:
+        """Decode the next payload of ``numel`` elements in ``src``'s message (its header checked
+        with the step's other headers)."""
+        n = codec.nbytes(numel)
+        buf = msg.narrow(0, offsets[src], n)
+        offsets[src] += n
+        expect_codec_header(self.checks, codec, buf, numel, f"rank {src}")
+        return codec.decode_from_bytes(buf, (numel,), check_header=False)
+
+    def _split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> Dict[int, torch.Tensor]:
+        """The message of every other rank (``size`` bytes each, in rank order), headers expected."""
+        me, out, pos = self.comm.rank, {}, 0
+        if not size:
+            return out
+        for src in range(self.comm.world_size):
+            if src != me:
+                out[src] = recv.narrow(0, pos, size)
+                expect_control_header(self.checks, out[src], head, f"rank {src}", meaning)
+                pos += size
+        return out
+
+    @staticmethod
+    def _check_size(msg: torch.Tensor, expected: int, dst: int) -> None:
+        if msg.numel() != expected:
+            raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
+                               f"plan expects {expected}; codec byte count is inconsistent")
+
+    def _count_message(self, msg: torch.Tensor, dst: int, stats: StepStats) -> None:
+        stats.bytes_header += CONTROL_HEADER_BYTES
+        if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
+            stats.bytes_internode += msg.numel()
 
     def _sum_at_owner(self, plan: BucketPlan, packed: List[_Packed], recv: torch.Tensor, step: int,
                       stats: StepStats) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
@@ -571,17 +837,21 @@ class GiftReducer:
                     for p in pieces]
             residuals.append((layout_key, key, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
         gen = self.generator.get_state() if self.generator is not None else None
-        return {"residuals": residuals, "generator": gen}
+        relayed = [(plan_hash, index, r.cpu()) for (plan_hash, index), r in self.relay_residuals.items()]
+        return {"residuals": residuals, "generator": gen, "relay_residuals": relayed}
 
     def load_state_dict(self, state: dict, device) -> None:
         self.residuals = {(layout_key, key): (r.to(device), [Piece(*p) for p in pieces], {})
                           for layout_key, key, r, pieces in state["residuals"]}
+        self.relay_residuals = {(plan_hash, index): r.to(device)
+                                for plan_hash, index, r in state.get("relay_residuals", [])}
         if state["generator"] is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
 
     def residual_nbytes(self) -> int:
         """Memory held by error feedback (fp32 residuals of every payload this rank sends)."""
-        return sum(r.numel() * r.element_size() for r, _, _ in self.residuals.values())
+        return (sum(r.numel() * r.element_size() for r, _, _ in self.residuals.values())
+                + sum(r.numel() * r.element_size() for r in self.relay_residuals.values()))
 
     @staticmethod
     def _scatter(tensor, total, sec: Section, plan: BucketPlan, outputs) -> None:
@@ -770,6 +1040,9 @@ class TwoLevelReducer:
             tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
         stats.node_s = node_s
         stats.bytes_node = node_bytes
+        L = self.ranks_per_node
+        if L > 1:  # the node stage's busiest receiver: L - 1 messages of its slot's part
+            stats.recv_max += (L - 1) * max(CONTROL_HEADER_BYTES + n * tensor.element_size() for n in plan.numel_to_slot)
         return stats
 
     def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, step: int) -> Tuple[torch.Tensor, int]:

@@ -24,6 +24,8 @@ class StepStats:
     bytes_header: int = 0  # control headers
     bytes_internode: int = 0  # payload + headers to ranks of other nodes
     bytes_node: int = 0  # two-level: the node stage (bucket dtype, inside the node)
+    recv_max: int = 0  # gradient bytes the busiest rank received (each collective's largest receive, summed)
+    relay_buckets: int = 0  # buckets reduced by the relay route (two balanced all-to-alls)
     transform_s: float = 0.0
     codec_s: float = 0.0
     comm_s: float = 0.0

@@ -198,14 +198,15 @@ class GiftState:
         if self.hierarchy == "two_level":
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
-                                defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements)
+                                defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
+                                route=cfg.route)
             if cfg.rounding == "stochastic":
                 inner.shared_seed = cfg.seed
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                        ranks_per_node=self.ranks_per_node, defer_checks=True,
-                                       fidelity_elements=cfg.telemetry.fidelity_elements)
+                                       fidelity_elements=cfg.telemetry.fidelity_elements, route=cfg.route)
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
@@ -526,6 +527,9 @@ class GiftState:
             "bytes_per_elem_run": (self.run_totals["bytes"] / self.run_totals["elements"]
                                    if self.run_totals["elements"] else 0.0),
             "hierarchy": self.hierarchy,
+            # the busiest rank's gradient receive (each collective's largest, summed), and the route
+            "bytes_recv_max": t.recv_max,
+            "relay_buckets": t.relay_buckets,
             # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
             "bytes_internode": t.bytes_internode,
             "geometry_version": self.geometry.version,

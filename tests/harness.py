@@ -131,6 +131,11 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
 
         deepspeed_gift.detach(engine)
     hooks = sum(len(m._forward_pre_hooks) for m in engine.module.modules())  # forward pre-hooks on the model
+    grad_receives = None
+    if spec.get("count_recv"):  # benchmarks: bytes received in every gradient collective
+        from benchmarks.exchange_bytes import count_gradient_receives
+
+        grad_receives = count_gradient_receives(engine.optimizer)
     host_syncs = None
     if spec.get("count_syncs"):  # tests: host conversions inside every bucket's reduction
         from benchmarks.host_syncs import count_bucket_syncs
@@ -190,7 +195,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "digests": digests, "skipped": getattr(engine, "skipped_steps", 0),
               "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks,
-              "host_syncs": host_syncs}
+              "host_syncs": host_syncs, "grad_receives": grad_receives}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name

@@ -44,8 +44,11 @@ def test_two_level_lossless_config_matches_deepspeed(world, stage, optimizer):
 
 def test_fp8_kfac_trains_two_level_and_the_network_carries_a_third_of_flat():
     base = dict(stage=2, steps=8, bucket=20000)
+    # route direct on both: this compares hierarchies at one route (flat's by_layout would relay its
+    # small buckets, a second quantization: tests/test_route.py measures that)
     gift = {"format": "fp8_e4m3", "layers": "all", "rounding": "stochastic", "error_feedback": True,
-            "geometry": {"rank": 8, "refresh_interval": 3, "collect_interval": 1}, "telemetry": {"every": 1}}
+            "geometry": {"rank": 8, "refresh_interval": 3, "collect_interval": 1}, "telemetry": {"every": 1},
+            "route": "direct"}
     two = dict(base, gift=dict(gift, hierarchy="by_topology"), env={"LOCAL_WORLD_SIZE": "2"})  # detected: 2 x 2
     flat = dict(base, gift=dict(gift, hierarchy="flat"))
     results = run_ranks(train_many, 4, [two, flat])
