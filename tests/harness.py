@@ -136,6 +136,19 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         from benchmarks.exchange_bytes import count_gradient_receives
 
         grad_receives = count_gradient_receives(engine.optimizer)
+    bucket_owners = None
+    if spec.get("record_buckets"):  # tests: the owners of every bucket, as GIFT's reducer is handed them
+        bucket_owners = []
+        reducer, native_reduce = engine.gift.reducer, engine.gift.reducer.reduce
+
+        def reduce(tensor, slices, *args, **kwargs):
+            owners = {}
+            for s in slices:
+                owners[s.dst] = owners.get(s.dst, 0) + s.numel
+            bucket_owners.append(owners)
+            return native_reduce(tensor, slices, *args, **kwargs)
+
+        reducer.reduce = reduce
     host_syncs = None
     if spec.get("count_syncs"):  # tests: host conversions inside every bucket's reduction
         from benchmarks.host_syncs import count_bucket_syncs
@@ -195,7 +208,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     gift = getattr(engine, "gift", None)
     result = {"losses": losses, "params": params, "digests": digests, "skipped": getattr(engine, "skipped_steps", 0),
               "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks,
-              "host_syncs": host_syncs, "grad_receives": grad_receives}
+              "host_syncs": host_syncs, "grad_receives": grad_receives, "bucket_owners": bucket_owners}
     if gift is not None:
         g = gift.geometry
         result["backend"] = gift.comm.name

@@ -151,3 +151,27 @@ def test_relay_with_stochastic_rounding_and_error_feedback_resumes_exactly(tmp_p
     assert first["losses"] == full["losses"][:3]
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
     assert full["losses"][-1] < full["losses"][0]
+
+
+def test_the_layout_model_lays_out_buckets_as_deepspeed_does():
+    # benchmarks/layout_model.py builds buckets and partitions by DeepSpeed's rules; here its
+    # layout of the tiny Llama is checked against what real engines hand GIFT, bucket by bucket
+    from benchmarks import layout_model
+    from launch.pretrain import PRESETS
+
+    spec = dict(stage=2, steps=1, bucket=20000, gift=dict(FP8, route="direct"), record_buckets=True)
+    per_rank = run_ranks(train_many, 4, [spec, dict(spec, bucket=7000)])
+    sizes, arrival = layout_model.parameter_layout(PRESETS["tiny"])
+    for i, bucket in enumerate((20000, 7000)):
+        assert per_rank[0][i]["bucket_owners"] == layout_model.buckets_of(sizes, arrival, 4, bucket)
+
+
+def test_the_layout_model_finds_the_funnel_and_the_relay_removes_it():
+    from benchmarks import layout_model
+
+    rows = layout_model.rows_with_nics(layout_model.main([]))
+    one_nic = {(r["model"], r["world"]): r for r in rows if r["per_node"] == 1}
+    # 5e8-element buckets reach one or two owners of a 7B model at 8 GPUs: direct is slower than bf16
+    assert one_nic[("7B", 8)]["owners_max"] <= 2 and one_nic[("7B", 8)]["direct_vs_bf16"] > 1.5
+    assert one_nic[("13B", 64)]["direct_vs_bf16"] > 5
+    assert all(r["by_layout_vs_bf16"] <= 0.55 for r in one_nic.values())  # one NIC per GPU: every row
