@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -922,17 +923,29 @@ def section_sample(plan: BucketPlan, index: int, stride: int, device) -> Tuple[t
 class full_fp32_matmuls:
     """Matrix products in full fp32 inside: a user's TF32 setting (HF ``tf32=True``) would
     round whitening and its inverse to 10 mantissa bits, ~1e-3 on the round trip, above the
-    codec's own error at bf16/fp32."""
+    codec's own error at bf16/fp32. The setting is the process's: with ranks as threads
+    (``comm.LocalComm``) the first to enter sets it and the last to leave restores it."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _saved = "highest"
 
     def __enter__(self):
-        self.saved = torch.get_float32_matmul_precision()
-        if self.saved != "highest":
-            torch.set_float32_matmul_precision("highest")
+        cls = type(self)
+        with cls._lock:
+            if cls._inside == 0:
+                cls._saved = torch.get_float32_matmul_precision()
+                if cls._saved != "highest":
+                    torch.set_float32_matmul_precision("highest")
+            cls._inside += 1
         return self
 
     def __exit__(self, *exc):
-        if self.saved != "highest":
-            torch.set_float32_matmul_precision(self.saved)
+        cls = type(self)
+        with cls._lock:
+            cls._inside -= 1
+            if cls._inside == 0 and cls._saved != "highest":
+                torch.set_float32_matmul_precision(cls._saved)
         return False
 
 

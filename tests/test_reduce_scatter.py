@@ -1,6 +1,8 @@
 """The bucket reduction on real gloo ranks, without DeepSpeed: row splitting at partition
 boundaries, whitened rows, owner-side sums, compact outputs, error feedback."""
 
+import time
+
 import torch
 
 from deepspeed_gift import formats
@@ -350,6 +352,8 @@ class _PrecisionProbe:
 
     def apply_run(self, flat, start):
         self.seen.add(torch.get_float32_matmul_precision())
+        time.sleep(0.005)  # ranks as threads overlap here: one leaving must not restore the setting for all
+        self.seen.add(torch.get_float32_matmul_precision())
         return flat.clone()
 
     invert_run = apply_run
@@ -364,12 +368,14 @@ def test_transforms_run_in_full_fp32_whatever_the_users_tf32_setting():
     def body(comm):
         slices = [ParamSlice(d, d * 64, 64, d * 64, 0, 1, GEO) for d in range(comm.world_size)]
         reducer = GiftReducer(comm, formats.get_format("fp32"))
-        reducer.reduce(torch.randn(128), slices, {0: probe}, {0: 0}, divisor=2)
+        for step in range(3):
+            reducer.reduce(torch.randn(64 * comm.world_size), slices, {0: probe}, {0: 0},
+                           divisor=comm.world_size, step=step)
 
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # what HF's tf32=True sets
     try:
-        run_local(2, body)
+        run_local(4, body)
         assert torch.get_float32_matmul_precision() == "high"  # the user's setting is back
     finally:
         torch.set_float32_matmul_precision(saved)
