@@ -602,6 +602,8 @@ class GiftReducer:
                     part = values.narrow(0, start, n)
                     if j == me:
                         own_chunks[i] = part.clone()
+                        if sample:  # it skips the codec; count its non-finite inputs here
+                            stats.nonfinite += int((~torch.isfinite(part)).sum())
                         if not sec.high and self.error_feedback:
                             part.zero_()  # exact: no residual
                         continue

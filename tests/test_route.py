@@ -175,3 +175,20 @@ def test_the_layout_model_finds_the_funnel_and_the_relay_removes_it():
     assert one_nic[("7B", 8)]["owners_max"] <= 2 and one_nic[("7B", 8)]["direct_vs_bf16"] > 1.5
     assert one_nic[("13B", 64)]["direct_vs_bf16"] > 5
     assert all(r["by_layout_vs_bf16"] <= 0.55 for r in one_nic.values())  # one NIC per GPU: every row
+
+
+def test_a_nan_in_a_relayed_bucket_reaches_deepspeed_as_natively():
+    # 3 ranks, every bucket relayed: the nan travels through a relay's fp32 sum and its second
+    # encoding, and DeepSpeed skips the step exactly as natively; telemetry counts it
+    poison = {"step": 1, "rank": 1, "param": "model.layers.1.mlp.down_proj.weight"}
+    base = dict(stage=2, steps=3, bucket=20000, poison=poison)
+    gift = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
+            "error_feedback": True, "telemetry": {"every": 1}, "route": "relay"}
+    results = run_ranks(train_many, 3, [base, dict(base, gift=gift)])
+    for native, lowp in results:
+        assert native["skipped"] == 1 and lowp["skipped"] == 1
+        assert lowp["losses"] == pytest.approx(native["losses"], rel=1e-3)
+        assert all(r["relay_buckets"] > 0 for r in lowp["records"])
+    poisoned = [r for res in results for r in res[1]["records"] if r["step"] == 1]
+    assert sum(r["nonfinite"] for r in poisoned) > 0
+    assert any(r["fidelity_rel_err"] != r["fidelity_rel_err"] for r in poisoned)  # nan, not a finite lie
