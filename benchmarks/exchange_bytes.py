@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.results import write_json  # noqa: E402
+
 
 def _received(name, args, kwargs, world, rank) -> int:
     """Bytes this rank receives in one collective (see the module docstring)."""
@@ -154,9 +156,7 @@ def main(argv=None) -> list:
         print(f"| {r['stage']} | {r['bucket']} | {r['hierarchy']} | {r['config']} | {r['busiest_bytes_per_step']:.0f} | "
               f"{r['vs_native_bf16']:.2f}x | {r['telemetry_recv_max'] if r['telemetry_recv_max'] is not None else '-'} | "
               f"{r['relay_buckets'] if r['relay_buckets'] is not None else '-'} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return rows
 
 

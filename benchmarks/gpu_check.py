@@ -39,6 +39,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.host_syncs import HostSyncCounter  # noqa: E402
+from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift import formats, geometry as geo  # noqa: E402
 from deepspeed_gift.comm import run_local  # noqa: E402
 from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice, full_fp32_matmuls  # noqa: E402
@@ -253,9 +254,7 @@ def main(argv=None) -> dict:
         print(f"| {r['world']} | {r['numel']} | {r['host_conversions_per_bucket']:.2f} | "
               f"{r['sync_debug_warnings'] if r['sync_debug_warnings'] is not None else '-'} | {r['max_rel_err']:.4f} |")
     print("engine:", json.dumps({k: v for k, v in out["engine"].items() if k != "world1_fp8_losses"}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return out
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -25,6 +24,8 @@ from torch.overrides import TorchFunctionMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchmarks.results import write_json  # noqa: E402
 
 _T = torch.Tensor
 # What makes the host wait for the device: a value read back, or a shape that depends on data.
@@ -134,9 +135,7 @@ def main(argv=None) -> list:
     for r in rows:
         print(f"| {r['world']} | {r['config']} | {r['hierarchy']} | {r['buckets']} | {r['ordinary_per_bucket']:.2f} | "
               f"{r['other_per_bucket']:.2f} | {r['ordinary_kinds'] or '-'} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return rows
 
 

@@ -33,7 +33,6 @@ reduced (4 N/W B) and, with error feedback, the relayed residuals (4/W B per par
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Tuple
@@ -42,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.formats import get_format  # noqa: E402
 
 MODELS = {
@@ -180,9 +180,7 @@ def main(argv=None) -> List[dict]:
                                                             "two_level_direct_vs_bf16", "two_level_by_layout_vs_bf16")]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {r['buckets']} | {r['owners_min']}-{r['owners_max']} | "
               f"{r['bf16_nic_gb']:.2f} | {' | '.join(ratio)} | {r['relay_hold_gb']:.2f} (+{r['relay_ef_gb']:.2f}) |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return rows
 
 
