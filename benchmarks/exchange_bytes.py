@@ -41,7 +41,7 @@ def _received(name, args, kwargs, world, rank) -> int:
     if name == "reduce":
         return nbytes
     if name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_gather_single"):
-        return (world - 1) * (nbytes if name == "reduce_scatter_tensor" else nbytes) // world
+        return (world - 1) * nbytes // world  # ring: (W-1)/W of the whole tensor
     return nbytes
 
 

@@ -44,6 +44,7 @@ CONTROL_HEADER_BYTES = 16
 ROUTES = ("by_layout", "direct", "relay")  # gift.route
 MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
 GEO, MAIN, HIGH = "geo", "main", "high"
+DISAGREE = "ranks disagree on the bucket layout, the selected layers or the whitener versions"
 
 
 @dataclass(frozen=True)
@@ -540,28 +541,34 @@ class GiftReducer:
     def _exchange(self, plan: BucketPlan, packed: List[_Packed], step: int, device, stats: StepStats) -> torch.Tensor:
         """Step 2: one all-to-all; the message to ``dst`` holds every section it receives."""
         me, world = self.comm.rank, self.comm.world_size
+        head = control_header(plan.hash_on(device), self.checks.step_bytes(step, device))
+        parts = {dst: [packed[i].wire for i in plan.to_rank[dst]] for dst in range(world)
+                 if dst != me and plan.to_rank[dst]}
+        my_size = plan.message_sizes[me]
+        return self._send(parts, plan.message_sizes, [0 if src == me else my_size for src in range(world)],
+                          head, stats)
+
+    def _send(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int], recv_sizes: Sequence[int],
+              head: torch.Tensor, stats: StepStats) -> torch.Tensor:
+        """One all-to-all of payload: to every rank in ``parts_by_dst`` the control header and its
+        parts, each message checked against the plan's size (``expected[dst]``) and counted."""
         messages, sizes = [], []
-        for dst in range(world):
-            if dst == me or not plan.to_rank[dst]:
-                messages.append(torch.empty(0, dtype=torch.uint8, device=device))
+        for dst in range(self.comm.world_size):
+            if dst not in parts_by_dst:
                 sizes.append(0)
                 continue
-            parts = [control_header(plan.hash_on(device), self.checks.step_bytes(step, device))]
-            parts += [packed[i].wire for i in plan.to_rank[dst]]
-            msg = torch.cat(parts)
-            expected = plan.message_sizes[dst]
-            if msg.numel() != expected:
+            msg = torch.cat([head] + parts_by_dst[dst])
+            if msg.numel() != expected[dst]:
                 raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
-                                   f"plan expects {expected}; codec byte count is inconsistent")
+                                   f"plan expects {expected[dst]}; codec byte count is inconsistent")
             stats.bytes_header += CONTROL_HEADER_BYTES
-            if dst // self.ranks_per_node != me // self.ranks_per_node:
+            if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
                 stats.bytes_internode += msg.numel()
             messages.append(msg)
             sizes.append(msg.numel())
-        my_size = plan.message_sizes[me]
         t0 = self._now()
-        recv = self.comm.all_to_all_bytes(torch.cat(messages), sizes,
-                                          [0 if src == me else my_size for src in range(world)], kind="payload")
+        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
+                                          kind="payload")
         stats.comm_s += self._now() - t0
         return recv
 
@@ -581,7 +588,6 @@ class GiftReducer:
         bucket's owners; the sum is quantized a second time on the way to its owner."""
         me, world, device = self.comm.rank, self.comm.world_size, tensor.device
         head = control_header(plan.hash_on(device), self.checks.step_bytes(step, device))
-        meaning = "ranks disagree on the bucket layout, the selected layers or the whitener versions"
         # 1. chunks to the relays
         chunk_wires: Dict[int, List[Optional[torch.Tensor]]] = {}
         own_chunks: Dict[int, torch.Tensor] = {}
@@ -620,30 +626,17 @@ class GiftReducer:
                 stats.codec_s += self._now() - t0
             shared = self._pack(tensor, plan, whiteners, stats, sample, step, only_shared=True)
             packed.update(shared)
-        messages, sizes = [], []
+        parts: Dict[int, List[torch.Tensor]] = {}
         for j in range(world):
             if j == me or not plan.relay_sizes[j]:
-                sizes.append(0)
                 continue
-            parts = [head]
-            for i, sec in enumerate(plan.sections):
-                if not sec.shared and chunk_wires[i][j] is not None:
-                    parts.append(chunk_wires[i][j])
-                elif sec.shared and j in sec.dests:
-                    parts.append(packed[i].wire)
-            msg = torch.cat(parts)
-            self._check_size(msg, plan.relay_sizes[j], j)
-            self._count_message(msg, j, stats)
-            messages.append(msg)
-            sizes.append(msg.numel())
-        t0 = self._now()
-        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes,
-                                          [0 if src == me else plan.relay_sizes[me] for src in range(world)],
-                                          kind="payload")
-        stats.comm_s += self._now() - t0
+            parts[j] = [chunk_wires[i][j] if not sec.shared else packed[i].wire for i, sec in enumerate(plan.sections)
+                        if (not sec.shared and chunk_wires[i][j] is not None) or (sec.shared and j in sec.dests)]
+        recv = self._send(parts, plan.relay_sizes, [0 if src == me else plan.relay_sizes[me] for src in range(world)],
+                          head, stats)
         # 2. relay: sum my chunk of every owned section, and the shared sections I copy
         t0 = self._now()
-        incoming = self._split_messages(recv, plan.relay_sizes[me], head, meaning)
+        incoming = self._split_messages(recv, plan.relay_sizes[me], head, DISAGREE)
         sums: Dict[int, torch.Tensor] = {}
         shared_totals: Dict[int, torch.Tensor] = {}
         offsets = {src: CONTROL_HEADER_BYTES for src in incoming}
@@ -658,14 +651,14 @@ class GiftReducer:
                     if src == me:
                         part = own_chunks[i]
                     else:
-                        part = self._decode_at(codec, incoming[src], offsets, src, n, sec)
+                        part = self._decode_at(codec, incoming[src], offsets, src, n)
                     total = part.clone() if total is None else total.add_(part)
                 sums[i] = total
             elif me in sec.dests:
                 total = None
                 for src in range(world):  # every contribution decoded, mine too: copies agree bit for bit
                     part = packed[i].own if src == me else self._decode_at(codec, incoming[src], offsets, src,
-                                                                           sec.numel, sec)
+                                                                           sec.numel)
                     total = part.clone() if total is None else total.add_(part)
                 shared_totals[i] = total
         stats.codec_s += self._now() - t0
@@ -690,20 +683,8 @@ class GiftReducer:
             self._count_sent(sec, wire, sums[i].numel(), 1, stats)
             forward.setdefault(d, []).append(wire)
         stats.codec_s += self._now() - t0
-        messages, sizes = [], []
-        for d in range(world):
-            if d not in forward:
-                sizes.append(0)
-                continue
-            msg = torch.cat([head] + forward[d])
-            self._check_size(msg, plan.forward_sizes[me][d], d)
-            self._count_message(msg, d, stats)
-            messages.append(msg)
-            sizes.append(msg.numel())
-        t0 = self._now()
-        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes,
-                                          [plan.forward_sizes[j][me] for j in range(world)], kind="payload")
-        stats.comm_s += self._now() - t0
+        recv = self._send(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
+                          head, stats)
         # the owner: my sections whole, from every relay's chunk
         t0 = self._now()
         pos, sums_from = 0, {}
@@ -711,7 +692,7 @@ class GiftReducer:
             n = plan.forward_sizes[j][me]
             if n:
                 msg = recv.narrow(0, pos, n)
-                expect_control_header(self.checks, msg, head, f"rank {j}", meaning)
+                expect_control_header(self.checks, msg, head, f"rank {j}", DISAGREE)
                 sums_from[j] = msg
                 pos += n
         offsets = {j: CONTROL_HEADER_BYTES for j in sums_from}
@@ -725,14 +706,13 @@ class GiftReducer:
             for j, (start, n) in enumerate(plan.chunks[i]):
                 if not n:
                     continue
-                part = sums[i] if j == me else self._decode_at(self.codec_of(sec), sums_from[j], offsets, j, n, sec)
+                part = sums[i] if j == me else self._decode_at(self.codec_of(sec), sums_from[j], offsets, j, n)
                 total.narrow(0, start, n).copy_(part)
             totals.append((sec, total, None))
         stats.codec_s += self._now() - t0
         return totals
 
-    def _decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int,
-                   sec: Section) -> torch.Tensor:
+    def _decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int) -> torch.Tensor:
         """Decode the next payload of ``numel`` elements in ``src``'s message (its header checked
         with the step's other headers)."""
         n = codec.nbytes(numel)
@@ -753,17 +733,6 @@ class GiftReducer:
                 pos += size
         return out
 
-    @staticmethod
-    def _check_size(msg: torch.Tensor, expected: int, dst: int) -> None:
-        if msg.numel() != expected:
-            raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
-                               f"plan expects {expected}; codec byte count is inconsistent")
-
-    def _count_message(self, msg: torch.Tensor, dst: int, stats: StepStats) -> None:
-        stats.bytes_header += CONTROL_HEADER_BYTES
-        if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
-            stats.bytes_internode += msg.numel()
-
     def _sum_at_owner(self, plan: BucketPlan, packed: List[_Packed], recv: torch.Tensor, step: int,
                       stats: StepStats) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
         """Step 3: decode every source and sum in fp32 - my own section starting from my exact
@@ -774,38 +743,23 @@ class GiftReducer:
         if not plan.to_rank[me]:
             return []
         t0 = self._now()
-        my_size = plan.message_sizes[me]
-        messages = {}
-        pos = 0
         want = control_header(plan.hash_on(recv.device), self.checks.step_bytes(step, recv.device))
-        for src in range(world):
-            if src != me:
-                messages[src] = recv.narrow(0, pos, my_size)
-                expect_control_header(self.checks, messages[src], want, f"rank {src}", "ranks disagree on the "
-                                      "bucket layout, the selected layers or the whitener versions")
-                pos += my_size
+        messages = self._split_messages(recv, plan.message_sizes[me], want, DISAGREE)
+        offsets = {src: CONTROL_HEADER_BYTES for src in messages}
         totals = []
-        off = CONTROL_HEADER_BYTES
         for i in plan.to_rank[me]:
             sec = plan.sections[i]
             codec = self.codec_of(sec)
-            n = codec.nbytes(sec.numel)
             own = packed[i].own
             after = not sec.shared and any(p.rows for p in sec.pieces)
             total = own.clone() if not sec.shared and not after else None
             for src in range(world):
                 if src == me and not sec.shared:
                     continue
-                if src == me:
-                    part = own
-                else:
-                    buf = messages[src].narrow(0, off, n)
-                    expect_codec_header(self.checks, codec, buf, sec.numel, f"rank {src}")
-                    part = codec.decode_from_bytes(buf, (sec.numel,), check_header=False)
+                part = own if src == me else self._decode_at(codec, messages[src], offsets, src, sec.numel)
                 total = part.clone() if total is None else total.add_(part)
             if total is None:  # a world of one: nobody else contributed
                 total = torch.zeros_like(own)
-            off += n
             totals.append((sec, total, own if after else None))
         stats.codec_s += self._now() - t0
         return totals
