@@ -8,8 +8,11 @@ per step, the largest receive of any rank in each collective, summed over the st
 collectives (the busiest link sets each collective's time). Native bf16 DeepSpeed (its
 multi-rank bucket all-reduce, and ``use_multi_rank_bucket_allreduce: false``) beside GIFT FP8
 by route (direct, relay, by_layout), for a ``reduce_bucket_size`` smaller than a partition
-(each bucket reaches one or two owners) and one larger than the model. Telemetry's own
-``bytes_recv_max`` is printed beside the measured figure.
+(each bucket reaches one or two owners) and one larger than the model, flat and two-level
+(2 x 2: ranks 0-1 and 2-3 as nodes). Beside it the same sum over what arrives from other
+nodes only (the NICs', where the node stage of two-level rides a node's own links; native's
+ring in rank order crosses a node at every second rank). Telemetry's own ``bytes_recv_max``
+and ``bytes_recv_max_internode`` are printed beside the measured figures.
 """
 
 from __future__ import annotations
@@ -26,34 +29,39 @@ if ROOT not in sys.path:
 from benchmarks.results import write_json  # noqa: E402
 
 
-def _received(name, args, kwargs, world, rank) -> int:
-    """Bytes this rank receives in one collective (see the module docstring)."""
+def _received(name, args, kwargs, world, rank, off_node) -> tuple:
+    """Bytes this rank receives in one collective (see the module docstring), in all and from
+    ranks of other nodes (``off_node[i]``: group rank i sits on another node than this one)."""
     t = args[0] if args else kwargs.get("tensor", kwargs.get("output"))
     nbytes = t.numel() * t.element_size()
     if name == "all_to_all_single":
         out_splits = kwargs.get("output_split_sizes", args[2] if len(args) > 2 else None)
-        out_splits = [int(n) for n in out_splits] if out_splits is not None else None
         if out_splits is None:
-            return nbytes * (world - 1) // world
-        return (sum(out_splits) - out_splits[rank]) * t.element_size()
-    if name == "all_reduce":
-        return 2 * (world - 1) * nbytes // world
-    if name == "reduce":
-        return nbytes
-    if name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_gather_single"):
-        return (world - 1) * nbytes // world  # ring: (W-1)/W of the whole tensor
-    return nbytes
+            out_splits = [nbytes // world // t.element_size()] * world
+        got = [0 if i == rank else int(n) * t.element_size() for i, n in enumerate(out_splits)]
+        return sum(got), sum(n for n, off in zip(got, off_node) if off)
+    if name == "all_reduce":  # ring in rank order: everything arrives from the previous rank
+        total = 2 * (world - 1) * nbytes // world
+    elif name == "reduce":  # the root of a chain
+        total = nbytes
+    elif name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_gather_single"):
+        total = (world - 1) * nbytes // world  # ring: (W-1)/W of the whole tensor
+    else:
+        total = nbytes
+    return total, total if world > 1 and off_node[(rank - 1) % world] else 0
 
 
-def count_gradient_receives(opt) -> list:
+def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
     """Wrap ``opt.average_tensor`` so the torch.distributed collectives it calls are recorded:
-    returns the list of per-call lists of received bytes (one list per bucket, in call order)."""
+    returns the list of per-call lists of (received bytes, of them from other nodes), one list
+    per bucket in call order; a node is ``ranks_per_node`` consecutive global ranks."""
     import torch.distributed as dist
 
     calls: list = []
     native = opt.average_tensor
     names = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
              "all_gather_single")
+    me = dist.get_rank() // ranks_per_node
 
     def counted(tensor, dtype):
         seen: list = []
@@ -63,7 +71,9 @@ def count_gradient_receives(opt) -> list:
             def call(*args, **kwargs):
                 group = kwargs.get("group")
                 world, rank = dist.get_world_size(group), dist.get_rank(group)
-                seen.append(_received(n, args, kwargs, world, rank))
+                off = [(dist.get_global_rank(group, i) if group is not None else i) // ranks_per_node != me
+                       for i in range(world)]
+                seen.append(_received(n, args, kwargs, world, rank, off))
                 return fn(*args, **kwargs)
             return call
 
@@ -80,10 +90,10 @@ def count_gradient_receives(opt) -> list:
     return calls
 
 
-def busiest_per_step(per_rank: list, steps: int) -> float:
-    """Sum over collectives of the largest receive of any rank, per step (ranks call the same
-    collectives in the same order)."""
-    flat = [[b for bucket in calls for b in bucket] for calls in per_rank]
+def busiest_per_step(per_rank: list, steps: int, internode: bool = False) -> float:
+    """Sum over collectives of the largest receive of any rank (``internode``: from other nodes),
+    per step (ranks call the same collectives in the same order)."""
+    flat = [[b[1 if internode else 0] for bucket in calls for b in bucket] for calls in per_rank]
     n = len(flat[0])
     assert all(len(f) == n for f in flat), [len(f) for f in flat]
     return sum(max(f[i] for f in flat) for i in range(n)) / steps
@@ -121,21 +131,24 @@ def measure(world: int, stage: int, bucket: int, steps: int, hierarchy: str = "f
         block = None if gift is None else dict(gift, hierarchy=hierarchy,
                                                **({"ranks_per_node": 2} if hierarchy == "two_level" else {}))
         specs.append(dict(stage=stage, steps=steps, bucket=bucket, dtype="bf16", gift=block, extra=extra,
-                          count_recv=True))
+                          count_recv=2 if hierarchy == "two_level" else 1))
         names.append(name)
     per_rank = run_ranks(_rank_body, world, specs, timeout=600)
     rows = []
     for i, name in enumerate(names):
         runs = [r[i] for r in per_rank]
-        measured = busiest_per_step([r["grad_receives"] for r in runs], steps)
-        records = runs[0].get("records") or []
+        receives = [r["grad_receives"] for r in runs]
+        last = (runs[0].get("records") or [{}])[-1]
         rows.append({"world": world, "stage": stage, "bucket": bucket, "hierarchy": hierarchy, "config": name,
-                     "busiest_bytes_per_step": measured,
-                     "telemetry_recv_max": records[-1]["bytes_recv_max"] if records else None,
-                     "relay_buckets": records[-1]["relay_buckets"] if records else None})
-    base = rows[0]["busiest_bytes_per_step"]
+                     "busiest_bytes_per_step": busiest_per_step(receives, steps),
+                     "busiest_internode_per_step": busiest_per_step(receives, steps, internode=True),
+                     "telemetry_recv_max": last.get("bytes_recv_max"),
+                     "telemetry_recv_max_internode": last.get("bytes_recv_max_internode"),
+                     "relay_buckets": last.get("relay_buckets"), "balanced_buckets": last.get("balanced_buckets")})
+    base, base_nic = rows[0]["busiest_bytes_per_step"], rows[0]["busiest_internode_per_step"]
     for r in rows:
         r["vs_native_bf16"] = r["busiest_bytes_per_step"] / base
+        r["internode_vs_native_bf16"] = r["busiest_internode_per_step"] / base_nic if base_nic else None
     return rows
 
 
@@ -150,12 +163,18 @@ def main(argv=None) -> list:
         for bucket in (20000, 2_000_000):
             rows += measure(args.world, stage, bucket, args.steps)
     rows += measure(args.world, 2, 20000, args.steps, hierarchy="two_level")
-    print("| stage | bucket | hierarchy | config | busiest rank's receive per step | vs native bf16 | telemetry | relay buckets |")
-    print("|---|---:|---|---|---:|---:|---:|---:|")
+    print("| stage | bucket | hierarchy | config | busiest rank's receive per step | vs native bf16 | telemetry |"
+          " from other nodes | vs native bf16 | telemetry | relay buckets | balanced buckets |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def cell(v, fmt="{}"):
+        return "-" if v is None else fmt.format(v)
+
     for r in rows:
         print(f"| {r['stage']} | {r['bucket']} | {r['hierarchy']} | {r['config']} | {r['busiest_bytes_per_step']:.0f} | "
-              f"{r['vs_native_bf16']:.2f}x | {r['telemetry_recv_max'] if r['telemetry_recv_max'] is not None else '-'} | "
-              f"{r['relay_buckets'] if r['relay_buckets'] is not None else '-'} |")
+              f"{r['vs_native_bf16']:.2f}x | {cell(r['telemetry_recv_max'])} | {r['busiest_internode_per_step']:.0f} | "
+              f"{cell(r['internode_vs_native_bf16'], '{:.2f}x')} | {cell(r['telemetry_recv_max_internode'])} | "
+              f"{cell(r['relay_buckets'])} | {cell(r['balanced_buckets'])} |")
     write_json(args.json, rows)
     return rows
 

@@ -252,6 +252,7 @@ class BucketPlan:
         self.relay_sizes: List[int] = []
         self.forward_sizes: List[List[int]] = []
         self.recv_max = 0  # bytes the busiest rank receives for this bucket (every collective's largest)
+        self.recv_max_internode = 0  # the same, of the messages from other nodes
         # Compact outputs of the slices of each shared parameter: (slice index, start in the parameter)
         self.shared_outputs: Dict[int, List[Tuple[int, int]]] = {}
         for index, s in enumerate(self.slices):
@@ -326,23 +327,28 @@ class GiftReducer:
         key = (tuple(slices), tuple(sorted(versions.items())))
         plan = self._plans.pop(key, None)
         if plan is None:
-            plan = BucketPlan(slices, self.comm.world_size, versions)
-            plan.message_sizes = [self._message_nbytes(plan, d) for d in range(self.comm.world_size)]
-            self._plan_route(plan)
+            plan = self.new_plan(slices, versions)
             while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older whitener versions
                 self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan  # most recently used last
+        return plan
+
+    def new_plan(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
+        """A plan with its sizes and route, not cached (two-level plans every slot group's)."""
+        plan = BucketPlan(slices, self.comm.world_size, versions)
+        plan.message_sizes = [self._message_nbytes(plan, d) for d in range(self.comm.world_size)]
+        self._plan_route(plan)
         return plan
 
     def _plan_route(self, plan: BucketPlan) -> None:
         """Direct (every rank sends each owner its part: one all-to-all) or relay (two balanced
         ones, one more quantization): by ``route``, or for ``by_layout`` the one whose busiest
         rank receives fewer bytes. The same on every rank: it depends on the plan only."""
-        world = plan.world_size
+        world, L = plan.world_size, self.ranks_per_node
         direct_max = max((world - 1) * n for n in plan.message_sizes) if world > 1 else 0
+        plan.recv_max, plan.recv_max_internode = direct_max, max((world - L) * n for n in plan.message_sizes)
         owned = [i for i, sec in enumerate(plan.sections) if not sec.shared]
         if world <= 2 or not owned or self.route == "direct":
-            plan.recv_max = direct_max
             return
         align = max(self.main_codec.block_size, 1)
         chunks = {i: chunk_bounds(plan.sections[i].numel, world, align) for i in owned}
@@ -363,8 +369,8 @@ class GiftReducer:
         if self.route == "relay" or relay_max < direct_max:
             plan.relay, plan.chunks, plan.relay_sizes, plan.forward_sizes = True, chunks, relay_sizes, forward_sizes
             plan.recv_max = relay_max
-        else:
-            plan.recv_max = direct_max
+            plan.recv_max_internode = max((world - L) * n for n in relay_sizes) + max(
+                sum(forward_sizes[j][d] for j in range(world) if j // L != d // L) for d in range(world))
 
     def codec_of(self, section: Section):
         return self.high_codec if section.high else self.main_codec
@@ -502,7 +508,7 @@ class GiftReducer:
         self._timing = (tensor.device, sample)
         stats = StepStats(sampled=sample, timed=sample or tensor.device.type == "cpu")
         exact = self._exact_reduction(tensor, plan, divisor, stats) if sample else None
-        stats.recv_max = plan.recv_max
+        stats.recv_max, stats.recv_max_internode = plan.recv_max, plan.recv_max_internode
         if plan.relay:
             stats.relay_buckets = 1
             totals = self._relay(tensor, plan, whiteners, stats, sample, step)
@@ -906,6 +912,11 @@ class full_fp32_matmuls:
 
 
 # ---- two-level: inside the node first, then among the nodes -------------------------------
+NODE_SPLITS = ("owner_slot", "balanced")  # how a bucket is spread over a node's ranks; a tie picks the first
+
+Carried = List[Tuple[int, int, int]]  # (index of the slice in the bucket, start inside it, numel), bucket order
+
+
 def slot_targets(s: ParamSlice, ranks_per_node: int) -> Tuple[int, ...]:
     """Local ranks that must hold the node's partial sum of slice ``s``: the owner's slot, or,
     for a whole shared parameter, the slot of every rank in its copy set."""
@@ -914,105 +925,264 @@ def slot_targets(s: ParamSlice, ranks_per_node: int) -> Tuple[int, ...]:
     return (s.dst % ranks_per_node,)
 
 
-def slot_slices(slices: Sequence[ParamSlice], ranks_per_node: int, slot: int) -> List[Tuple[int, ParamSlice]]:
-    """The slices slot ``slot`` carries across nodes, re-addressed for its slot group: each
-    slice's index in ``slices`` and the slice with owners numbered by node (rank // ranks per
-    node), copy sets cut to this slot's members, and bucket offsets packed into a compact
-    buffer of the node partials (in bucket order)."""
-    out, offset = [], 0
-    for index, s in enumerate(slices):
-        if slot not in slot_targets(s, ranks_per_node):
-            continue
-        copy = tuple(c // ranks_per_node for c in s.copy_ranks if c % ranks_per_node == slot)
-        out.append((index, ParamSlice(s.dst // ranks_per_node, offset, s.numel, s.param_offset, s.param_key,
-                                      s.row_len, s.mode, copy)))
-        offset += s.numel
-    return out
+def carried_by_owner_slot(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[Carried]:
+    """Per local rank j, what it carries across nodes when every slice goes to its owner's slot:
+    nothing to forward inside the node afterwards, but a bucket with few owners loads few slots."""
+    return [[(i, 0, s.numel) for i, s in enumerate(slices) if j in slot_targets(s, ranks_per_node)]
+            for j in range(ranks_per_node)]
 
 
-def merged_runs(slices: Sequence[ParamSlice]) -> List[Tuple[int, int]]:
-    """(bucket offset, numel) of the slices in order, adjacent ones merged."""
-    runs: List[Tuple[int, int]] = []
-    for s in slices:
-        if runs and runs[-1][0] + runs[-1][1] == s.bucket_offset:
-            runs[-1] = (runs[-1][0], runs[-1][1] + s.numel)
-        else:
-            runs.append((s.bucket_offset, s.numel))
+def unit_boundary(s: ParamSlice, at: int) -> int:
+    """The offset in ``s`` nearest ``at`` where a run unit of its transform starts (a whitener's
+    row): a cut there keeps every row whole, so both sides are whitened as the slice was."""
+    if s.mode != GEO or s.row_len <= 1:
+        return at
+    unit = s.row_len
+    nearest = (s.param_offset + at + unit // 2) // unit * unit - s.param_offset
+    return min(max(nearest, 0), s.numel)
+
+
+def level_runs(owned: int, pinned: Sequence[int]) -> List[int]:
+    """Run lengths of ``owned`` elements over slots that already carry ``pinned`` elements each, so
+    that the loads come out as level as they can: slots pinned above the level get nothing."""
+    active = list(range(len(pinned)))
+    while True:
+        level = (owned + sum(pinned[j] for j in active)) / len(active)
+        keep = [j for j in active if pinned[j] <= level]
+        if len(keep) == len(active):
+            break
+        active = keep
+    runs = [max(0, int(level - pinned[j])) if j in active else 0 for j in range(len(pinned))]
+    runs[active[-1]] += owned - sum(runs)
     return runs
 
 
-class NodePlan:
-    """What one bucket does in the two-level scheme, seen from one rank."""
+def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[Carried]:
+    """Per local rank j, what it carries when the elements each node owns (shared parameters
+    aside) are cut into runs, run j to local rank j, sized so that every slot receives about as
+    much for that node (a shared parameter still goes whole to its copy slots, and counts); each
+    cut is moved to a row boundary of the slice it falls in. Every NIC of an owner's node then
+    carries its share whatever the owners, and a slot hands an owner of another slot its results
+    inside the node afterwards."""
+    L = ranks_per_node
+    by_node: Dict[int, List[Tuple[int, ParamSlice]]] = {}
+    pinned: Dict[int, List[int]] = {}  # node -> shared elements each slot carries for it
+    for i, s in enumerate(slices):
+        if s.copy_ranks:
+            for node in {c // L for c in s.copy_ranks}:
+                for j in {c % L for c in s.copy_ranks if c // L == node}:
+                    pinned.setdefault(node, [0] * L)[j] += s.numel
+        else:
+            by_node.setdefault(s.dst // L, []).append((i, s))
+    carried: List[Carried] = [[] for _ in range(L)]
+    for node, owned in by_node.items():
+        total = sum(s.numel for _, s in owned)
+        targets: List[int] = []
+        for n in level_runs(total, pinned.get(node, [0] * L))[:-1]:
+            targets.append((targets[-1] if targets else 0) + n)
+        cuts: List[int] = []
+        pos = 0
+        for _, s in owned:
+            while len(cuts) < L - 1 and targets[len(cuts)] < pos + s.numel:
+                at = pos + unit_boundary(s, targets[len(cuts)] - pos)
+                cuts.append(max([at] + cuts[-1:]))
+            pos += s.numel
+        edges = [0] + cuts + [total] * (L - len(cuts))
+        pos = 0
+        for i, s in owned:
+            for j in range(L):
+                start, end = max(edges[j], pos), min(edges[j + 1], pos + s.numel)
+                if start < end:
+                    carried[j].append((i, start - pos, end - start))
+            pos += s.numel
+    for i, s in enumerate(slices):
+        if s.copy_ranks:
+            for j in slot_targets(s, L):
+                carried[j].append((i, 0, s.numel))
+    for runs in carried:
+        runs.sort(key=lambda run: slices[run[0]].bucket_offset + run[1])
+    return carried
 
-    def __init__(self, slices: Sequence[ParamSlice], ranks_per_node: int, rank: int) -> None:
+
+def slot_group_slices(slices: Sequence[ParamSlice], runs: Carried, ranks_per_node: int,
+                      slot: int) -> List[ParamSlice]:
+    """What slot ``slot`` carries, re-addressed for its slot group: owners numbered by node
+    (rank // ranks per node), copy sets cut to this slot's members, offsets into a compact
+    buffer of the node partials (in bucket order)."""
+    L, out, compact = ranks_per_node, [], 0
+    for i, at, n in runs:
+        s = slices[i]
+        copy = tuple(c // L for c in s.copy_ranks if c % L == slot)
+        out.append(ParamSlice(s.dst // L, compact, n, s.param_offset + at, s.param_key, s.row_len, s.mode, copy))
+        compact += n
+    return out
+
+
+def merged_runs(runs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """(bucket offset, numel) runs in order, adjacent ones merged."""
+    out: List[Tuple[int, int]] = []
+    for start, numel in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + numel)
+        else:
+            out.append((start, numel))
+    return out
+
+
+class NodePlan:
+    """What one bucket does in the two-level scheme, seen from one rank, for one split of the
+    bucket over the node's ranks (``carried``: per local rank, what it carries across nodes)."""
+
+    def __init__(self, slices: Sequence[ParamSlice], ranks_per_node: int, rank: int, carried: List[Carried],
+                 split: str) -> None:
         L = ranks_per_node
+        self.split = split
         self.slot, self.node = rank % L, rank // L
-        self.runs_to_slot = [merged_runs([s for s in slices if j in slot_targets(s, L)]) for j in range(L)]
-        self.numel_to_slot = [sum(n for _, n in runs) for runs in self.runs_to_slot]
-        carried = slot_slices(slices, L, self.slot)
-        self.source_index = [index for index, _ in carried]
-        self.slices = [s for _, s in carried]
-        # (offset in the compact buffer, offset in the bucket, numel) of what this rank receives
-        # whole after the exchange among nodes: its own slices, and shared parameters it copies
-        self.delivered = [(t.bucket_offset, slices[i].bucket_offset, t.numel) for i, t in carried
-                          if (self.node in t.copy_ranks if t.copy_ranks else t.dst == self.node)]
-        digest = hashlib.blake2b(repr((tuple(slices), L)).encode(), digest_size=8)
+        self.runs_to_slot = [merged_runs([(slices[i].bucket_offset + at, n) for i, at, n in runs])
+                             for runs in carried]
+        self.numel_to_slot = [sum(n for _, _, n in runs) for runs in carried]
+        mine = carried[self.slot]
+        self.slices = slot_group_slices(slices, mine, L, self.slot)
+        self.source_index = [i for i, _, _ in mine]
+        self.delivered: List[Tuple[int, int, int]] = []  # (compact offset, bucket offset, numel) kept here
+        self.kept: List[bool] = []  # per slice of my slot: this rank takes its result (owner or copy rank)
+        self.forward_out: Dict[int, List[Tuple[int, int]]] = {}  # local rank -> (compact offset, numel) it gets
+        for (i, at, n), t in zip(mine, self.slices):
+            s = slices[i]
+            keep = (self.node in t.copy_ranks) if s.copy_ranks else s.dst == rank
+            self.kept.append(keep)
+            if keep:
+                self.delivered.append((t.bucket_offset, s.bucket_offset + at, n))
+            elif not s.copy_ranks and s.dst // L == self.node:
+                self.forward_out.setdefault(s.dst % L, []).append((t.bucket_offset, n))
+        self.sources = [(i, at) for i, at, _ in mine]
+        # what other local ranks forward to me ((slice index, start, numel), in their order), and the
+        # busiest receiver of the forwards of any node (every rank plans the same: the figure agrees)
+        self.forward_in: Dict[int, List[Tuple[int, int, int, int]]] = {}  # (bucket offset, slice index, start, numel)
+        forward_to: Dict[int, Dict[int, int]] = {}  # data-parallel rank -> {local rank forwarding: numel}
+        for j, runs in enumerate(carried):
+            for i, at, n in runs:
+                s = slices[i]
+                if s.copy_ranks or s.dst % L == j:
+                    continue
+                senders = forward_to.setdefault(s.dst, {})
+                senders[j] = senders.get(j, 0) + n
+                if s.dst == rank:
+                    self.forward_in.setdefault(j, []).append((s.bucket_offset + at, i, at, n))
+        node_ranks = range(self.node * L, (self.node + 1) * L)
+        self.forward_numel = [[forward_to.get(d, {}).get(j, 0) for d in node_ranks] for j in range(L)]
+        # every rank calls the forward's all-to-all when any node forwards (an empty one where its node
+        # has nothing to hand on): every rank runs the same collectives for a bucket, in the same order
+        self.forwards = bool(forward_to)
+        self.forward_senders = [list(senders.values()) for senders in forward_to.values()]
+        digest = hashlib.blake2b(repr((tuple(slices), L, split)).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
         self._hash_bytes: Dict[str, torch.Tensor] = {}
 
     hash_on = BucketPlan.hash_on
+
+    def outputs_for(self, outputs: Optional[Sequence[Optional[torch.Tensor]]]):
+        """The owner-side outputs of my slot's slices: the bucket slice's output (the part this
+        rank carries) where this rank keeps the result; None where it forwards it."""
+        if outputs is None:
+            return None
+        out = []
+        for (i, at), t, keep in zip(self.sources, self.slices, self.kept):
+            target = outputs[i] if keep else None
+            if target is not None and not t.copy_ranks and t.numel != target.numel():
+                target = target.narrow(0, at, t.numel)
+            out.append(target)
+        return out
+
+    def busiest_node_receive(self, element_size: int) -> int:
+        """Bytes the busiest rank receives inside its node for this bucket: the node stage, and
+        the forwards of a balanced split."""
+        L = len(self.numel_to_slot)
+        if L == 1:
+            return 0
+        stage = (L - 1) * max(CONTROL_HEADER_BYTES + n * element_size for n in self.numel_to_slot)
+        forwards = max((sum(CONTROL_HEADER_BYTES + n * element_size for n in senders)
+                        for senders in self.forward_senders), default=0)
+        return stage + forwards
 
 
 class TwoLevelReducer:
     """Reduce a bucket inside each node first, then across nodes with a :class:`GiftReducer`.
 
     1. Node stage: an all-to-all among the node's ranks in the bucket's own dtype (no codec:
-       the fast links inside a node). Local rank j receives every slice whose owner (or copy
-       set member) has local rank j, from every local rank, and sums them in fp32 in local
-       rank order: the node partial, with no rounding beyond the gradients' own.
+       the fast links inside a node). Each local rank receives the part of the bucket it
+       carries from every local rank and sums it in fp32 in local rank order: the node
+       partial, with no rounding beyond the gradients' own. The part: every slice to its
+       owner's slot (``owner_slot``), or the bucket's owned elements in equal runs, one per
+       local rank (``balanced``; a bucket with few owners would load only their slots' NICs).
     2. Node exchange: the ranks with the same local rank on every node (a *slot group*)
-       reduce the node partials with ``inner`` - transform, quantize, all-to-all, fp32 sum at
-       the owner, inverse - so the transform and codec work per rank drop by the node size and
-       each node's NICs carry one quantized copy of the bucket, not one per rank.
-    Owners and copy ranks then copy their results into the bucket (and ``outputs``) as the
-    flat reducer does."""
+       reduce the node partials with ``inner`` - transform, quantize, all-to-all (direct or
+       relayed, by ``inner.route``), fp32 sum at the owner's node, inverse - so the transform
+       and codec work per rank drop by the node size and each node's NICs carry one quantized
+       copy of the bucket, not one per rank.
+    3. Balanced only: each local rank hands what it reduced for an owner of another slot to
+       that owner, in the bucket's dtype, inside the node.
+    ``inner.route`` picks the split: ``direct`` owner_slot, ``relay`` balanced, ``by_layout``
+    per bucket the one whose busiest rank among the nodes receives fewer bytes (owner_slot on a
+    tie: it forwards nothing). Owners and copy ranks then copy their results into the bucket
+    (and ``outputs``) as the flat reducer does."""
 
     def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int) -> None:
         self.node_comm = node_comm
         self.inner = inner
         self.ranks_per_node = ranks_per_node
         self.rank = inner.comm.rank * ranks_per_node + node_comm.rank
-        self._plans: Dict[tuple, NodePlan] = {}
+        self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
 
-    def plan_for(self, slices: Sequence[ParamSlice]) -> NodePlan:
+    def plan_for(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
+        """The bucket's node plan, and the bytes the busiest rank among the nodes receives (the
+        slot groups differ: every slot's exchange is planned here, on every rank)."""
         key = tuple(slices)
-        plan = self._plans.pop(key, None)
-        if plan is None:
-            plan = NodePlan(slices, self.ranks_per_node, self.rank)
+        got = self._plans.pop(key, None)
+        if got is None:
+            got = self._choose(slices)
             while len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = plan
-        return plan
+        self._plans[key] = got
+        return got
+
+    def _choose(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
+        L, route = self.ranks_per_node, self.inner.route
+        splits = {"owner_slot": carried_by_owner_slot(slices, L)}
+        if L > 1 and route != "direct":
+            splits["balanced"] = carried_balanced(slices, L)
+        among_nodes = {split: max(self.inner.new_plan(slot_group_slices(slices, carried[j], L, j), {}).recv_max
+                                  for j in range(L))
+                       for split, carried in splits.items()}
+        if route == "relay" and "balanced" in splits:
+            split = "balanced"
+        else:
+            split = min(splits, key=lambda k: (among_nodes[k], NODE_SPLITS.index(k)))
+        return NodePlan(slices, L, self.rank, splits[split], split), among_nodes[split]
 
     def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
                versions: Dict[int, int], *, divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
-        plan = self.plan_for(slices)
+        plan, among_nodes = self.plan_for(slices)
         t0 = clock(tensor.device, sample)
         partial, node_bytes = self._node_stage(tensor, plan, step)
         node_s = clock(tensor.device, sample) - t0
         stats = self.inner.reduce(partial, plan.slices, whiteners, versions, divisor=divisor, step=step,
-                                  outputs=None if outputs is None else [outputs[i] for i in plan.source_index],
-                                  sample=sample)
+                                  outputs=plan.outputs_for(outputs), sample=sample)
         for compact_at, bucket_at, numel in plan.delivered:
             tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
-        stats.node_s = node_s
+        t0 = clock(tensor.device, sample)
+        node_bytes += self._forward(tensor, partial, plan, step, outputs)
+        stats.node_s = node_s + clock(tensor.device, sample) - t0
         stats.bytes_node = node_bytes
-        L = self.ranks_per_node
-        if L > 1:  # the node stage's busiest receiver: L - 1 messages of its slot's part
-            stats.recv_max += (L - 1) * max(CONTROL_HEADER_BYTES + n * tensor.element_size() for n in plan.numel_to_slot)
+        stats.balanced_buckets = int(plan.split == "balanced")
+        stats.recv_max_internode = among_nodes
+        stats.recv_max = among_nodes + plan.busiest_node_receive(tensor.element_size())
         return stats
+
+    def _node_message(self, plan, step: int, device) -> torch.Tensor:
+        return control_header(plan.hash_on(device), self.inner.checks.step_bytes(step, device))
 
     def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, step: int) -> Tuple[torch.Tensor, int]:
         """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
@@ -1022,7 +1192,7 @@ class TwoLevelReducer:
         if L == 1:
             return mine.to(torch.float32, copy=True), 0
         checks = self.inner.checks
-        head = control_header(plan.hash_on(tensor.device), checks.step_bytes(step, tensor.device))
+        head = self._node_message(plan, step, tensor.device)
         messages, sizes = [], []
         for j in range(L):
             if j == me:
@@ -1046,6 +1216,45 @@ class TwoLevelReducer:
                 pos += incoming
             partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
         return partial, sum(sizes)
+
+    def _forward(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, step: int, outputs) -> int:
+        """Balanced split: hand every owner of this node the results other local ranks reduced for
+        it, in the bucket's dtype (an fp32 model's results arrive exact); the bytes sent."""
+        if not plan.forwards:
+            return 0
+        L, me, dtype = self.ranks_per_node, plan.slot, tensor.dtype
+        head = self._node_message(plan, step, tensor.device)
+        messages, sizes = [], []
+        for o in range(L):
+            runs = plan.forward_out.get(o)
+            if not runs:
+                sizes.append(0)
+                continue
+            body = torch.cat([partial.narrow(0, at, n) for at, n in runs]).to(dtype).view(torch.uint8)
+            messages += [head, body]
+            sizes.append(CONTROL_HEADER_BYTES + body.numel())
+        elem = tensor.element_size()
+        recv_sizes = [CONTROL_HEADER_BYTES + plan.forward_numel[j][me] * elem if plan.forward_numel[j][me] else 0
+                      for j in range(L)]
+        recv = self.node_comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
+                                               kind="node")
+        pos = 0
+        for j in range(L):
+            if not recv_sizes[j]:
+                continue
+            msg = recv.narrow(0, pos, recv_sizes[j])
+            expect_control_header(self.inner.checks, msg, head, f"local rank {j}",
+                                  "ranks of a node disagree on the bucket layout")
+            values = msg.narrow(0, CONTROL_HEADER_BYTES, recv_sizes[j] - CONTROL_HEADER_BYTES).view(dtype)
+            at = 0
+            for bucket_at, i, start, n in plan.forward_in[j]:
+                part = values.narrow(0, at, n)
+                tensor.narrow(0, bucket_at, n).copy_(part)
+                if outputs is not None and outputs[i] is not None:
+                    outputs[i].narrow(0, start, n).add_(part)
+                at += n
+            pos += recv_sizes[j]
+        return sum(sizes)
 
     @staticmethod
     def _gather_runs(tensor: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:

@@ -26,6 +26,8 @@ class StepStats:
     bytes_node: int = 0  # two-level: the node stage (bucket dtype, inside the node)
     recv_max: int = 0  # gradient bytes the busiest rank received (each collective's largest receive, summed)
     relay_buckets: int = 0  # buckets reduced by the relay route (two balanced all-to-alls)
+    recv_max_internode: int = 0  # the same, of the messages that cross between nodes
+    balanced_buckets: int = 0  # two-level: buckets split over the node's ranks in equal runs
     transform_s: float = 0.0
     codec_s: float = 0.0
     comm_s: float = 0.0

@@ -529,6 +529,7 @@ class GiftState:
             "hierarchy": self.hierarchy,
             # the busiest rank's gradient receive (each collective's largest, summed), and the route
             "bytes_recv_max": t.recv_max,
+            "bytes_recv_max_internode": t.recv_max_internode,
             "relay_buckets": t.relay_buckets,
             # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
             "bytes_internode": t.bytes_internode,
@@ -539,6 +540,7 @@ class GiftState:
             record.update(transform_s=t.transform_s, codec_s=t.codec_s, comm_s=t.comm_s)
         if self.hierarchy == "two_level":
             record["bytes_node"] = t.bytes_node
+            record["balanced_buckets"] = t.balanced_buckets
             if t.timed:
                 record["node_s"] = t.node_s
         if len(self.geometry.kinds) > 1:

@@ -135,7 +135,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
     if spec.get("count_recv"):  # benchmarks: bytes received in every gradient collective
         from benchmarks.exchange_bytes import count_gradient_receives
 
-        grad_receives = count_gradient_receives(engine.optimizer)
+        grad_receives = count_gradient_receives(engine.optimizer, int(spec["count_recv"]))  # True: 1 per node
     bucket_owners = None
     if spec.get("record_buckets"):  # tests: the owners of every bucket, as GIFT's reducer is handed them
         bucket_owners = []
