@@ -90,9 +90,13 @@ def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
     return calls
 
 
-def busiest_per_step(per_rank: list, steps: int, internode: bool = False) -> float:
+def busiest_per_step(per_rank: list, steps: int, internode: bool = False, last: bool = False) -> float:
     """Sum over collectives of the largest receive of any rank (``internode``: from other nodes),
-    per step (ranks call the same collectives in the same order)."""
+    per step (ranks call the same collectives in the same order); ``last``: of the last step only
+    (what its telemetry record reports: a step's buckets are its share of the calls)."""
+    if last:
+        per_rank = [calls[len(calls) - len(calls) // steps:] for calls in per_rank]
+        steps = 1
     flat = [[b[1 if internode else 0] for bucket in calls for b in bucket] for calls in per_rank]
     n = len(flat[0])
     assert all(len(f) == n for f in flat), [len(f) for f in flat]

@@ -1,8 +1,9 @@
-"""    .venv/bin/python benchmarks/layout_model.py [--bucket 5e8] [--json out.json]
+"""    .venv/bin/python benchmarks/layout_model.py [--bucket 5e8] [--nic-gbit 400] [--json out.json]
 
 The gradient exchange of real model layouts, bucket by bucket, as DeepSpeed ZeRO-1/2 lays
 them out: the busiest NIC's received bytes per step for DeepSpeed's bf16 all-reduce and for
-GIFT FP8 by route, at W = 8 / 64 / 512 GPUs with G = 1 and 8 per node (one NIC each).
+GIFT FP8 by route and node split, at W = 8 / 64 / 512 GPUs with G = 1 and 8 per node (one NIC
+each), and the gradient time when NVLink is counted too.
 
 The layout is built from the models' definitions, not assumed balanced:
 - parameters: HF ``LlamaForCausalLM`` on the meta device (~1B: TinyLlama-1.1B's shape, 7B and
@@ -14,20 +15,26 @@ The layout is built from the models' definitions, not assumed balanced:
   would take it past ``reduce_bucket_size`` (default 5e8), a larger parameter reduced alone.
   ``tests/test_route.py`` checks this layout against what real engines hand GIFT.
 
-Per bucket of N elements with N_d on owner d, bytes received through the busiest NIC (b: FP8
-e4m3 per-block bytes per element; a rank's messages to ranks on its own node take NVLink):
+Per bucket of N elements, N_d on owner d, N_m on the ranks of node m, N_s on the owners of
+local rank s, n = W/G nodes, b FP8 e4m3 per-block bytes per element; bytes into the busiest
+NIC (a rank's messages to ranks on its own node take NVLink):
 - DeepSpeed bf16, ring all-reduce of the bucket (``use_multi_rank_bucket_allreduce``):
   2 (W-1)/W N 2 B, the G rings of a node sharing its G NICs (/G when the job spans nodes);
-- GIFT direct: owner d receives its part from the W - G ranks off its node: (W-G) N_d b;
-- GIFT relay: chunk j of every owner's part to rank j, then the sums to the owners:
-  (W-G)/W N b + (W-G)/W max N_d b;
-- GIFT by_layout: the smaller of the two, per bucket;
-- GIFT two-level (G > 1): the node stage on NVLink, then the exchange among the W/G nodes in
-  each slot group; the slot of a part's owner carries it: direct (n-1) N_d b, relay
-  (n-1)/n N_slot b + (n-1)/n N_d b for n nodes (N_slot: what the busiest slot carries).
-Bandwidth only (no latency, no overlap): the ratio to bf16 is the ratio of gradient time when
-the NICs are the limit. Memory the relay holds per GPU: its chunk sums while a bucket is
-reduced (4 N/W B) and, with error feedback, the relayed residuals (4/W B per parameter).
+- GIFT flat direct: owner d receives its part from the W - G ranks off its node: (W-G) N_d b;
+- GIFT flat relay: chunk j of every owner's part to rank j, then the sums to the owners:
+  (W-G)/W N b + (W-G)/W max N_d b;  flat by_layout: the smaller, per bucket;
+- GIFT two-level (G > 1), after a node stage on NVLink, the exchange among the nodes in each
+  slot group: ``owner_slot`` (the slot of a part's owner carries it): direct (n-1) max N_d b,
+  relay (n-1)/n max N_s b + (n-1)/n max N_d b; ``balanced`` (every slot carries 1/G of each
+  node's part): direct (n-1) max N_m / G b, relay (n-1)/n N/G b + (n-1)/n max N_m / G b; each
+  split takes its lighter route (relay needs 3+ nodes), and by_layout the lighter split.
+NVLink bytes into the busiest GPU (bucket dtype, 2 B): the node stage, (G-1) max N_s 2 B
+(owner_slot) or (G-1) N/G 2 B (balanced), and the balanced split's forwards to the owners,
+(G-1)/G max N_d 2 B. The time columns count DeepSpeed's ring with its NVLink and NIC traffic at
+once (the slower link sets it) and GIFT's stages one after the other, as they run. Memory the
+new exchange holds per GPU while a bucket is reduced: flat, the relay's chunk sums (4 N/W B);
+two-level, the fp32 node partial of its slot's share (4 N/G B) and the chunk sums; with error
+feedback, the relayed residuals too (4/W B per parameter).
 """
 
 from __future__ import annotations
@@ -112,8 +119,9 @@ def buckets_of(sizes: List[int], arrival: List[int], world: int, bucket_size: in
     return out
 
 
-def bucket_nic_bytes(owners: Dict[int, int], world: int, per_node: int, b: float) -> Dict[str, float]:
-    """Busiest-NIC received bytes of one bucket for every scheme (see the module docstring)."""
+def bucket_link_bytes(owners: Dict[int, int], world: int, per_node: int, b: float) -> Dict[str, Tuple[float, float]]:
+    """Per scheme, (bytes into the busiest NIC, bytes into the busiest GPU over NVLink in stages
+    that run before or after the NIC's) of one bucket (see the module docstring)."""
     n, biggest = sum(owners.values()), max(owners.values(), default=0)
     g = min(per_node, world)
     nodes = world // g
@@ -121,23 +129,52 @@ def bucket_nic_bytes(owners: Dict[int, int], world: int, per_node: int, b: float
     ring = 2 * (world - 1) / world * n * 2 / (g if nodes > 1 else 1) if nodes > 1 else 0.0
     direct = off_node * biggest * b
     relay = off_node / world * n * b + off_node / world * biggest * b
-    out = {"bf16": ring, "direct": direct, "relay": relay, "by_layout": min(direct, relay)}
+    out = {"bf16": (ring, 0.0), "direct": (direct, 0.0), "relay": (relay, 0.0), "by_layout": (min(direct, relay), 0.0)}
     if g > 1 and nodes > 1:
         slots: Dict[int, int] = {}
+        per_owner_node: Dict[int, int] = {}
         for d, m in owners.items():
             slots[d % g] = slots.get(d % g, 0) + m
-        busiest_slot = max(slots.values(), default=0)
+            per_owner_node[d // g] = per_owner_node.get(d // g, 0) + m
+        busiest_slot, busiest_node = max(slots.values(), default=0), max(per_owner_node.values(), default=0)
+        k = (nodes - 1) / nodes
+        # owner_slot: each slot carries what its owners hold; the node stage sums it into that slot
+        stage = (g - 1) * busiest_slot * 2
         two_direct = (nodes - 1) * biggest * b
-        two_relay = (nodes - 1) / nodes * busiest_slot * b + (nodes - 1) / nodes * biggest * b
-        out.update(two_level_direct=two_direct,
-                   two_level_by_layout=min(two_direct, two_relay) if nodes > 2 else two_direct)
+        two_relay = k * busiest_slot * b + k * biggest * b
+        # balanced: every slot carries 1/g of each node's part; results handed to their owners after
+        even_stage, forward = (g - 1) * n / g * 2, (g - 1) / g * biggest * 2
+        even_direct = (nodes - 1) * busiest_node / g * b
+        even_relay = k * n / g * b + k * busiest_node / g * b
+        relay_ok = nodes > 2  # a relay among two nodes is the direct route
+        owner_slot = min(two_direct, two_relay) if relay_ok else two_direct
+        balanced = min(even_direct, even_relay) if relay_ok else even_direct
+        out.update(two_level_direct=(two_direct, stage),
+                   two_level_owner_slot=(owner_slot, stage),
+                   two_level_balanced=(balanced, even_stage + forward))
+        # by_layout: the split whose busiest NIC receives less (owner_slot on a tie)
+        out["two_level_by_layout"] = out["two_level_balanced"] if balanced < owner_slot else out["two_level_owner_slot"]
     return out
 
 
-def model_rows(name: str, layout_of_model, bucket_size: int, b: float) -> List[dict]:
+def bucket_seconds(scheme: str, nic: float, nvlink: float, n: int, world: int, per_node: int, nic_bps: float,
+                   nvlink_bps: float) -> float:
+    """Bandwidth time of one bucket: DeepSpeed's ring moves its NVLink and NIC bytes at once (the
+    slower sets the time: its NVLink share is (G-1)/G of what a GPU sends around the ring); GIFT's
+    two-level stages run one after the other (node stage, exchange among nodes, forwards)."""
+    if scheme == "bf16":
+        g = min(per_node, world)
+        ring_nvlink = 2 * (world - 1) / world * n * 2 * (g - 1) / g
+        return max(nic / nic_bps, ring_nvlink / nvlink_bps)
+    return nic / nic_bps + nvlink / nvlink_bps
+
+
+def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit: float = 400.0,
+               nvlink_gbyte: float = 450.0) -> List[dict]:
     sizes, arrival = layout_of_model
     rows = []
     params = sum(sizes)
+    nic_bps, nvlink_bps = nic_gbit * 1e9 / 8, nvlink_gbyte * 1e9
     for world in WORLDS:
         layout = buckets_of(sizes, arrival, world, bucket_size)
         layout = [o for o in layout if o]  # empty reductions move nothing
@@ -145,16 +182,25 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float) -> List[d
         for per_node in PER_NODE:
             if per_node > world:
                 continue
-            totals: Dict[str, float] = {}
+            nic_totals: Dict[str, float] = {}
+            seconds: Dict[str, float] = {}
             for owners in layout:
-                for scheme, v in bucket_nic_bytes(owners, world, per_node, b).items():
-                    totals[scheme] = totals.get(scheme, 0.0) + v
-            base = totals["bf16"]
+                for scheme, (nic, nvlink) in bucket_link_bytes(owners, world, per_node, b).items():
+                    nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nic
+                    seconds[scheme] = seconds.get(scheme, 0.0) + bucket_seconds(
+                        scheme, nic, nvlink, sum(owners.values()), world, per_node, nic_bps, nvlink_bps)
+            base, base_s = nic_totals["bf16"], seconds["bf16"]
+            biggest = max(sum(o.values()) for o in layout)
             row = {"model": name, "params": params, "world": world, "per_node": per_node,
                    "buckets": len(layout), "owners_min": min(owners_per_bucket), "owners_max": max(owners_per_bucket),
-                   "bf16_nic_gb": base / 1e9,
-                   **{f"{k}_vs_bf16": (v / base if base else float("nan")) for k, v in totals.items() if k != "bf16"},
-                   "relay_hold_gb": 4 * max(sum(o.values()) for o in layout) / world / 1e9,
+                   "bf16_nic_gb": base / 1e9, "bf16_s": base_s,
+                   **{f"{k}_vs_bf16": (v / base if base else float("nan")) for k, v in nic_totals.items() if k != "bf16"},
+                   **{f"{k}_time_vs_bf16": (v / base_s if base_s else float("nan")) for k, v in seconds.items()
+                      if k != "bf16"},
+                   # what the new exchange holds while a bucket is reduced: flat relay, its chunk sums;
+                   # two-level, the node partial of its slot's share (fp32) and the relay's chunk sums
+                   "relay_hold_gb": 4 * biggest / world / 1e9,
+                   "two_level_hold_gb": 4 * biggest / per_node / 1e9 + 4 * biggest / world / 1e9,
                    "relay_ef_gb": 4 * params / world / 1e9}
             rows.append(row)
     return rows
@@ -163,23 +209,40 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float) -> List[d
 def main(argv=None) -> List[dict]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
+    parser.add_argument("--nic-gbit", type=float, default=400.0, help="NIC rate per GPU for the time columns")
+    parser.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)
     rows = []
     for name, config in MODELS.items():
-        rows += model_rows(name, parameter_layout(config), int(args.bucket), b)
-    print(f"reduce_bucket_size {args.bucket:.0e}; FP8 e4m3 block 128 at {b:.4f} B/element; busiest NIC, per step")
-    print("| model | W | G | buckets | owners per bucket | bf16 GB/NIC | direct | relay | by_layout | two-level direct |"
-          " two-level by_layout | relay holds GB (+EF) |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        if not r["bf16_nic_gb"]:  # one node: nothing crosses a NIC
-            continue
-        ratio = [f"{r[k]:.2f}x" if k in r else "-" for k in ("direct_vs_bf16", "relay_vs_bf16", "by_layout_vs_bf16",
-                                                            "two_level_direct_vs_bf16", "two_level_by_layout_vs_bf16")]
+        rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte)
+
+    def ratio(r, key):
+        return f"{r[key]:.2f}x" if key in r else "-"
+
+    print(f"reduce_bucket_size {args.bucket:.0e}; FP8 e4m3 block 128 at {b:.4f} B/element; per step")
+    print("\nBusiest NIC's received bytes against DeepSpeed's bf16 all-reduce (NVLink not counted):")
+    print("| model | W | G | buckets | owners per bucket | bf16 GB/NIC | flat direct | flat relay | flat by_layout |"
+          " two-level direct (today) | two-level owner_slot | two-level balanced | two-level by_layout |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows_with_nics(rows):
+        cells = [ratio(r, k + "_vs_bf16") for k in ("direct", "relay", "by_layout", "two_level_direct",
+                                                    "two_level_owner_slot", "two_level_balanced",
+                                                    "two_level_by_layout")]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {r['buckets']} | {r['owners_min']}-{r['owners_max']} | "
-              f"{r['bf16_nic_gb']:.2f} | {' | '.join(ratio)} | {r['relay_hold_gb']:.2f} (+{r['relay_ef_gb']:.2f}) |")
+              f"{r['bf16_nic_gb']:.2f} | {' | '.join(cells)} |")
+    print(f"\nGradient time against DeepSpeed's (bandwidth only; {args.nic_gbit:g} Gbit/s NIC, "
+          f"{args.nvlink_gbyte:g} GB/s NVLink per GPU; two-level's NVLink stages not overlapped with its NICs),"
+          " and what the new exchange holds per GPU:")
+    print("| model | W | G | bf16 ms | flat by_layout | two-level direct (today) | two-level by_layout |"
+          " holds GB (+EF residuals) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows_with_nics(rows):
+        cells = [ratio(r, k + "_time_vs_bf16") for k in ("by_layout", "two_level_direct", "two_level_by_layout")]
+        hold = r["two_level_hold_gb"] if r["per_node"] > 1 else r["relay_hold_gb"]
+        print(f"| {r['model']} | {r['world']} | {r['per_node']} | {1e3 * r['bf16_s']:.1f} | {' | '.join(cells)} | "
+              f"{hold:.2f} (+{r['relay_ef_gb']:.2f}) |")
     write_json(args.json, rows)
     return rows
 
