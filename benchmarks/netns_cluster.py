@@ -342,6 +342,7 @@ def job_result(metrics: str, sampler: CounterSampler, args) -> dict:
         "step_times_s": [r["step_time_s"] for r in timed],
         "tx_bytes_per_step": statistics.fmean(tx),  # mean over hosts
         "rx_bytes_per_step": statistics.fmean(rx),
+        "rx_max_bytes_per_step": max(rx),  # the busiest host's link (a bucket with few owners loads theirs)
         "tcp_retransmits_per_step": statistics.fmean(retrans),
         "gift_bytes_per_elem": last.get("bytes_per_elem_run", last.get("bytes_per_elem")),
         "wire": last.get("wire"),
@@ -372,7 +373,7 @@ def merge_repeats(runs: List[dict]) -> dict:
     steps = [t for r in ok for t in r["step_times_s"]]
     out = {"status": "ok", "repeats": len(ok), "median_step_s": statistics.median(steps),
            "repeat_medians_s": [statistics.median(r["step_times_s"]) for r in ok], "step_times_s": steps}
-    for key in ("tx_bytes_per_step", "rx_bytes_per_step", "tcp_retransmits_per_step"):
+    for key in ("tx_bytes_per_step", "rx_bytes_per_step", "rx_max_bytes_per_step", "tcp_retransmits_per_step"):
         out[key] = statistics.fmean(r[key] for r in ok)
     for key in ("gift_comm_s", "gift_codec_s", "gift_transform_s", "gift_node_s"):
         if key in ok[0]:

@@ -22,9 +22,13 @@ rate) / efficiency``, with the bytes of one rank's tensor S (:func:`collective_b
                          the nodes: NIC (W/G - 1)/(W/G) S / G, the two stages one after the other
                          (the accounting the namespace cluster measures with 2 ranks per host)
 
-    T_grad   DeepSpeed: ring all-reduce of bf16 (its default use_multi_rank_bucket_allreduce),
-             or an ideal bf16 reduce-scatter; GIFT: one flat all-to-all of the codec's bytes
-             (``formats.get_format(...).nbytes``), or the two-level exchange
+    T_grad   bucket by bucket over the model's real layout (HF's Llama on the meta device,
+             DeepSpeed's buckets of ``--bucket`` elements and contiguous partitions:
+             ``benchmarks/layout_model.py``). DeepSpeed: ring all-reduce of bf16 (its default
+             use_multi_rank_bucket_allreduce), or an ideal bf16 reduce-scatter; GIFT: the
+             busiest NIC's and NVLink's bytes of its ``by_layout`` exchange per bucket (flat, or
+             two-level with the lighter node split), the codec's bytes
+             (``formats.get_format(...).nbytes``), stages one after the other
     T_param  ring all-gather of the updated bf16 parameters; with ``gift.params``, of the
              quantized changes of the replicas (the codec's bytes), two-level where the
              gradients are: across nodes among same-slot GPUs, then inside the node, still
@@ -42,10 +46,12 @@ sketch of each statistic every ``refresh_interval`` steps. Compute is 6 flops pe
 and token plus attention (12 L d seq per token).
 
 Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
-against the bytes the hosts really sent; the link efficiency (achieved / link rate) of the ring
-collectives is fitted on the baseline's step times, that of GIFT's all-to-all on the time
-GIFT measured inside its all-to-all (``comm_s`` in its telemetry), leaving out the config
-being predicted; each config's fixed time (compute + codec + latency) is its run at the
+against the bytes the hosts really sent (into the busiest host, where the run counted it;
+GIFT's gradient bytes from the preset's real layout at the config's ``reduce_bucket_size``);
+the link efficiency (achieved / link rate) of the ring collectives is fitted on the baseline's
+step times, that of GIFT's all-to-all on the time GIFT measured inside its all-to-all
+(``comm_s`` in its telemetry) of the configs whose buckets reach every owner, leaving out the
+config being predicted; each config's fixed time (compute + codec + latency) is its run at the
 highest bandwidth. Every other GIFT step time is a prediction, printed next to its
 measurement.
 """
@@ -65,6 +71,7 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import layout_model  # noqa: E402
 from deepspeed_gift.formats import get_format  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
@@ -155,10 +162,9 @@ def link_bytes(wire: dict, n: float, world: int, per_node: int = 1) -> Dict[str,
 
 # ---- calibration on the namespace cluster ------------------------------------------------
 def set_gift_keys(cfg: dict, overrides: str) -> dict:
-    """``cfg`` with the gift keys of ``key=value,key=value`` set (dotted keys reach nested
-    blocks; values are read as JSON, else as strings)."""
-    if "gift" not in cfg:
-        raise SystemExit(f"config overrides {overrides!r}: the config has no gift block")
+    """``cfg`` with the keys of ``key=value,key=value`` set: gift keys (dotted keys reach nested
+    blocks), or DeepSpeed's ZeRO keys as ``zero_optimization.key`` (``reduce_bucket_size``);
+    values are read as JSON, else as strings."""
     for item in overrides.split(","):
         key, eq, text = item.partition("=")
         if not eq:
@@ -167,8 +173,13 @@ def set_gift_keys(cfg: dict, overrides: str) -> dict:
             value = json.loads(text)
         except json.JSONDecodeError:
             value = text
-        block = cfg["gift"]
         *parents, leaf = key.split(".")
+        if parents[:1] == ["zero_optimization"]:
+            block = cfg
+        elif "gift" not in cfg:
+            raise SystemExit(f"config overrides {overrides!r}: the config has no gift block for {key!r}")
+        else:
+            block = cfg["gift"]
         for part in parents:
             block = block.setdefault(part, {})
         block[leaf] = value
@@ -208,9 +219,17 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
     base = cal["configs"][0]
     if wires[base]["collective"] in GIFT_COLLECTIVES:
         raise SystemExit(f"the first config ({base}) must be the native baseline, not a GIFT config")
-    # bytes on a host's link: its G ranks' NIC shares
+    # bytes on a host's link: its G ranks' NIC shares; GIFT's gradient exchange bucket by bucket
+    # on the preset's real layout at the config's reduce_bucket_size (its busiest NIC)
     lb = {name: {k: g * v for k, v in link_bytes(w, params, world, per_node=g).items()}
           for name, w in wires.items()}
+    balanced = {name: lb[name]["grad"] for name in wires}
+    if cal.get("preset"):
+        layout = preset_layout(cal["preset"])
+        for name, w in wires.items():
+            if w["collective"] in GIFT_COLLECTIVES:
+                buckets = layout_model.buckets_of(*layout, world, bucket_size(configs[name]))
+                lb[name]["grad"] = g * layout_nic_bytes(w, configs[name], buckets, world, g)
     bp = [p for p in points if p["config"] == base]
     if len({p["bandwidth_bps"] for p in bp}) < 2:
         raise SystemExit(f"calibration needs the baseline {base} at two or more bandwidths")
@@ -218,10 +237,16 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
     ring = 1.0 / least_squares_slope([((lb[base]["grad"] + lb[base]["param"]) * 8 / p["bandwidth_bps"],
                                        p["median_step_s"]) for p in bp])
 
+    # The efficiency is fitted where a bucket reaches every owner (the layout's bytes are the balanced
+    # ones): where it funnels, TCP's socket buffers let a bucket's transfers run on while the next
+    # bucket goes to other owners, which the model (collectives one after another, as NCCL's on one
+    # stream) does not carry; those configs are predicted, not fitted.
+    even = {name for name in wires if lb[name]["grad"] <= 1.05 * balanced[name]}
+
     def a2a_eff(without=None):  # GIFT's own all-to-all timer against its modelled seconds at rate 1
         pts = [(lb[p["config"]]["grad"] * 8 / p["bandwidth_bps"], p["gift_comm_s"]) for p in points
                if wires[p["config"]]["collective"] in GIFT_COLLECTIVES and "gift_comm_s" in p
-               and p["config"] != without]
+               and p["config"] != without and p["config"] in even]
         return 1.0 / least_squares_slope(pts) if len({round(x, 12) for x, _ in pts}) >= 2 else math.nan
 
     eff = {"ring": ring, "alltoall": a2a_eff()}
@@ -244,7 +269,9 @@ def calibrate(cal: dict, config_dir: Path) -> dict:
                    "measured_s": p["median_step_s"], "predicted_s": pred,
                    "error_pct": 100 * (pred / p["median_step_s"] - 1),
                    "role": "anchor (fixed time)" if p is anchor else ("fit" if name == base else "prediction"),
-                   "bytes_measured": p["tx_bytes_per_step"], "bytes_model": lb[name]["grad"] + lb[name]["param"]}
+                   # into the busiest host where the run counted it (the model's figure), else sent, mean
+                   "bytes_measured": p.get("rx_max_bytes_per_step", p["tx_bytes_per_step"]),
+                   "bytes_model": lb[name]["grad"] + lb[name]["param"]}
             if "gift_comm_s" in p:
                 row["alltoall_measured_s"] = p["gift_comm_s"]
                 row["alltoall_model_s"] = lb[name]["grad"] * 8 / p["bandwidth_bps"] / grad_eff
@@ -259,6 +286,45 @@ def speedup_rows(rows: List[dict], base: str) -> None:
         if b:
             r["speedup_measured"] = b["measured_s"] / r["measured_s"]
             r["speedup_predicted"] = b["predicted_s"] / r["predicted_s"]
+
+
+# ---- the real bucket layout ----------------------------------------------------------------
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size
+
+
+def bucket_size(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("reduce_bucket_size", DEEPSPEED_BUCKET))
+
+
+def preset_layout(preset: str):
+    """Parameter sizes and gradient arrival order of a ``launch/pretrain.py`` preset's model."""
+    from launch.pretrain import PRESETS
+
+    return layout_model.parameter_layout(PRESETS[preset])
+
+
+def llama_layout(hidden: int, ffn: int, layers: int, vocab: int):
+    """The same for the Llama of ``llama_shapes`` (HF's definition on the meta device)."""
+    heads = hidden // 128 if hidden % 128 == 0 else 1  # any divisor: the parameter sizes do not depend on it
+    return layout_model.parameter_layout(dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                                              num_attention_heads=heads, num_key_value_heads=heads,
+                                              vocab_size=vocab))
+
+
+def gift_scheme(wire: dict, cfg: dict, world: int, per_node: int) -> str:
+    """The layout model's scheme of a GIFT config: its route, flat or two-level (when the
+    two-level exchange has nodes to cross)."""
+    route = (cfg.get("gift") or {}).get("route", "by_layout")
+    if wire["collective"] == "two_level" and per_node > 1 and world // per_node > 1:
+        return {"direct": "two_level_direct", "relay": "two_level_balanced"}.get(route, "two_level_by_layout")
+    return route
+
+
+def layout_nic_bytes(wire: dict, cfg: dict, buckets, world: int, per_node: int) -> float:
+    """Bytes into a rank's NIC (the busiest) for GIFT's gradient exchange over ``buckets``."""
+    scheme = gift_scheme(wire, cfg, world, per_node)
+    return sum(layout_model.bucket_link_bytes(o, world, per_node, wire["bytes_per_elem"])[scheme][0]
+               for o in buckets if o)
 
 
 # ---- carrying it to cluster scale ---------------------------------------------------------
@@ -331,18 +397,18 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
     copy_s = 8 / (args.hbm_tbs * 1e12 * args.hbm_eff)  # per element
     fp32 = args.fp32_tflops * 1e12 * args.fp32_eff
     codec = gift = 0.0
+    buckets = [o for o in shapes["buckets"] if o]
     if path == "native":
-        t_grad = collective_seconds("allreduce", 2 * n, net)
+        t_grad = sum(collective_seconds("allreduce", 2 * sum(o.values()), net) for o in buckets)
     elif path == "native_rs":
-        t_grad = collective_seconds("reducescatter", 2 * n, net)
+        t_grad = sum(collective_seconds("reducescatter", 2 * sum(o.values()), net) for o in buckets)
     else:
         b = wire_bytes_per_element(fmt)
+        t_grad = sum(gift_bucket_seconds(path, o, b, net) for o in buckets)
         if path == "flat":
-            t_grad = collective_seconds("alltoall", b * n, net)
             coded = n  # every rank encodes its whole gradient, decodes W pieces of N/W
             sent = n * (w - 1) / w  # what leaves the rank (its own partition stays unwhitened)
         else:
-            t_grad = collective_seconds("two_level", b * n, net, nvlink_s=2 * n)  # bf16 buckets inside the node
             coded = n / g
             sent = n / g * (w // g - 1) / (w // g)
         codec = (ratios[fmt]["encode"] + ratios[fmt]["decode"]) * copy_s * coded
@@ -369,6 +435,20 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             "grad_comm": t_grad, "param_comm": t_param, "exposed_comm": comm}
 
 
+def gift_bucket_seconds(path: str, owners: Dict[int, int], b: float, net: dict) -> float:
+    """Seconds of GIFT's exchange of one bucket of the real layout (``by_layout``, flat or
+    two-level): the layout model's busiest NIC and NVLink bytes at the calibrated efficiencies,
+    stages one after the other, and the latency steps of the collective (one pass)."""
+    w, g = net["world"], min(net["per_node"], net["world"])
+    links = layout_model.bucket_link_bytes(owners, w, g, b)
+    scheme = "two_level_by_layout" if path == "two_level" and "two_level_by_layout" in links else "by_layout"
+    nic, nvlink = links[scheme]
+    kind = "two_level" if scheme != "by_layout" else "alltoall"
+    steps = collective_bytes(kind, 1.0, w, g)["steps"]
+    return (net["alpha_s"] * steps + nic * 8 / net["nic_bps"] / net["alltoall_eff"]
+            + nvlink * 8 / net["nvlink_bps"] / net["ring_eff"])
+
+
 def saving_pct(entry, base_path: str, args, shapes, ratios, gbit: float) -> float:
     base = step_model(base_path, *NATIVE, args, shapes, ratios, gbit)["total"]
     return 100 * (step_model(*entry[1:], args, shapes, ratios, gbit)["total"] / base - 1)
@@ -389,6 +469,10 @@ def bandwidth_for_saving(entry, base_path: str, target: float, args, shapes, rat
 
 def scale_table(args, ratios) -> dict:
     shapes = llama_shapes(args.hidden, args.ffn, args.layers, args.vocab)
+    sizes, arrival = llama_layout(args.hidden, args.ffn, args.layers, args.vocab)
+    if sum(sizes) != shapes["params"]:
+        raise SystemExit(f"the Llama definition has {sum(sizes)} parameters, llama_shapes counts {shapes['params']}")
+    shapes["buckets"] = layout_model.buckets_of(sizes, arrival, args.world, int(args.bucket))
     out = {"params": shapes["params"], "non_embedding": shapes["non_embedding"], "bandwidths_gbit": args.nic_gbit,
            "rows": []}
     bases = [tuple(step_model(path, *NATIVE, args, shapes, ratios, gbit)["total"]
@@ -423,6 +507,7 @@ def main(argv=None) -> dict:
                    help="tensor size of the codec measurement (large enough to leave the CPU caches)")
     g = p.add_argument_group("target cluster (defaults: Llama-600M, 64 H100-class GPUs, 8 per node)")
     g.add_argument("--world", type=int, default=64)
+    g.add_argument("--bucket", type=float, default=DEEPSPEED_BUCKET, help="reduce_bucket_size (DeepSpeed's default)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--hidden", type=int, default=1280)
     g.add_argument("--ffn", type=int, default=3456)
@@ -494,7 +579,7 @@ def print_calibration(cal: dict, fit: dict) -> None:
     print(f"calibration: {cal['ranks']} ranks on {cal['ranks'] // g} hosts, {cal['params']} params; link efficiency "
           f"(achieved / rate) {eff}; {fit['dropped']} points left out (failed or unlimited)\n")
     print("| config | link | measured s/step | model s/step | error | speedup measured | speedup model | "
-          "MB sent measured | MB model | all-to-all s measured | model | role |")
+          "MB measured | MB model | all-to-all s measured | model | role |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in fit["rows"]:
         a2a = (f"{r['alltoall_measured_s']:.3f} | {r['alltoall_model_s']:.3f}" if "alltoall_measured_s" in r

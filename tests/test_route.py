@@ -295,6 +295,6 @@ def test_two_level_spreads_a_bucket_with_few_owners_over_every_rank_of_the_node(
             else:
                 assert 0 < rel < 0.08 and 0 < shared_rel < 0.08, (route, rel, shared_rel)
         # among the nodes the busiest rank receives about its share, not the owners' slots' load
-        # (measured: by_layout 0.54x / 0.54x / 0.39x of direct at 4 x 2 / 6 x 2 / 6 x 3, both formats)
+        # (measured: by_layout 0.54x / 0.54x / 0.39x of direct as 2x2 / 3x2 / 2x3 nodes x ranks, both formats)
         nic = {route: results[0][fmt, route][2] for route in ("direct", "relay", "by_layout")}
         assert nic["by_layout"] <= 0.6 * nic["direct"] and nic["relay"] < nic["direct"], nic

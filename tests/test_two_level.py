@@ -54,8 +54,10 @@ def test_fp8_kfac_trains_two_level_and_the_network_carries_a_third_of_flat():
             "route": "direct"}
     two = dict(base, gift=dict(gift, hierarchy="by_topology"), env={"LOCAL_WORLD_SIZE": "2"})  # detected: 2 x 2
     flat = dict(base, gift=dict(gift, hierarchy="flat"))
-    results = run_ranks(train_many, 4, [two, flat])
-    for t, f in results:
+    # by_layout two-level: these buckets reach one or two owners, so the node splits them evenly
+    even = dict(base, gift=dict(gift, hierarchy="two_level", ranks_per_node=2, route="by_layout"))
+    results = run_ranks(train_many, 4, [two, flat, even])
+    for t, f, e in results:
         assert t["losses"][-1] < t["losses"][0] - 0.3, t["losses"]
         assert abs(t["losses"][-1] - f["losses"][-1]) < 0.05, (t["losses"], f["losses"])
         assert t["version"] >= 2 and len(t["active"]) > 0  # whitened, refreshed
@@ -66,9 +68,15 @@ def test_fp8_kfac_trains_two_level_and_the_network_carries_a_third_of_flat():
         mean = {name: sum(r["fidelity_rel_err"] for r in x["records"]) / len(x["records"])
                 for name, x in (("two", t), ("flat", f))}
         assert 0 < mean["two"] < 1.25 * mean["flat"] and mean["flat"] < 0.1, mean
-    # Every gradient element leaves 1 of 2 nodes (two-level) instead of 3 of 4 ranks (flat)
-    sent = {name: sum(res[i]["records"][-1]["elements_sent"] for res in results) for i, name in enumerate(("two", "flat"))}
-    assert sent["flat"] == 3 * sent["two"], sent
+        # spread over the node's ranks, each node partial is still quantized once (2 nodes: direct)
+        assert all(r["balanced_buckets"] > 0 and r["relay_buckets"] == 0 for r in e["records"])
+        assert e["losses"][-1] < e["losses"][0] - 0.3 and abs(e["losses"][-1] - t["losses"][-1]) < 0.05
+        even_mean = sum(r["fidelity_rel_err"] for r in e["records"]) / len(e["records"])
+        assert 0 < even_mean < 1.25 * mean["two"], (even_mean, mean)
+    # Every gradient element leaves 1 of 2 nodes (two-level, either split) instead of 3 of 4 ranks (flat)
+    sent = {name: sum(res[i]["records"][-1]["elements_sent"] for res in results)
+            for i, name in enumerate(("two", "flat", "even"))}
+    assert sent["flat"] == 3 * sent["two"] and sent["even"] == sent["two"], sent
     assert results[0][0]["whitener_digest"] == results[3][0]["whitener_digest"]
 
 
