@@ -11,8 +11,9 @@ by route (direct, relay, by_layout), for a ``reduce_bucket_size`` smaller than a
 (each bucket reaches one or two owners) and one larger than the model, flat and two-level
 (2 x 2: ranks 0-1 and 2-3 as nodes). Beside it the same sum over what arrives from other
 nodes only (the NICs', where the node stage of two-level rides a node's own links; native's
-ring in rank order crosses a node at every second rank). Telemetry's own ``bytes_recv_max``
-and ``bytes_recv_max_internode`` are printed beside the measured figures.
+ring in rank order crosses a node at every second rank; flat, every rank counts as a node).
+Telemetry's own ``bytes_recv_max`` and ``bytes_recv_max_internode`` are printed beside the
+measured figures (the latter by GIFT's topology: flat on one machine, one node, so 0).
 """
 
 from __future__ import annotations
