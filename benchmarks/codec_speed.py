@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deepspeed_gift.formats import FORMAT_NAMES, get_format  # noqa: E402
-from deepspeed_gift.geometry import fit_whitener, make_whitener  # noqa: E402
+from deepspeed_gift.core.formats import FORMAT_NAMES, get_format  # noqa: E402
+from deepspeed_gift.core.geometry import fit_whitener, make_whitener  # noqa: E402
 
 TRANSFORMS = ("structured", "cholesky", "hadamard")
 

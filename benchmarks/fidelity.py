@@ -29,7 +29,7 @@ What it does, in order:
    decodes, sums in fp32, maps back with ``S^{-1}``, adds its own contribution exact (it
    never goes through the codec) and divides by the number of ranks. The kfac whiteners are the ones fitted at t1, a refresh interval
    earlier: as stale as the plugin's get before their next refresh. Compared with the
-   exact fp32 average (``deepspeed_gift.metrics`` does the measuring), per layer and in
+   exact fp32 average (``deepspeed_gift.core.metrics`` does the measuring), per layer and in
    aggregate:
 
    * ``rel L2``, cosine, max abs error / max abs exact, saturation and underflow rates;
@@ -110,13 +110,14 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deepspeed_gift import geometry as geo  # noqa: E402
-from deepspeed_gift import metrics as fm  # noqa: E402
-from deepspeed_gift.comm import run_local  # noqa: E402
-from deepspeed_gift.formats import FORMAT_NAMES, get_format  # noqa: E402
+from deepspeed_gift.core import geometry as geo  # noqa: E402
+from deepspeed_gift.core import metrics as fm  # noqa: E402
+from deepspeed_gift.exchange.comm import run_local  # noqa: E402
+from deepspeed_gift.core.formats import FORMAT_NAMES, get_format  # noqa: E402
 from deepspeed_gift.layers import InputMoments  # noqa: E402
-from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice  # noqa: E402
-from deepspeed_gift.stats import StepStats  # noqa: E402
+from deepspeed_gift.exchange.plan import GEO, ParamSlice  # noqa: E402
+from deepspeed_gift.exchange.reducer import GiftReducer  # noqa: E402
+from deepspeed_gift.exchange.stats import StepStats  # noqa: E402
 from launch.data import corpus_bytes  # noqa: E402
 from launch.pretrain import PRESETS  # noqa: E402
 
@@ -248,7 +249,7 @@ class Muon(torch.optim.Optimizer):
 
 @dataclass
 class LayerRules:
-    """One layer's optimizer state before a step, as ``deepspeed_gift.metrics`` rules."""
+    """One layer's optimizer state before a step, as ``deepspeed_gift.core.metrics`` rules."""
 
     trained_by: str  # "muon" | "adamw"
     muon: Optional[fm.MuonRule]  # real momentum, a what-if EMA under --optimizer adamw, None for Adam layers under muon

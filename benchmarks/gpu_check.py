@@ -40,9 +40,11 @@ if ROOT not in sys.path:
 
 from benchmarks.host_syncs import HostSyncCounter  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
-from deepspeed_gift import formats, geometry as geo  # noqa: E402
-from deepspeed_gift.comm import run_local  # noqa: E402
-from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice, full_fp32_matmuls  # noqa: E402
+from deepspeed_gift.core import formats, geometry as geo  # noqa: E402
+from deepspeed_gift.exchange.comm import run_local  # noqa: E402
+from deepspeed_gift.core.geometry import full_fp32_matmuls  # noqa: E402
+from deepspeed_gift.exchange.plan import GEO, ParamSlice  # noqa: E402
+from deepspeed_gift.exchange.reducer import GiftReducer  # noqa: E402
 
 CODEC_ROWS = [("fp8_e4m3 block 128", "fp8_e4m3", {}), ("fp8_e4m3 per tensor", "fp8_e4m3", {"block_size": 0}),
               ("nvfp4", "nvfp4", {}), ("int4", "int4", {})]

@@ -49,7 +49,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.results import write_json  # noqa: E402
-from deepspeed_gift.formats import get_format  # noqa: E402
+from deepspeed_gift.core.formats import get_format  # noqa: E402
 
 MODELS = {
     "~1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import layout_model  # noqa: E402
-from deepspeed_gift.formats import get_format  # noqa: E402
+from deepspeed_gift.core.formats import get_format  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "alltoall", "two_level")

@@ -14,7 +14,7 @@ from typing import List, Literal, Optional, Union, get_args
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from .formats import FORMAT_NAMES, format_class
+from .core.formats import FORMAT_NAMES, format_class
 
 GIFT_KEY = "gift"
 

@@ -34,8 +34,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from . import geometry as geo
-from . import metrics
+from .core import geometry as geo
+from .core import metrics
 
 logger = logging.getLogger("deepspeed_gift")
 

@@ -21,16 +21,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import formats
-from .comm import detect_ranks_per_node, make_comm, split_by_node
+from .core import formats
+from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from .config import GIFT_KEY as GIFT_BLOCK
 from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
-from .geometry import row_col_sums
+from .core.geometry import row_col_sums
 from .layers import GeometryManager
-from .metrics import AdamRule, MuonRule
-from .param_gather import ReplicaGather
-from .reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice, TwoLevelReducer
-from .stats import StepStats
+from .core.metrics import AdamRule, MuonRule
+from .exchange.param_gather import ReplicaGather
+from .exchange.plan import GEO, HIGH, MAIN, ParamSlice
+from .exchange.reducer import GiftReducer
+from .exchange.two_level import TwoLevelReducer
+from .exchange.stats import StepStats
 
 logger = logging.getLogger("deepspeed_gift")
 CHECKPOINT_FORMAT = "deepspeed_gift/1"
@@ -199,9 +201,7 @@ class GiftState:
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
-                                route=cfg.route)
-            if cfg.rounding == "stochastic":
-                inner.shared_seed = cfg.seed
+                                route=cfg.route, shared_seed=cfg.seed if cfg.rounding == "stochastic" else None)
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,

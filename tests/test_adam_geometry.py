@@ -4,10 +4,11 @@ slices that cut rows, and what it buys in the error of Adam's update."""
 import pytest
 import torch
 
-from deepspeed_gift import formats
-from deepspeed_gift import geometry as geo
-from deepspeed_gift import metrics
-from deepspeed_gift.reduce_scatter import GEO, GiftReducer, ParamSlice, split_slice_rows
+from deepspeed_gift.core import formats
+from deepspeed_gift.core import geometry as geo
+from deepspeed_gift.core import metrics
+from deepspeed_gift.exchange.plan import GEO, ParamSlice, split_slice_rows
+from deepspeed_gift.exchange.reducer import GiftReducer
 from launch.spawn import run_ranks
 
 F32_EPS = torch.finfo(torch.float32).eps
@@ -113,7 +114,7 @@ def _slices(world, shape):
 def _reduce_body(rank, world, fmt, scaled):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.exchange.comm import TorchComm
 
     dist.init_process_group("gloo")
     shape = SHAPE

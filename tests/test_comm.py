@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from deepspeed_gift.comm import make_comm
+from deepspeed_gift.exchange.comm import make_comm
 
 
 def test_mpi_backend_without_mpi4py_names_the_key_and_the_fix(monkeypatch):
@@ -21,7 +21,7 @@ def test_unknown_backend_is_refused():
 
 WATCHDOG_SCRIPT = """
 import time
-from deepspeed_gift.comm import MpiComm
+from deepspeed_gift.exchange.comm import MpiComm
 comm = MpiComm(timeout=2.0)
 with comm._deadline("all-reduce"):
     time.sleep(30)  # a peer that never answers
@@ -40,7 +40,7 @@ def test_mpi_watchdog_aborts_a_collective_that_waits_too_long():
 def test_local_comm_exchanges_like_a_collective_and_a_failing_rank_does_not_hang():
     import torch
 
-    from deepspeed_gift.comm import run_local
+    from deepspeed_gift.exchange.comm import run_local
 
     def body(comm):
         me, world = comm.rank, comm.world_size

@@ -1,4 +1,4 @@
-"""Tests for deepspeed_gift.formats: byte layout, exactness against slow references, error
+"""Tests for deepspeed_gift.core.formats: byte layout, exactness against slow references, error
 bounds, non-finite handling, stochastic rounding and header validation."""
 
 import math
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_gift import formats
-from deepspeed_gift.formats import FORMAT_NAMES, HEADER_BYTES, Codec, Payload, get_format, quantization_stats
+from deepspeed_gift.core import formats
+from deepspeed_gift.core.formats import FORMAT_NAMES, HEADER_BYTES, Codec, Payload, get_format, quantization_stats
 
 SHAPES = [(0,), (1,), (17,), (1000,), (3, 129), (64, 128)]
 
@@ -349,7 +349,7 @@ def test_ties_round_to_even(name):
     kw = {} if name == "nvfp4" else {"block_size": 32}
     assert torch.equal(got, _reference(name, kw, x))
     if name == "nvfp4":  # the block may take another scale than 1 (the one with least error); E2M1 itself:
-        from deepspeed_gift.formats import _e2m1_nearest
+        from deepspeed_gift.core.formats import _e2m1_nearest
 
         mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
         assert _e2m1_nearest(mids).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
@@ -446,7 +446,7 @@ def _nvfp4_block_errors(x, scale_of):
     """Per-block squared error of NVFP4 with the block scale ``scale_of(target)`` (E4M3 value;
     target = amax / (6 g)) and nearest, saturating E2M1 elements: the single-scale codecs
     the per-block choice is measured against."""
-    from deepspeed_gift.formats import _e2m1_nearest
+    from deepspeed_gift.core.formats import _e2m1_nearest
 
     blocks = x.reshape(-1, 16).float()
     amax = blocks.abs().amax(1)
@@ -457,7 +457,7 @@ def _nvfp4_block_errors(x, scale_of):
 
 
 def test_e2m1_lookup_matches_its_reference():
-    from deepspeed_gift.formats import _e2m1_nearest, _e2m1_nearest_reference
+    from deepspeed_gift.core.formats import _e2m1_nearest, _e2m1_nearest_reference
 
     y = torch.randn(100_000, generator=_gen(3)) * 4
     edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e30, 0.0, -0.0, 1e-40])

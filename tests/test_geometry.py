@@ -1,4 +1,4 @@
-"""Tests for deepspeed_gift.geometry: statistics, low-rank fits and whitening transforms."""
+"""Tests for deepspeed_gift.core.geometry: statistics, low-rank fits and whitening transforms."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepspeed_gift.geometry import (
+from deepspeed_gift.core.geometry import (
     AUTO_EIGH_MAX_DIM,
     CovarianceEMA,
     HadamardWhitener,
@@ -339,7 +339,7 @@ def test_hadamard_is_orthonormal_and_matches_reference(dim, block):
 
 @pytest.mark.parametrize("n", [1, 2, 8, 32, 512, 2048])
 def test_fast_hadamard_transform_matches_the_butterfly(n):
-    from deepspeed_gift.geometry import _fwht, _fwht_reference
+    from deepspeed_gift.core.geometry import _fwht, _fwht_reference
 
     x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     torch.testing.assert_close(_fwht(x), _fwht_reference(x), atol=1e-10, rtol=0)
@@ -471,7 +471,7 @@ def test_update_from_moment_equals_update_and_state_round_trips():
 
 
 def test_nystrom_sketch_recovers_the_top_subspace_and_diagonal():
-    from deepspeed_gift import geometry
+    from deepspeed_gift.core import geometry
 
     # A = planted rank-4 signal (eigenvalues 100..40) + diagonal noise: one sketch with 12
     # columns sees the top-4 subspace almost exactly (spectral gap ~ 40x).

@@ -37,9 +37,10 @@ def _mismatch_body(rank, world):
     import torch
 
     from benchmarks.host_syncs import HostSyncCounter
-    from deepspeed_gift import formats
-    from deepspeed_gift.comm import TorchComm
-    from deepspeed_gift.reduce_scatter import GiftReducer, ParamSlice
+    from deepspeed_gift.core import formats
+    from deepspeed_gift.exchange.comm import TorchComm
+    from deepspeed_gift.exchange.reducer import GiftReducer
+    from deepspeed_gift.exchange.plan import ParamSlice
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

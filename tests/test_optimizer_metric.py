@@ -5,7 +5,7 @@ moments of a ZeRO slice), and ``layers: "measured"`` judges layers in it."""
 import pytest
 import torch
 
-from deepspeed_gift import metrics
+from deepspeed_gift.core import metrics
 from launch.spawn import run_ranks
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "hadamard"}, "layers": "all", "telemetry": {"every": 0}}

@@ -5,8 +5,8 @@ replica's own dtype is DeepSpeed's all-gather exactly."""
 import pytest
 import torch
 
-from deepspeed_gift import formats
-from deepspeed_gift.param_gather import GAP_BLOCK, ReplicaGather, relative_gap
+from deepspeed_gift.core import formats
+from deepspeed_gift.exchange.param_gather import GAP_BLOCK, ReplicaGather, relative_gap
 from tests.harness import initialize_error, train_many
 from launch.spawn import run_ranks
 
@@ -26,7 +26,7 @@ def _gather_rounds(rank, world, fmt, per_node, rounds):
     flat and two-level; returns what every rank ends with, the gaps and the bytes."""
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
 
     dist.init_process_group("gloo")
     comm = TorchComm()

@@ -5,9 +5,10 @@ import time
 
 import torch
 
-from deepspeed_gift import formats
-from deepspeed_gift import geometry as geo
-from deepspeed_gift.reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice, split_slice_rows
+from deepspeed_gift.core import formats
+from deepspeed_gift.core import geometry as geo
+from deepspeed_gift.exchange.plan import GEO, HIGH, MAIN, ParamSlice, split_slice_rows
+from deepspeed_gift.exchange.reducer import GiftReducer
 from launch.spawn import run_ranks
 
 # fp32 wire + whitening: the only error is the transform round trip (a few fp32 ulps,
@@ -55,7 +56,7 @@ def _whiteners():
 def _reduce_body(rank, world, fmt):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.exchange.comm import TorchComm
 
     dist.init_process_group("gloo")
     shapes, slices, total = _layout(world)
@@ -89,7 +90,7 @@ def test_owner_gets_the_average_with_whitened_rows_and_cut_rows():
 def _one_piece_body(rank, world):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.exchange.comm import TorchComm
 
     dist.init_process_group("gloo")
     # one 8 x 16 matrix cut between whole rows: every section is a single transformed piece,
@@ -121,7 +122,7 @@ def test_fp8_reduction_error_is_bounded():
 def _feedback_body(rank, world, error_feedback, switch_at):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.exchange.comm import TorchComm
 
     dist.init_process_group("gloo")
     shapes, slices, total = _layout(world)
@@ -164,7 +165,7 @@ def test_error_feedback_cancels_accumulated_error_across_a_whitener_switch():
 def _disagree_body(rank, world):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.exchange.comm import TorchComm
 
     dist.init_process_group("gloo")
     shapes, slices, total = _layout(world)
@@ -187,7 +188,7 @@ def test_ranks_that_disagree_on_whitener_versions_fail_loudly():
 def _shared_body(rank, world, fmt, error_feedback):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm
+    from deepspeed_gift.exchange.comm import TorchComm
 
     dist.init_process_group("gloo")
     shapes, slices, total = _layout(world)
@@ -235,8 +236,8 @@ def test_a_shared_matrix_reaches_every_copy_rank_whole_and_identical():
 def _two_level_body(rank, world, fmt, rounding, error_feedback):
     import torch.distributed as dist
 
-    from deepspeed_gift.comm import TorchComm, split_by_node
-    from deepspeed_gift.reduce_scatter import TwoLevelReducer
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
 
     dist.init_process_group("gloo")
     shapes, slices, total = _layout(world)
@@ -249,8 +250,7 @@ def _two_level_body(rank, world, fmt, rounding, error_feedback):
     node_comm, slot_comm = split_by_node(comm, 2)
     codec = formats.get_format(fmt) if fmt == "fp32" else formats.get_format(fmt, rounding=rounding, seed=3)
     inner = GiftReducer(slot_comm, codec, formats.get_format("bf16"), error_feedback=error_feedback,
-                        generator=torch.Generator().manual_seed(1000 + rank))
-    inner.shared_seed = 3
+                        generator=torch.Generator().manual_seed(1000 + rank), shared_seed=3)
     two = TwoLevelReducer(node_comm, inner, 2)
     flat = GiftReducer(comm, codec, formats.get_format("bf16"), error_feedback=error_feedback,
                        generator=torch.Generator().manual_seed(1000 + rank))
@@ -304,7 +304,7 @@ def test_two_level_reduction_matches_the_flat_one_and_keeps_shared_copies_identi
 
 
 def test_step_stats_sum_counters_keep_the_largest_gap_and_any_sample():
-    from deepspeed_gift.stats import StepStats
+    from deepspeed_gift.exchange.stats import StepStats
 
     a = StepStats(elements=3, bytes_main=10, codec_s=0.5, params_gap_rel=None)
     b = StepStats(elements=4, bytes_main=1, bytes_header=16, sampled=True, quantized=7, params_gap_rel=0.25)
@@ -316,7 +316,7 @@ def test_step_stats_sum_counters_keep_the_largest_gap_and_any_sample():
 
 # ---- the sampled fidelity check is bounded in bytes ---------------------------------------
 def _sampled_body(comm, limit, grads):
-    from deepspeed_gift.reduce_scatter import ParamSlice
+    from deepspeed_gift.exchange.plan import ParamSlice
 
     world = comm.world_size
     n = grads.shape[1]
@@ -328,7 +328,7 @@ def _sampled_body(comm, limit, grads):
 
 
 def test_the_fidelity_check_reduces_a_bounded_sample_of_what_each_owner_receives():
-    from deepspeed_gift.comm import run_local
+    from deepspeed_gift.exchange.comm import run_local
 
     world, n = 4, 400_000
     grads = torch.randn(world, n, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3.0, n)
@@ -360,8 +360,8 @@ class _PrecisionProbe:
 
 
 def test_transforms_run_in_full_fp32_whatever_the_users_tf32_setting():
-    from deepspeed_gift.comm import run_local
-    from deepspeed_gift.reduce_scatter import ParamSlice
+    from deepspeed_gift.exchange.comm import run_local
+    from deepspeed_gift.exchange.plan import ParamSlice
 
     probe = _PrecisionProbe()
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from benchmarks.exchange_bytes import busiest_per_step
-from deepspeed_gift import formats
-from deepspeed_gift.comm import run_local
-from deepspeed_gift.reduce_scatter import GEO, HIGH, MAIN, GiftReducer, ParamSlice
+from deepspeed_gift.core import formats
+from deepspeed_gift.exchange.comm import run_local
+from deepspeed_gift.exchange.plan import GEO, HIGH, MAIN, ParamSlice
+from deepspeed_gift.exchange.reducer import GiftReducer
 from launch.spawn import run_ranks
 from tests.harness import train_many
 
@@ -244,9 +245,9 @@ def _few_owner_bucket(world):
 def _two_level_routes_body(rank, world, per_node):
     import torch.distributed as dist
 
-    from deepspeed_gift import geometry as geo
-    from deepspeed_gift.comm import TorchComm, split_by_node
-    from deepspeed_gift.reduce_scatter import TwoLevelReducer
+    from deepspeed_gift.core import geometry as geo
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
 
     dist.init_process_group("gloo")
     slices, total = _few_owner_bucket(world)

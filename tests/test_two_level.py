@@ -4,7 +4,7 @@ same-slot ranks of the nodes, compared with DeepSpeed's own reduction."""
 
 import pytest
 
-from deepspeed_gift.comm import ranks_per_node_from
+from deepspeed_gift.exchange.comm import ranks_per_node_from
 from tests.harness import initialize_error, train_many
 from launch.spawn import run_ranks
 

@@ -27,6 +27,7 @@ transforms compute in float32 whatever the input dtype.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -953,3 +954,32 @@ def factored_scaling_from_sums(row_sums: Tensor, col_sums: Tensor, *, floor: flo
     r = (rows / width).clamp_min(floor * mu)
     c = (cols / out_dim).clamp_min(floor * mu)
     return FactoredScaling((mu / r).sqrt(), (mu / c).sqrt(), version=version)
+
+
+class full_fp32_matmuls:
+    """Matrix products in full fp32 inside: a user's TF32 setting (HF ``tf32=True``) would
+    round whitening and its inverse to 10 mantissa bits, ~1e-3 on the round trip, above the
+    codec's own error at bf16/fp32. The setting is the process's: with ranks as threads
+    (``comm.LocalComm``) the first to enter sets it and the last to leave restores it."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _saved = "highest"
+
+    def __enter__(self):
+        cls = type(self)
+        with cls._lock:
+            if cls._inside == 0:
+                cls._saved = torch.get_float32_matmul_precision()
+                if cls._saved != "highest":
+                    torch.set_float32_matmul_precision("highest")
+            cls._inside += 1
+        return self
+
+    def __exit__(self, *exc):
+        cls = type(self)
+        with cls._lock:
+            cls._inside -= 1
+            if cls._inside == 0 and cls._saved != "highest":
+                torch.set_float32_matmul_precision(cls._saved)
+        return False

@@ -11,7 +11,7 @@ touched. The next delta is taken against the replica, so this step's quantizatio
 carried into the next delta instead of piling up: the replica stays within one quantization
 step of the delta of its target.
 
-Pure of DeepSpeed: it works on lists of partition tensors and a :class:`~deepspeed_gift.comm.Comm`.
+Pure of DeepSpeed: it works on lists of partition tensors and a :class:`~deepspeed_gift.exchange.comm.Comm`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .formats import Codec
+from ..core.formats import Codec
 from .stats import StepStats, clock
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of

@@ -1,0 +1,76 @@
+"""A section's fp32 values into wire bytes, with its codec, counted as they are sent."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ..core.formats import quantization_stats
+from .plan import Section
+from .stats import StepStats
+
+
+@dataclass
+class Packed:
+    """What this rank made of one section: the fp32 values it contributes as the receiver
+    sees them (``own``; None when it does not receive the section) and the encoded bytes."""
+
+    own: Optional[torch.Tensor] = None
+    wire: Optional[torch.Tensor] = None
+
+
+class SectionEncoder:
+    """Encodes sections for one rank: the main codec, or the high-precision one for ``others``.
+
+    ``generator`` drives stochastic rounding. With ``shared_seed`` (two-level, stochastic
+    rounding) a shared section is rounded with a generator seeded from (that seed, this rank =
+    the node, step, parameters), so the same node partial encoded by the node's ranks of
+    different slot groups gives the same bytes."""
+
+    def __init__(self, rank: int, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
+                 shared_seed: Optional[int] = None) -> None:
+        self.rank = rank
+        self.main_codec = main_codec
+        self.high_codec = high_codec
+        self.generator = generator
+        self.shared_seed = shared_seed
+
+    def codec_of(self, section: Section):
+        return self.high_codec if section.high else self.main_codec
+
+    def generator_for(self, sec: Section, step: int):
+        if self.shared_seed is None or not sec.shared or self.generator is None:
+            return self.generator
+        digest = hashlib.blake2b(repr((self.shared_seed, self.rank, step, [p.param_key for p in sec.pieces]))
+                                 .encode(), digest_size=7).digest()
+        gen = torch.Generator(device=self.generator.device)
+        gen.manual_seed(int.from_bytes(digest, "little"))
+        return gen
+
+    def encode(self, sec: Section, values: torch.Tensor, stats: StepStats, sample: bool, generator, *,
+               decode: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The wire bytes of ``values`` in the section's codec and, with ``decode``, what the
+        receiver will decode from them (sampled steps count the quantization)."""
+        codec = self.codec_of(sec)
+        if sec.high:
+            wire = codec.encode_to_bytes(values)
+            return wire, codec.decode_from_bytes(wire, (values.numel(),), check_header=False) if decode else None
+        payload = codec.encode(values, generator=generator)
+        if sample:
+            q = quantization_stats(values, payload, codec)
+            stats.underflow += q["underflow"]
+            stats.saturated += q["saturated"]
+            stats.nonfinite += q["nonfinite"]
+            stats.quantized += q["numel"]
+        return codec.payload_to_bytes(payload), codec.decode(payload) if decode else None
+
+    def count_sent(self, sec: Section, wire: torch.Tensor, numel: int, copies: int, stats: StepStats) -> None:
+        stats.elements_sent += copies * numel
+        if sec.high:
+            stats.bytes_high += copies * wire.numel()
+        else:
+            stats.bytes_main += copies * wire.numel()
+            stats.bytes_scales += copies * self.codec_of(sec).scale_nbytes(numel)

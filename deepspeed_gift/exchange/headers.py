@@ -1,0 +1,91 @@
+"""The bytes that open every exchanged message, and their checks.
+
+Every message of a bucket's exchange opens with a 16-byte control header: a hash of the
+bucket plan (layout, selected layers and whitener versions) and the step. A receiver compares
+it, and each payload's codec header, with what it expects on the device, and reads the results
+once per step (:class:`HeaderChecks`), so ranks that disagree fail loudly without a host wait
+per bucket.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Dict
+
+import torch
+
+CONTROL_HEADER_BYTES = 16
+DISAGREE = "ranks disagree on the bucket layout, the selected layers or the whitener versions"
+
+
+class HeaderChecks:
+    """Header comparisons made on the device and read on the host once, not once per message.
+
+    A message's header is compared with the one the receiver expects by a device op; reading
+    the result would make the host wait for the reduction, so the results are kept and read
+    together by :meth:`verify` (the reducer calls it at the end of ``reduce`` unless it defers,
+    and then its owner calls it before the optimizer takes the step). A mismatch raises there,
+    with the message the host-side check would have given."""
+
+    def __init__(self) -> None:
+        self._pending: list = []  # (0-dim bool "differs", received header copy, explain(raw bytes) -> message)
+        self._cache: Dict[tuple, torch.Tensor] = {}  # the step's part of control headers, per device
+
+    def expect(self, got: torch.Tensor, want: torch.Tensor, explain) -> None:
+        """Check later that ``got`` (bytes) equals ``want``; ``explain(got_bytes)`` returns the
+        error message (or raises its own error) when it does not."""
+        head = got.narrow(0, 0, want.numel())
+        self._pending.append((head.ne(want).any(), head.clone(), explain))
+
+    def verify(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        differs = torch.stack([flag for flag, _, _ in pending]).tolist()  # the one host read
+        for bad, (_, head, explain) in zip(differs, pending):
+            if bad:
+                raise RuntimeError(explain(bytes(head.cpu().tolist())))
+
+    def step_bytes(self, step: int, device) -> torch.Tensor:
+        """The step as 8 bytes on ``device``, made once per step and device."""
+        key = (step, str(device))
+        got = self._cache.get(key)
+        if got is None:
+            self._cache = {k: v for k, v in self._cache.items() if k[0] == step}
+            got = self._cache[key] = torch.tensor([step], dtype=torch.int64).view(torch.uint8).to(device)
+        return got
+
+
+def control_header(plan_hash_bytes: torch.Tensor, step_bytes: torch.Tensor) -> torch.Tensor:
+    """The 16 bytes that open every message: the plan's hash and the step (both already on
+    the message's device)."""
+    return torch.cat([plan_hash_bytes, step_bytes])
+
+
+def hash_bytes(plan_hash: int, device) -> torch.Tensor:
+    return torch.tensor([plan_hash], dtype=torch.int64).view(torch.uint8).to(device)
+
+
+def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor, sender: str,
+                          meaning: str) -> None:
+    """Fail loudly (at ``checks.verify``) when ``msg`` was sent for another plan or step than
+    the receiver's (``want``: its own control header)."""
+    def explain(raw: bytes) -> str:
+        got_hash, got_step = struct.unpack("<qq", raw)
+        want_hash, want_step = struct.unpack("<qq", bytes(want.cpu().tolist()))
+        return (f"deepspeed_gift: {sender} sent a bucket for plan {got_hash:#x} at step {got_step}, "
+                f"this rank expects plan {want_hash:#x} at step {want_step}: {meaning}")
+
+    checks.expect(msg, want, explain)
+
+
+def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: int, sender: str) -> None:
+    """The codec's own header of a payload from ``sender``, checked as the codec would."""
+    def explain(raw: bytes) -> str:
+        try:
+            codec.check_header_bytes(raw, numel)
+        except ValueError as exc:
+            return f"deepspeed_gift: payload from {sender}: {exc}"
+        return f"deepspeed_gift: payload from {sender} has an unexpected header"
+
+    checks.expect(buf, codec.header_on(numel, buf.device), explain)

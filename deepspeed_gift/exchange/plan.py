@@ -1,0 +1,321 @@
+"""What a bucket's reduction moves where: the caller's description of the bucket
+(``ParamSlice``), the runs packed together (``Piece``), the payloads encoded once and
+delivered to one or more ranks (``Section``) and the whole plan (``BucketPlan``), with the
+route it takes and the byte sizes every rank expects. Pure: no communication.
+
+The bucket is cut into *sections*, each encoded once by every rank and delivered to one
+or more ranks:
+
+* per owner ``dst``: its main-format section and its high-precision section (``others``);
+* per *shared* parameter (a slice list with ``copy_ranks``: a Muon matrix split across
+  partitions, which every owner of a slice must receive whole): one section holding the
+  whole matrix, so every row is whole and can be whitened, sent to every rank in
+  ``copy_ranks``.
+
+Wire layout of the message from rank ``src`` to rank ``dst`` for one bucket::
+
+    [16-byte control header][payload of every section delivered to dst, in plan order]
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.geometry import row_runs
+from .headers import CONTROL_HEADER_BYTES, hash_bytes
+
+ROUTES = ("by_layout", "direct", "relay")  # gift.route
+MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
+
+
+class Mode(str, enum.Enum):
+    """How a slice travels: transformed in whole run units (``GEO``), in the main format as it
+    is (``MAIN``), or in the high-precision format of ``others`` (``HIGH``)."""
+
+    GEO = "geo"
+    MAIN = "main"
+    HIGH = "high"
+
+
+GEO, MAIN, HIGH = Mode.GEO, Mode.MAIN, Mode.HIGH
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """A contiguous run of one parameter's gradient inside the flat bucket, bound for ``dst``."""
+
+    dst: int
+    bucket_offset: int
+    numel: int
+    param_offset: int  # where the run starts inside the flattened parameter
+    param_key: int
+    row_len: int = 0  # GEO: the run unit of the parameter's transform (a whitener's rows: "in"; an
+    # elementwise scaling: 1); runs of whole units are transformed, the rest travels as is
+    mode: Mode = MAIN  # GEO: transform whole units; MAIN: main format as is; HIGH: others=bf16/fp32
+    copy_ranks: Tuple[int, ...] = ()  # non-empty: every listed rank receives the whole parameter
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of the bucket that is packed contiguously into one payload."""
+
+    bucket_offset: int
+    numel: int
+    param_key: int
+    rows: int = 0  # > 0: ``rows`` whole run units (whitener rows, or elements), transformed
+    slice_index: int = -1  # index of the ParamSlice it came from (-1: a whole shared parameter)
+    slice_start: int = 0  # offset of this piece inside that slice
+    param_start: int = 0  # offset of this piece inside the flattened parameter (what a transform needs)
+
+
+@dataclass
+class Section:
+    """Pieces encoded together with one codec and delivered to every rank in ``dests``."""
+
+    dests: Tuple[int, ...]
+    high: bool
+    pieces: List[Piece] = field(default_factory=list)
+    numel: int = 0
+    whole: bool = False  # whole shared parameters: every receiver decodes every contribution, its own too
+
+    @property
+    def shared(self) -> bool:
+        # A copy set of one rank (two-level: the other copies live in other slot groups) is still
+        # shared: all copies must sum the same decoded values to stay bit-identical.
+        return self.whole or len(self.dests) > 1
+
+    @property
+    def key(self):
+        """Names the section across steps (error-feedback residuals): the owner, or the copy set."""
+        return self.dests if self.shared else self.dests[0]
+
+    def add(self, piece: Piece) -> None:
+        self.pieces.append(piece)
+        self.numel += piece.numel
+
+
+
+def chunk_bounds(numel: int, world: int, align: int) -> List[Tuple[int, int]]:
+    """(start, numel) of ``world`` near-equal chunks of ``numel`` elements, cut at multiples of
+    ``align`` (the codec's block, so no scale block straddles two relays)."""
+    edges = [min(numel, -(-(numel * j // world) // align) * align) for j in range(world)] + [numel]
+    return [(edges[j], edges[j + 1] - edges[j]) for j in range(world)]
+
+
+def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
+    """Cut a slice of a row-major (out x in) weight into (start, numel, rows) runs:
+    whole run units (rows > 0) and the partial units at either end (rows = 0), which travel
+    in Euclidean coordinates because no single rank holds them whole. With an elementwise
+    transform (unit 1) the whole slice is one run."""
+    if s.mode != GEO or s.row_len <= 0:
+        return [(0, s.numel, 0)]
+    runs: List[Tuple[int, int, int]] = []
+    for pos, _, _, length, rows in row_runs(s.param_offset, s.numel, s.row_len):
+        if not rows and runs and not runs[-1][2]:  # two partial rows with no whole one between
+            runs[-1] = (runs[-1][0], runs[-1][1] + length, 0)
+        else:
+            runs.append((pos, length, rows))
+    return runs
+
+
+def shared_parameter_pieces(slices: Sequence[ParamSlice]) -> Dict[Tuple[Tuple[int, ...], bool], List[Piece]]:
+    """One whole-parameter piece per shared parameter, grouped by (copy set, high)."""
+    spans: Dict[int, List[ParamSlice]] = {}
+    for s in slices:
+        if s.copy_ranks:
+            spans.setdefault(s.param_key, []).append(s)
+    groups: Dict[Tuple[Tuple[int, ...], bool], List[Piece]] = {}
+    for key, parts in spans.items():
+        parts.sort(key=lambda s: s.param_offset)
+        first = parts[0]
+        start = first.bucket_offset - first.param_offset
+        numel = sum(s.numel for s in parts)
+        if first.param_offset != 0 or any(s.bucket_offset != start + s.param_offset for s in parts) \
+                or len({(s.copy_ranks, s.mode, s.row_len) for s in parts}) != 1:
+            raise RuntimeError(f"deepspeed_gift: shared parameter {key} is not one contiguous run of the bucket "
+                               "with one copy set and mode")
+        rows = numel // first.row_len if first.mode == GEO and first.row_len > 0 else 0
+        piece = Piece(start, numel, key, rows, -1, 0, 0)
+        groups.setdefault((tuple(first.copy_ranks), first.mode == HIGH), []).append(piece)
+    return groups
+
+
+class BucketPlan:
+    """Where every element of a bucket goes, as sections, and what each rank receives."""
+
+    def __init__(self, slices: Sequence[ParamSlice], world_size: int, versions: Dict[int, int]) -> None:
+        self.slices = tuple(slices)
+        self.world_size = world_size
+        owned = [(Section((d,), False), Section((d,), True)) for d in range(world_size)]
+        for index, s in enumerate(self.slices):
+            if s.copy_ranks:
+                continue
+            section = owned[s.dst][s.mode == HIGH]
+            for start, numel, rows in split_slice_rows(s):
+                section.add(Piece(s.bucket_offset + start, numel, s.param_key, rows, index, start,
+                                  s.param_offset + start))
+        self.sections: List[Section] = [sec for pair in owned for sec in pair]
+        for (dests, high), pieces in shared_parameter_pieces(self.slices).items():
+            section = Section(dests, high, whole=True)
+            for p in pieces:
+                section.add(p)
+            self.sections.append(section)
+        self.sections = [sec for sec in self.sections if sec.numel]
+        # indices into ``sections`` of what each rank receives, in message order
+        self.to_rank = [[i for i, sec in enumerate(self.sections) if d in sec.dests] for d in range(world_size)]
+        self.message_sizes: List[int] = []  # bytes every other rank sends to each rank (set by the reducer)
+        # The relay route (set by the reducer when it takes it): chunk j of every owned section goes
+        # to rank j, which sums it and sends the sum on to the owner. ``chunks[i]``: (start, numel)
+        # per rank for section i (owned sections only); ``relay_sizes[j]``: bytes every other rank
+        # sends to relay j; ``forward_sizes[j][d]``: bytes relay j sends on to owner d.
+        self.relay = False
+        self.chunks: Dict[int, List[Tuple[int, int]]] = {}
+        self.relay_sizes: List[int] = []
+        self.forward_sizes: List[List[int]] = []
+        self.recv_max = 0  # bytes the busiest rank receives for this bucket (every collective's largest)
+        self.recv_max_internode = 0  # the same, of the messages from other nodes
+        # Compact outputs of the slices of each shared parameter: (slice index, start in the parameter)
+        self.shared_outputs: Dict[int, List[Tuple[int, int]]] = {}
+        for index, s in enumerate(self.slices):
+            if s.copy_ranks:
+                self.shared_outputs.setdefault(s.param_key, []).append((index, s.param_offset))
+        digest = hashlib.blake2b(repr((self.slices, sorted(versions.items()))).encode(), digest_size=8)
+        self.hash = int.from_bytes(digest.digest(), "little", signed=True)
+        self._hash_bytes: Dict[str, torch.Tensor] = {}
+        self.samples: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}  # see section_sample
+        # Element positions of the main payloads depend only on which slices are HIGH or shared:
+        # an error-feedback residual survives re-selection and refreshes under this key.
+        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
+
+    def hash_on(self, device) -> torch.Tensor:
+        """The plan's hash as 8 bytes on ``device`` (made once per plan and device)."""
+        key = str(device)
+        if key not in self._hash_bytes:
+            self._hash_bytes[key] = hash_bytes(self.hash, device)
+        return self._hash_bytes[key]
+
+    def sections_to(self, rank: int) -> List[Section]:
+        return [self.sections[i] for i in self.to_rank[rank]]
+
+    def received_numel(self, rank: int) -> int:
+        return sum(sec.numel for sec in self.sections_to(rank))
+
+
+def section_sample(plan: BucketPlan, index: int, stride: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every ``stride``-th element of section ``index``: its positions in the section's packed
+    order and its offsets in the bucket (made once per plan, stride and device)."""
+    key = (index, stride, str(device))
+    got = plan.samples.get(key)
+    if got is None:
+        sec = plan.sections[index]
+        starts = [0]
+        for p in sec.pieces[:-1]:
+            starts.append(starts[-1] + p.numel)
+        pos = torch.arange(0, sec.numel, stride, device=device)
+        first = torch.tensor(starts, device=device)
+        which = torch.searchsorted(first, pos, right=True) - 1
+        offsets = torch.tensor([p.bucket_offset for p in sec.pieces], device=device)
+        got = plan.samples[key] = (pos, offsets[which] + (pos - first[which]))
+    return got
+
+
+def plan_route(plan: "BucketPlan", route: str, codec_of: Callable[["Section"], object], align: int,
+               ranks_per_node: int = 1) -> None:
+    """Direct (every rank sends each owner its part: one all-to-all) or relay (two balanced
+    ones, one more quantization): by ``route``, or for ``by_layout`` the one whose busiest
+    rank receives fewer bytes. The same on every rank: it depends on the plan only. Sets the
+    plan's route, sizes and busiest receives (in all, and from other nodes)."""
+    world, L = plan.world_size, ranks_per_node
+    plan.message_sizes = [message_nbytes(plan, d, codec_of) for d in range(world)]
+    direct_max = max((world - 1) * n for n in plan.message_sizes) if world > 1 else 0
+    plan.recv_max, plan.recv_max_internode = direct_max, max((world - L) * n for n in plan.message_sizes)
+    owned = [i for i, sec in enumerate(plan.sections) if not sec.shared]
+    if world <= 2 or not owned or route == "direct":
+        return
+    chunks = {i: chunk_bounds(plan.sections[i].numel, world, align) for i in owned}
+    relay_sizes, forward_sizes = [], [[0] * world for _ in range(world)]
+    for j in range(world):
+        body = sum(codec_of(plan.sections[i]).nbytes(chunks[i][j][1]) for i in owned if chunks[i][j][1])
+        body += sum(codec_of(sec).nbytes(sec.numel) for sec in plan.sections if sec.shared and j in sec.dests)
+        relay_sizes.append(CONTROL_HEADER_BYTES + body if body else 0)
+        for i in owned:
+            d, n = plan.sections[i].dests[0], chunks[i][j][1]
+            if d != j and n:
+                forward_sizes[j][d] += codec_of(plan.sections[i]).nbytes(n)
+        for d in range(world):
+            if forward_sizes[j][d]:
+                forward_sizes[j][d] += CONTROL_HEADER_BYTES
+    relay_max = max((world - 1) * n for n in relay_sizes) + max(
+        sum(forward_sizes[j][d] for j in range(world)) for d in range(world))
+    if route == "relay" or relay_max < direct_max:
+        plan.relay, plan.chunks, plan.relay_sizes, plan.forward_sizes = True, chunks, relay_sizes, forward_sizes
+        plan.recv_max = relay_max
+        plan.recv_max_internode = max((world - L) * n for n in relay_sizes) + max(
+            sum(forward_sizes[j][d] for j in range(world) if j // L != d // L) for d in range(world))
+
+
+def message_nbytes(plan: "BucketPlan", dst: int, codec_of) -> int:
+    """Bytes of the message every other rank sends to ``dst`` for this bucket."""
+    if not plan.to_rank[dst]:
+        return 0
+    return CONTROL_HEADER_BYTES + sum(codec_of(sec).nbytes(sec.numel) for sec in plan.sections_to(dst))
+
+
+# ---- pieces in and out of a packed buffer ----------------------------------------------
+def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int, transforms) -> torch.Tensor:
+    """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates;
+    ``transforms`` None: all in gradient coordinates), always a buffer of its own."""
+    if len(pieces) == 1 and pieces[0].rows and transforms is not None:  # the transform's own output
+        src = tensor.narrow(0, pieces[0].bucket_offset, pieces[0].numel)
+        return transform_pieces(src, pieces, transforms, inverse=False)
+    out = torch.empty(numel, dtype=torch.float32, device=tensor.device)
+    pos = 0
+    for p in pieces:
+        src = tensor.narrow(0, p.bucket_offset, p.numel)
+        dst = out.narrow(0, pos, p.numel)
+        if p.rows and transforms is not None:
+            dst.copy_(transforms[p.param_key].apply_run(src, p.param_start))
+        else:
+            dst.copy_(src)
+        pos += p.numel
+    return out
+
+
+def transform_pieces(buf: torch.Tensor, pieces: List[Piece], transforms, *, inverse: bool) -> torch.Tensor:
+    """A packed buffer with its transformed pieces moved into (or back from) their coordinates:
+    the transform's own output when one piece fills it, else ``buf`` changed in place."""
+    if len(pieces) == 1 and pieces[0].rows:
+        p, w = pieces[0], transforms[pieces[0].param_key]
+        return w.invert_run(buf, p.param_start) if inverse else w.apply_run(buf, p.param_start)
+    pos = 0
+    for p in pieces:
+        if p.rows:
+            view = buf.narrow(0, pos, p.numel)
+            w = transforms[p.param_key]
+            view.copy_(w.invert_run(view, p.param_start) if inverse else w.apply_run(view, p.param_start))
+        pos += p.numel
+    return buf
+
+
+def scatter_section(tensor: torch.Tensor, total: torch.Tensor, sec: Section, plan: "BucketPlan",
+                    outputs: Optional[Sequence[Optional[torch.Tensor]]]) -> None:
+    """A section's result into the bucket, and added to the owner-side outputs of its slices."""
+    pos = 0
+    for p in sec.pieces:
+        result = total.narrow(0, pos, p.numel)
+        tensor.narrow(0, p.bucket_offset, p.numel).copy_(result)
+        if outputs is not None:
+            if p.slice_index >= 0:
+                targets = [(p.slice_index, 0, p.slice_start)]
+            else:  # a whole shared parameter: each of its slices' outputs takes its part
+                targets = [(i, start, 0) for i, start in plan.shared_outputs[p.param_key]]
+            for i, start, into in targets:
+                if outputs[i] is not None:
+                    n = plan.slices[i].numel if p.slice_index < 0 else p.numel
+                    outputs[i].narrow(0, into, n).add_(result.narrow(0, start, n))
+        pos += p.numel

@@ -1,0 +1,277 @@
+"""One bucket's reduce-scatter: per-owner sections -> transform -> quantize -> all-to-all
+-> dequantize + fp32 sum at the owner -> inverse transform.
+
+Knows nothing of DeepSpeed: the caller describes the bucket as ``ParamSlice``s (which part of
+the flat bucket goes to which owner, and whether it belongs to a weight whose rows can be
+whitened). Knows no wire details: codecs from ``core.formats`` turn fp32 into bytes, a
+``Comm`` moves bytes. The plan (``plan``), the headers (``headers``), the encoding
+(``encode``), error feedback (``feedback``), the relay route (``relay``) and the sampled
+fidelity check (``fidelity``) live in their own modules; this one runs a bucket through them.
+
+An owner's own contribution to its own sections never goes through the codec (it is exact and
+costs no bytes); in a shared section every receiver decodes every contribution, its own
+included, and sums them in rank order, so all copies are bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.geometry import full_fp32_matmuls
+from .encode import Packed, SectionEncoder
+from .feedback import ErrorFeedback
+from .fidelity import exact_sample_reduction
+from .headers import (CONTROL_HEADER_BYTES, DISAGREE, HeaderChecks, control_header, expect_codec_header,
+                      expect_control_header)
+from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, gather_pieces, plan_route,
+                   scatter_section, transform_pieces)
+from .relay import relay_totals
+from .stats import StepStats, clock
+
+Totals = List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]  # (section, its sum, mine to add after the inverse)
+
+
+class GiftReducer:
+    """Runs bucket reductions for one engine: the comm, the encoder, error feedback and per-plan caches.
+
+    ``defer_checks``: headers are compared on the device and read once per step by the owner's
+    :meth:`verify_checks` instead of at the end of every reduce (a host wait per bucket).
+    ``ranks_per_node`` is for accounting only (which messages leave the node)."""
+
+    def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
+                 error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False,
+                 fidelity_elements: int = 65536, route: str = "direct", shared_seed: Optional[int] = None) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"gift.route: got {route!r}; allowed: {', '.join(ROUTES)}")
+        self.route = route
+        self.comm = comm
+        self.fidelity_elements = fidelity_elements  # the sampled fidelity check: elements per owner and bucket
+        self.checks = HeaderChecks()
+        self.defer_checks = defer_checks
+        self.ranks_per_node = ranks_per_node
+        self.encoder = SectionEncoder(comm.rank, main_codec, high_codec, generator=generator,
+                                      shared_seed=shared_seed)
+        self.error_feedback = error_feedback
+        self.feedback = ErrorFeedback()
+        self._plans: Dict[tuple, BucketPlan] = {}
+        self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
+
+    # ---- planning -------------------------------------------------------------------
+    def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
+        key = (tuple(slices), tuple(sorted(versions.items())))
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = self.new_plan(slices, versions)
+            while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older transform versions
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan  # most recently used last
+        return plan
+
+    def new_plan(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
+        """A plan with its sizes and route, not cached (two-level plans every slot group's)."""
+        plan = BucketPlan(slices, self.comm.world_size, versions)
+        plan_route(plan, self.route, self.encoder.codec_of, max(self.encoder.main_codec.block_size, 1),
+                   self.ranks_per_node)
+        return plan
+
+    # ---- the reduction --------------------------------------------------------------
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
+               versions: Dict[int, int], *, divisor: float, step: int = 0,
+               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
+        """Reduce ``tensor`` (a flat bucket, this rank's local gradients) so that every
+        slice owned by this rank holds the sum over ranks divided by ``divisor`` (and every
+        shared parameter this rank is a copy rank of holds it whole).
+
+        1. every section this rank contributes to is transformed (``whiteners``: the transform
+           of each parameter by key) and encoded once;
+        2. one all-to-all (direct), or two balanced ones through every rank (relay);
+        3. the owner decodes and sums in fp32, inverts the transform, divides, and scatters.
+
+        ``outputs[i]`` (optional, owner side) is an extra fp32 destination for slice i:
+        the result is added to it (DeepSpeed's compact fp32 gradient partition).
+        Returns this rank's counters for telemetry (``sample``: with the quantization counts
+        and the fidelity against an exact fp32 reduction)."""
+        plan = self.plan_for(slices, versions)
+        # On an accelerator the seconds mean something only with the device synchronized: on
+        # sampled steps (a wait per section), not on ordinary ones (then left out of telemetry).
+        self._timing = (tensor.device, sample)
+        stats = StepStats(sampled=sample, timed=sample or tensor.device.type == "cpu")
+        exact = (exact_sample_reduction(self.comm, tensor, plan, divisor, stats, self.fidelity_elements)
+                 if sample else None)
+        stats.recv_max, stats.recv_max_internode = plan.recv_max, plan.recv_max_internode
+        if plan.relay:
+            stats.relay_buckets = 1
+            totals = relay_totals(self, tensor, plan, whiteners, stats, sample, step)
+        else:
+            with full_fp32_matmuls():
+                packed = self.pack(tensor, plan, whiteners, stats, sample, step)
+            recv = self._exchange(plan, packed, step, tensor.device, stats)
+            totals = self._sum_at_owner(plan, packed, recv, step, stats)
+        t0 = self.now()
+        results = []  # the inverse may hand back a new tensor: keep what was scattered
+        with full_fp32_matmuls():
+            for sec, total, mine in totals:
+                total = transform_pieces(total, sec.pieces, whiteners, inverse=True)
+                if mine is not None:
+                    total.add_(mine)
+                total.div_(divisor)
+                scatter_section(tensor, total, sec, plan, outputs)
+                results.append(total)
+        stats.transform_s += self.now() - t0
+        if exact is not None and results:
+            exact, positions = exact
+            result = torch.cat([total[pos] for total, pos in zip(results, positions)])
+            stats.fidelity_err_sq = float((result - exact).square().sum())
+            stats.fidelity_ref_sq = float(exact.square().sum())
+        if not self.defer_checks or sample:
+            self.checks.verify()
+        return stats
+
+    def verify_checks(self) -> None:
+        """Raise now if a message of a deferred reduction had a header other than expected."""
+        self.checks.verify()
+
+    def now(self) -> float:
+        return clock(*self._timing)
+
+    def pack(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool, step: int = 0,
+             only_shared: bool = False):
+        """Every section this rank contributes to, transformed and (where it leaves this rank)
+        encoded once; a list in plan order, or (``only_shared``, the relay route) a dict of the
+        shared sections by index."""
+        me, enc = self.comm.rank, self.encoder
+        packed = [] if not only_shared else {}
+        for index, sec in enumerate(plan.sections):
+            if only_shared and not sec.shared:
+                continue
+            t0 = self.now()
+            own_section = sec.dests == (me,) and not sec.shared
+            # My own section is exact and never on the wire; it stays in gradient coordinates and
+            # joins the sum after the inverse (S^-1 (sum of the others) + mine: the same by
+            # linearity, with no transform of 1/W of the gradient and no round trip of mine).
+            values = gather_pieces(tensor, sec.pieces, sec.numel, None if own_section else whiteners)
+            stats.transform_s += self.now() - t0
+            stats.elements += sec.numel
+            if own_section:
+                if sample:  # it skips the codec; count its non-finite inputs here
+                    stats.nonfinite += int((~torch.isfinite(values)).sum())
+                packed.append(Packed(own=values))  # never shared: not reached with only_shared
+                continue
+            t0 = self.now()
+            feedback = not sec.high and self.error_feedback
+            if feedback:
+                values = self.feedback.add(plan, sec, values, whiteners)
+            wire, decoded = enc.encode(sec, values, stats, sample, enc.generator_for(sec, step),
+                                       decode=self.error_feedback or me in sec.dests)
+            own = decoded if me in sec.dests else None
+            if feedback:
+                self.feedback.keep(plan, sec, values.sub_(decoded), whiteners)
+            enc.count_sent(sec, wire, sec.numel, sum(1 for d in sec.dests if d != me), stats)
+            stats.codec_s += self.now() - t0
+            if only_shared:
+                packed[index] = Packed(own=own, wire=wire)
+            else:
+                packed.append(Packed(own=own, wire=wire))
+        return packed
+
+    def _exchange(self, plan: BucketPlan, packed: List[Packed], step: int, device, stats: StepStats) -> torch.Tensor:
+        """The direct route's one all-to-all; the message to ``dst`` holds every section it receives."""
+        me, world = self.comm.rank, self.comm.world_size
+        head = control_header(plan.hash_on(device), self.checks.step_bytes(step, device))
+        parts = {dst: [packed[i].wire for i in plan.to_rank[dst]] for dst in range(world)
+                 if dst != me and plan.to_rank[dst]}
+        my_size = plan.message_sizes[me]
+        return self.send(parts, plan.message_sizes, [0 if src == me else my_size for src in range(world)], head, stats)
+
+    def send(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int], recv_sizes: Sequence[int],
+             head: torch.Tensor, stats: StepStats) -> torch.Tensor:
+        """One all-to-all of payload: to every rank in ``parts_by_dst`` the control header and its
+        parts, each message checked against the plan's size (``expected[dst]``) and counted."""
+        messages, sizes = [], []
+        for dst in range(self.comm.world_size):
+            if dst not in parts_by_dst:
+                sizes.append(0)
+                continue
+            msg = torch.cat([head] + parts_by_dst[dst])
+            if msg.numel() != expected[dst]:
+                raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
+                                   f"plan expects {expected[dst]}; codec byte count is inconsistent")
+            stats.bytes_header += CONTROL_HEADER_BYTES
+            if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
+                stats.bytes_internode += msg.numel()
+            messages.append(msg)
+            sizes.append(msg.numel())
+        t0 = self.now()
+        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
+                                          kind="payload")
+        stats.comm_s += self.now() - t0
+        return recv
+
+    def decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int) -> torch.Tensor:
+        """Decode the next payload of ``numel`` elements in ``src``'s message (its header checked
+        with the step's other headers)."""
+        n = codec.nbytes(numel)
+        buf = msg.narrow(0, offsets[src], n)
+        offsets[src] += n
+        expect_codec_header(self.checks, codec, buf, numel, f"rank {src}")
+        return codec.decode_from_bytes(buf, (numel,), check_header=False)
+
+    def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> Dict[int, torch.Tensor]:
+        """The message of every other rank (``size`` bytes each, in rank order), headers expected."""
+        me, out, pos = self.comm.rank, {}, 0
+        if not size:
+            return out
+        for src in range(self.comm.world_size):
+            if src != me:
+                out[src] = recv.narrow(0, pos, size)
+                expect_control_header(self.checks, out[src], head, f"rank {src}", meaning)
+                pos += size
+        return out
+
+    def _sum_at_owner(self, plan: BucketPlan, packed: List[Packed], recv: torch.Tensor, step: int,
+                      stats: StepStats) -> Totals:
+        """Decode every source and sum in fp32 - my own section starting from my exact
+        contribution (or, where it has transformed pieces, the others' sum, with mine returned
+        to be added after the inverse), a shared one in rank order from everyone's decoded
+        contribution."""
+        me, world = self.comm.rank, self.comm.world_size
+        if not plan.to_rank[me]:
+            return []
+        t0 = self.now()
+        want = control_header(plan.hash_on(recv.device), self.checks.step_bytes(step, recv.device))
+        messages = self.split_messages(recv, plan.message_sizes[me], want, DISAGREE)
+        offsets = {src: CONTROL_HEADER_BYTES for src in messages}
+        totals = []
+        for i in plan.to_rank[me]:
+            sec = plan.sections[i]
+            codec = self.encoder.codec_of(sec)
+            own = packed[i].own
+            after = not sec.shared and any(p.rows for p in sec.pieces)
+            total = own.clone() if not sec.shared and not after else None
+            for src in range(world):
+                if src == me and not sec.shared:
+                    continue
+                part = own if src == me else self.decode_at(codec, messages[src], offsets, src, sec.numel)
+                total = part.clone() if total is None else total.add_(part)
+            if total is None:  # a world of one: nobody else contributed
+                total = torch.zeros_like(own)
+            totals.append((sec, total, own if after else None))
+        stats.codec_s += self.now() - t0
+        return totals
+
+    # ---- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Error-feedback residuals in gradient coordinates and the stochastic rounding generator."""
+        gen = self.encoder.generator.get_state() if self.encoder.generator is not None else None
+        return dict(self.feedback.state_dict(), generator=gen)
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.feedback.load_state_dict(state, device)
+        if state["generator"] is not None and self.encoder.generator is not None:
+            self.encoder.generator.set_state(state["generator"])
+
+    def residual_nbytes(self) -> int:
+        """Memory held by error feedback (fp32 residuals of every payload this rank sends)."""
+        return self.feedback.nbytes()

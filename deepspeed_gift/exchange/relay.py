@@ -1,0 +1,150 @@
+"""The relay route: two balanced all-to-alls instead of one that funnels into a bucket's
+few owners (``gift.route``; planned by :func:`plan.plan_route`)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..core.geometry import full_fp32_matmuls
+from .encode import Packed
+from .headers import CONTROL_HEADER_BYTES, DISAGREE, control_header, expect_control_header
+from .plan import BucketPlan, Section, gather_pieces
+from .stats import StepStats
+
+
+def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: StepStats, sample: bool,
+                 step: int) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
+    """Two balanced all-to-alls instead of one that funnels into a bucket's few owners:
+
+    1. every rank cuts each owned section (transformed, error feedback added) into ``world``
+       chunks and sends chunk j, encoded, to rank j (its own chunk stays exact); shared
+       sections travel as in the direct route;
+    2. rank j sums chunk j of every section in fp32 (its own exactly, the others decoded),
+       encodes the sum once and sends it to the section's owner, which decodes the chunks
+       (its own chunk exact) into the section's sum.
+
+    The busiest link then carries about twice its share of one quantized copy, whatever the
+    bucket's owners; the sum is quantized a second time on the way to its owner."""
+    me, world, device = r.comm.rank, r.comm.world_size, tensor.device
+    head = control_header(plan.hash_on(device), r.checks.step_bytes(step, device))
+    # 1. chunks to the relays
+    chunk_wires: Dict[int, List[Optional[torch.Tensor]]] = {}
+    own_chunks: Dict[int, torch.Tensor] = {}
+    packed: Dict[int, Packed] = {}
+    with full_fp32_matmuls():
+        for i, sec in enumerate(plan.sections):
+            if sec.shared:
+                continue
+            t0 = r.now()
+            values = gather_pieces(tensor, sec.pieces, sec.numel, transforms)
+            stats.transform_s += r.now() - t0
+            stats.elements += sec.numel
+            t0 = r.now()
+            if not sec.high and r.error_feedback:
+                values = r.feedback.add(plan, sec, values, transforms)
+            wires: List[Optional[torch.Tensor]] = [None] * world
+            for j, (start, n) in enumerate(plan.chunks[i]):
+                part = values.narrow(0, start, n)
+                if j == me:
+                    own_chunks[i] = part.clone()
+                    if sample:  # it skips the codec; count its non-finite inputs here
+                        stats.nonfinite += int((~torch.isfinite(part)).sum())
+                    if not sec.high and r.error_feedback:
+                        part.zero_()  # exact: no residual
+                    continue
+                if n == 0:
+                    continue
+                wires[j], decoded = r.encoder.encode(sec, part, stats, sample, r.encoder.generator,
+                                                 decode=r.error_feedback and not sec.high)
+                r.encoder.count_sent(sec, wires[j], n, 1, stats)
+                if decoded is not None:
+                    part.sub_(decoded)  # the residual of this chunk
+            if not sec.high and r.error_feedback:
+                r.feedback.keep(plan, sec, values, transforms)
+            chunk_wires[i] = wires
+            stats.codec_s += r.now() - t0
+        shared = r.pack(tensor, plan, transforms, stats, sample, step, only_shared=True)
+        packed.update(shared)
+    parts: Dict[int, List[torch.Tensor]] = {}
+    for j in range(world):
+        if j == me or not plan.relay_sizes[j]:
+            continue
+        parts[j] = [chunk_wires[i][j] if not sec.shared else packed[i].wire for i, sec in enumerate(plan.sections)
+                    if (not sec.shared and chunk_wires[i][j] is not None) or (sec.shared and j in sec.dests)]
+    recv = r.send(parts, plan.relay_sizes, [0 if src == me else plan.relay_sizes[me] for src in range(world)],
+                      head, stats)
+    # 2. relay: sum my chunk of every owned section, and the shared sections I copy
+    t0 = r.now()
+    incoming = r.split_messages(recv, plan.relay_sizes[me], head, DISAGREE)
+    sums: Dict[int, torch.Tensor] = {}
+    shared_totals: Dict[int, torch.Tensor] = {}
+    offsets = {src: CONTROL_HEADER_BYTES for src in incoming}
+    for i, sec in enumerate(plan.sections):
+        codec = r.encoder.codec_of(sec)
+        if not sec.shared:
+            n = plan.chunks[i][me][1]
+            if not n:
+                continue
+            total = None
+            for src in range(world):  # rank order
+                if src == me:
+                    part = own_chunks[i]
+                else:
+                    part = r.decode_at(codec, incoming[src], offsets, src, n)
+                total = part.clone() if total is None else total.add_(part)
+            sums[i] = total
+        elif me in sec.dests:
+            total = None
+            for src in range(world):  # every contribution decoded, mine too: copies agree bit for bit
+                part = packed[i].own if src == me else r.decode_at(codec, incoming[src], offsets, src,
+                                                                       sec.numel)
+                total = part.clone() if total is None else total.add_(part)
+            shared_totals[i] = total
+    stats.codec_s += r.now() - t0
+    # the sums on to the owners, encoded once
+    t0 = r.now()
+    forward: Dict[int, List[torch.Tensor]] = {}
+    for i, sec in enumerate(plan.sections):
+        d = sec.dests[0]
+        if sec.shared or i not in sums or d == me:
+            continue
+        feedback = r.error_feedback and not sec.high
+        value = sums[i]
+        if feedback:  # the relay's own residual: the second quantization is fed back too
+            value = r.feedback.add_relayed(plan, i, value)
+        wire, decoded = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=feedback)
+        if feedback:
+            r.feedback.keep_relayed(plan, i, value.sub_(decoded))
+        r.encoder.count_sent(sec, wire, sums[i].numel(), 1, stats)
+        forward.setdefault(d, []).append(wire)
+    stats.codec_s += r.now() - t0
+    recv = r.send(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
+                      head, stats)
+    # the owner: my sections whole, from every relay's chunk
+    t0 = r.now()
+    pos, sums_from = 0, {}
+    for j in range(world):
+        n = plan.forward_sizes[j][me]
+        if n:
+            msg = recv.narrow(0, pos, n)
+            expect_control_header(r.checks, msg, head, f"rank {j}", DISAGREE)
+            sums_from[j] = msg
+            pos += n
+    offsets = {j: CONTROL_HEADER_BYTES for j in sums_from}
+    totals = []
+    for i in plan.to_rank[me]:
+        sec = plan.sections[i]
+        if sec.shared:
+            totals.append((sec, shared_totals[i], None))
+            continue
+        total = torch.empty(sec.numel, dtype=torch.float32, device=device)
+        for j, (start, n) in enumerate(plan.chunks[i]):
+            if not n:
+                continue
+            part = sums[i] if j == me else r.decode_at(r.encoder.codec_of(sec), sums_from[j], offsets, j, n)
+            total.narrow(0, start, n).copy_(part)
+        totals.append((sec, total, None))
+    stats.codec_s += r.now() - t0
+    return totals

@@ -1,0 +1,382 @@
+"""Two-level reduction: inside each node first (the bucket's dtype, the node's own links),
+then among the nodes, by the ranks of one local rank on every node (a *slot group*) with a
+:class:`GiftReducer`. How a bucket is spread over a node's ranks is the node split: every slice
+to its owner's slot, or the owned elements in level runs over every slot (see
+:class:`TwoLevelReducer`)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .headers import CONTROL_HEADER_BYTES, control_header, expect_control_header
+from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
+from .reducer import GiftReducer
+from .stats import StepStats, clock
+
+NODE_SPLITS = ("owner_slot", "balanced")  # how a bucket is spread over a node's ranks; a tie picks the first
+
+Carried = List[Tuple[int, int, int]]  # (index of the slice in the bucket, start inside it, numel), bucket order
+
+
+def slot_targets(s: ParamSlice, ranks_per_node: int) -> Tuple[int, ...]:
+    """Local ranks that must hold the node's partial sum of slice ``s``: the owner's slot, or,
+    for a whole shared parameter, the slot of every rank in its copy set."""
+    if s.copy_ranks:
+        return tuple(sorted({c % ranks_per_node for c in s.copy_ranks}))
+    return (s.dst % ranks_per_node,)
+
+
+def carried_by_owner_slot(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[Carried]:
+    """Per local rank j, what it carries across nodes when every slice goes to its owner's slot:
+    nothing to forward inside the node afterwards, but a bucket with few owners loads few slots."""
+    return [[(i, 0, s.numel) for i, s in enumerate(slices) if j in slot_targets(s, ranks_per_node)]
+            for j in range(ranks_per_node)]
+
+
+def unit_boundary(s: ParamSlice, at: int) -> int:
+    """The offset in ``s`` nearest ``at`` where a run unit of its transform starts (a whitener's
+    row): a cut there keeps every row whole, so both sides are whitened as the slice was."""
+    if s.mode != GEO or s.row_len <= 1:
+        return at
+    unit = s.row_len
+    nearest = (s.param_offset + at + unit // 2) // unit * unit - s.param_offset
+    return min(max(nearest, 0), s.numel)
+
+
+def level_runs(owned: int, pinned: Sequence[int]) -> List[int]:
+    """Run lengths of ``owned`` elements over slots that already carry ``pinned`` elements each, so
+    that the loads come out as level as they can: slots pinned above the level get nothing."""
+    active = list(range(len(pinned)))
+    while True:
+        level = (owned + sum(pinned[j] for j in active)) / len(active)
+        keep = [j for j in active if pinned[j] <= level]
+        if len(keep) == len(active):
+            break
+        active = keep
+    runs = [max(0, int(level - pinned[j])) if j in active else 0 for j in range(len(pinned))]
+    runs[active[-1]] += owned - sum(runs)
+    return runs
+
+
+def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[Carried]:
+    """Per local rank j, what it carries when the elements each node owns (shared parameters
+    aside) are cut into runs, run j to local rank j, sized so that every slot receives about as
+    much for that node (a shared parameter still goes whole to its copy slots, and counts); each
+    cut is moved to a row boundary of the slice it falls in. Every NIC of an owner's node then
+    carries its share whatever the owners, and a slot hands an owner of another slot its results
+    inside the node afterwards."""
+    L = ranks_per_node
+    by_node: Dict[int, List[Tuple[int, ParamSlice]]] = {}
+    pinned: Dict[int, List[int]] = {}  # node -> shared elements each slot carries for it
+    for i, s in enumerate(slices):
+        if s.copy_ranks:
+            for node in {c // L for c in s.copy_ranks}:
+                for j in {c % L for c in s.copy_ranks if c // L == node}:
+                    pinned.setdefault(node, [0] * L)[j] += s.numel
+        else:
+            by_node.setdefault(s.dst // L, []).append((i, s))
+    carried: List[Carried] = [[] for _ in range(L)]
+    for node, owned in by_node.items():
+        total = sum(s.numel for _, s in owned)
+        targets: List[int] = []
+        for n in level_runs(total, pinned.get(node, [0] * L))[:-1]:
+            targets.append((targets[-1] if targets else 0) + n)
+        cuts: List[int] = []
+        pos = 0
+        for _, s in owned:
+            while len(cuts) < L - 1 and targets[len(cuts)] < pos + s.numel:
+                at = pos + unit_boundary(s, targets[len(cuts)] - pos)
+                cuts.append(max([at] + cuts[-1:]))
+            pos += s.numel
+        edges = [0] + cuts + [total] * (L - len(cuts))
+        pos = 0
+        for i, s in owned:
+            for j in range(L):
+                start, end = max(edges[j], pos), min(edges[j + 1], pos + s.numel)
+                if start < end:
+                    carried[j].append((i, start - pos, end - start))
+            pos += s.numel
+    for i, s in enumerate(slices):
+        if s.copy_ranks:
+            for j in slot_targets(s, L):
+                carried[j].append((i, 0, s.numel))
+    for runs in carried:
+        runs.sort(key=lambda run: slices[run[0]].bucket_offset + run[1])
+    return carried
+
+
+def slot_group_slices(slices: Sequence[ParamSlice], runs: Carried, ranks_per_node: int,
+                      slot: int) -> List[ParamSlice]:
+    """What slot ``slot`` carries, re-addressed for its slot group: owners numbered by node
+    (rank // ranks per node), copy sets cut to this slot's members, offsets into a compact
+    buffer of the node partials (in bucket order)."""
+    L, out, compact = ranks_per_node, [], 0
+    for i, at, n in runs:
+        s = slices[i]
+        copy = tuple(c // L for c in s.copy_ranks if c % L == slot)
+        out.append(ParamSlice(s.dst // L, compact, n, s.param_offset + at, s.param_key, s.row_len, s.mode, copy))
+        compact += n
+    return out
+
+
+def merged_runs(runs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """(bucket offset, numel) runs in order, adjacent ones merged."""
+    out: List[Tuple[int, int]] = []
+    for start, numel in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + numel)
+        else:
+            out.append((start, numel))
+    return out
+
+
+class NodePlan:
+    """What one bucket does in the two-level scheme, seen from one rank, for one split of the
+    bucket over the node's ranks (``carried``: per local rank, what it carries across nodes)."""
+
+    def __init__(self, slices: Sequence[ParamSlice], ranks_per_node: int, rank: int, carried: List[Carried],
+                 split: str) -> None:
+        L = ranks_per_node
+        self.split = split
+        self.slot, self.node = rank % L, rank // L
+        self.runs_to_slot = [merged_runs([(slices[i].bucket_offset + at, n) for i, at, n in runs])
+                             for runs in carried]
+        self.numel_to_slot = [sum(n for _, _, n in runs) for runs in carried]
+        mine = carried[self.slot]
+        self.slices = slot_group_slices(slices, mine, L, self.slot)
+        self.source_index = [i for i, _, _ in mine]
+        self.delivered: List[Tuple[int, int, int]] = []  # (compact offset, bucket offset, numel) kept here
+        self.kept: List[bool] = []  # per slice of my slot: this rank takes its result (owner or copy rank)
+        self.forward_out: Dict[int, List[Tuple[int, int]]] = {}  # local rank -> (compact offset, numel) it gets
+        for (i, at, n), t in zip(mine, self.slices):
+            s = slices[i]
+            keep = (self.node in t.copy_ranks) if s.copy_ranks else s.dst == rank
+            self.kept.append(keep)
+            if keep:
+                self.delivered.append((t.bucket_offset, s.bucket_offset + at, n))
+            elif not s.copy_ranks and s.dst // L == self.node:
+                self.forward_out.setdefault(s.dst % L, []).append((t.bucket_offset, n))
+        self.sources = [(i, at) for i, at, _ in mine]
+        # what other local ranks forward to me ((slice index, start, numel), in their order), and the
+        # busiest receiver of the forwards of any node (every rank plans the same: the figure agrees)
+        self.forward_in: Dict[int, List[Tuple[int, int, int, int]]] = {}  # (bucket offset, slice index, start, numel)
+        forward_to: Dict[int, Dict[int, int]] = {}  # data-parallel rank -> {local rank forwarding: numel}
+        for j, runs in enumerate(carried):
+            for i, at, n in runs:
+                s = slices[i]
+                if s.copy_ranks or s.dst % L == j:
+                    continue
+                senders = forward_to.setdefault(s.dst, {})
+                senders[j] = senders.get(j, 0) + n
+                if s.dst == rank:
+                    self.forward_in.setdefault(j, []).append((s.bucket_offset + at, i, at, n))
+        node_ranks = range(self.node * L, (self.node + 1) * L)
+        self.forward_numel = [[forward_to.get(d, {}).get(j, 0) for d in node_ranks] for j in range(L)]
+        # every rank calls the forward's all-to-all when any node forwards (an empty one where its node
+        # has nothing to hand on): every rank runs the same collectives for a bucket, in the same order
+        self.forwards = bool(forward_to)
+        self.forward_senders = [list(senders.values()) for senders in forward_to.values()]
+        digest = hashlib.blake2b(repr((tuple(slices), L, split)).encode(), digest_size=8)
+        self.hash = int.from_bytes(digest.digest(), "little", signed=True)
+        self._hash_bytes: Dict[str, torch.Tensor] = {}
+
+    hash_on = BucketPlan.hash_on
+
+    def outputs_for(self, outputs: Optional[Sequence[Optional[torch.Tensor]]]):
+        """The owner-side outputs of my slot's slices: the bucket slice's output (the part this
+        rank carries) where this rank keeps the result; None where it forwards it."""
+        if outputs is None:
+            return None
+        out = []
+        for (i, at), t, keep in zip(self.sources, self.slices, self.kept):
+            target = outputs[i] if keep else None
+            if target is not None and not t.copy_ranks and t.numel != target.numel():
+                target = target.narrow(0, at, t.numel)
+            out.append(target)
+        return out
+
+    def busiest_node_receive(self, element_size: int) -> int:
+        """Bytes the busiest rank receives inside its node for this bucket: the node stage, and
+        the forwards of a balanced split."""
+        L = len(self.numel_to_slot)
+        if L == 1:
+            return 0
+        stage = (L - 1) * max(CONTROL_HEADER_BYTES + n * element_size for n in self.numel_to_slot)
+        forwards = max((sum(CONTROL_HEADER_BYTES + n * element_size for n in senders)
+                        for senders in self.forward_senders), default=0)
+        return stage + forwards
+
+
+class TwoLevelReducer:
+    """Reduce a bucket inside each node first, then across nodes with a :class:`GiftReducer`.
+
+    1. Node stage: an all-to-all among the node's ranks in the bucket's own dtype (no codec:
+       the fast links inside a node). Each local rank receives the part of the bucket it
+       carries from every local rank and sums it in fp32 in local rank order: the node
+       partial, with no rounding beyond the gradients' own. The part: every slice to its
+       owner's slot (``owner_slot``), or the bucket's owned elements in equal runs, one per
+       local rank (``balanced``; a bucket with few owners would load only their slots' NICs).
+    2. Node exchange: the ranks with the same local rank on every node (a *slot group*)
+       reduce the node partials with ``inner`` - transform, quantize, all-to-all (direct or
+       relayed, by ``inner.route``), fp32 sum at the owner's node, inverse - so the transform
+       and codec work per rank drop by the node size and each node's NICs carry one quantized
+       copy of the bucket, not one per rank.
+    3. Balanced only: each local rank hands what it reduced for an owner of another slot to
+       that owner, in the bucket's dtype, inside the node.
+    ``inner.route`` picks the split: ``direct`` owner_slot, ``relay`` balanced, ``by_layout``
+    per bucket the one whose busiest rank among the nodes receives fewer bytes (owner_slot on a
+    tie: it forwards nothing). Owners and copy ranks then copy their results into the bucket
+    (and ``outputs``) as the flat reducer does."""
+
+    def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int) -> None:
+        self.node_comm = node_comm
+        self.inner = inner
+        self.ranks_per_node = ranks_per_node
+        self.rank = inner.comm.rank * ranks_per_node + node_comm.rank
+        self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
+
+    def plan_for(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
+        """The bucket's node plan, and the bytes the busiest rank among the nodes receives (the
+        slot groups differ: every slot's exchange is planned here, on every rank)."""
+        key = tuple(slices)
+        got = self._plans.pop(key, None)
+        if got is None:
+            got = self._choose(slices)
+            while len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = got
+        return got
+
+    def _choose(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
+        L, route = self.ranks_per_node, self.inner.route
+        splits = {"owner_slot": carried_by_owner_slot(slices, L)}
+        if L > 1 and route != "direct":
+            splits["balanced"] = carried_balanced(slices, L)
+        among_nodes = {split: max(self.inner.new_plan(slot_group_slices(slices, carried[j], L, j), {}).recv_max
+                                  for j in range(L))
+                       for split, carried in splits.items()}
+        if route == "relay" and "balanced" in splits:
+            split = "balanced"
+        else:
+            split = min(splits, key=lambda k: (among_nodes[k], NODE_SPLITS.index(k)))
+        return NodePlan(slices, L, self.rank, splits[split], split), among_nodes[split]
+
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
+               versions: Dict[int, int], *, divisor: float, step: int = 0,
+               outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
+        """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
+        plan, among_nodes = self.plan_for(slices)
+        t0 = clock(tensor.device, sample)
+        partial, node_bytes = self._node_stage(tensor, plan, step)
+        node_s = clock(tensor.device, sample) - t0
+        stats = self.inner.reduce(partial, plan.slices, whiteners, versions, divisor=divisor, step=step,
+                                  outputs=plan.outputs_for(outputs), sample=sample)
+        for compact_at, bucket_at, numel in plan.delivered:
+            tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
+        t0 = clock(tensor.device, sample)
+        node_bytes += self._forward(tensor, partial, plan, step, outputs)
+        stats.node_s = node_s + clock(tensor.device, sample) - t0
+        stats.bytes_node = node_bytes
+        stats.balanced_buckets = int(plan.split == "balanced")
+        stats.recv_max_internode = among_nodes
+        stats.recv_max = among_nodes + plan.busiest_node_receive(tensor.element_size())
+        return stats
+
+    def _node_message(self, plan, step: int, device) -> torch.Tensor:
+        return control_header(plan.hash_on(device), self.inner.checks.step_bytes(step, device))
+
+    def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, step: int) -> Tuple[torch.Tensor, int]:
+        """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
+        buffer of its own), and the bytes this rank sent inside the node."""
+        L, me = self.ranks_per_node, plan.slot
+        mine = self._gather_runs(tensor, plan.runs_to_slot[me])
+        if L == 1:
+            return mine.to(torch.float32, copy=True), 0
+        checks = self.inner.checks
+        head = self._node_message(plan, step, tensor.device)
+        messages, sizes = [], []
+        for j in range(L):
+            if j == me:
+                sizes.append(0)
+                continue
+            body = self._gather_runs(tensor, plan.runs_to_slot[j]).view(torch.uint8)
+            messages += [head, body]
+            sizes.append(CONTROL_HEADER_BYTES + body.numel())
+        incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
+        recv = self.node_comm.all_to_all_bytes(torch.cat(messages), sizes,
+                                               [0 if i == me else incoming for i in range(L)], kind="node")
+        partial, pos = None, 0
+        for i in range(L):  # local rank order on every receiver: copies of a shared parameter agree bit for bit
+            if i == me:
+                part = mine
+            else:
+                msg = recv.narrow(0, pos, incoming)
+                expect_control_header(checks, msg, head, f"local rank {i}",
+                                      "ranks of a node disagree on the bucket layout")
+                part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(tensor.dtype)
+                pos += incoming
+            partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
+        return partial, sum(sizes)
+
+    def _forward(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, step: int, outputs) -> int:
+        """Balanced split: hand every owner of this node the results other local ranks reduced for
+        it, in the bucket's dtype (an fp32 model's results arrive exact); the bytes sent."""
+        if not plan.forwards:
+            return 0
+        L, me, dtype = self.ranks_per_node, plan.slot, tensor.dtype
+        head = self._node_message(plan, step, tensor.device)
+        messages, sizes = [], []
+        for o in range(L):
+            runs = plan.forward_out.get(o)
+            if not runs:
+                sizes.append(0)
+                continue
+            body = torch.cat([partial.narrow(0, at, n) for at, n in runs]).to(dtype).view(torch.uint8)
+            messages += [head, body]
+            sizes.append(CONTROL_HEADER_BYTES + body.numel())
+        elem = tensor.element_size()
+        recv_sizes = [CONTROL_HEADER_BYTES + plan.forward_numel[j][me] * elem if plan.forward_numel[j][me] else 0
+                      for j in range(L)]
+        recv = self.node_comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
+                                               kind="node")
+        pos = 0
+        for j in range(L):
+            if not recv_sizes[j]:
+                continue
+            msg = recv.narrow(0, pos, recv_sizes[j])
+            expect_control_header(self.inner.checks, msg, head, f"local rank {j}",
+                                  "ranks of a node disagree on the bucket layout")
+            values = msg.narrow(0, CONTROL_HEADER_BYTES, recv_sizes[j] - CONTROL_HEADER_BYTES).view(dtype)
+            at = 0
+            for bucket_at, i, start, n in plan.forward_in[j]:
+                part = values.narrow(0, at, n)
+                tensor.narrow(0, bucket_at, n).copy_(part)
+                if outputs is not None and outputs[i] is not None:
+                    outputs[i].narrow(0, start, n).add_(part)
+                at += n
+            pos += recv_sizes[j]
+        return sum(sizes)
+
+    @staticmethod
+    def _gather_runs(tensor: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:
+        if len(runs) == 1:
+            return tensor.narrow(0, runs[0][0], runs[0][1]).contiguous()
+        if not runs:
+            return tensor.new_empty(0)
+        return torch.cat([tensor.narrow(0, start, numel) for start, numel in runs])
+
+    def verify_checks(self) -> None:
+        self.inner.verify_checks()  # the node stage's headers are checked there too
+
+    # the state lives in the node exchange's reducer (residuals, generator)
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.inner.load_state_dict(state, device)
+
+    def residual_nbytes(self) -> int:
+        return self.inner.residual_nbytes()
