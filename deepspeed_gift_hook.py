@@ -5,7 +5,7 @@ script calling ``deepspeed.initialize``), or warn that it did not.
 Loaded at interpreter start by ``deepspeed_gift.pth`` (installed with the package); it
 imports nothing heavy: it only watches for ``deepspeed.runtime.engine`` to be imported and
 then wraps ``DeepSpeedEngine.__init__`` so that, once an engine is built,
-``deepspeed_gift.zero.after_engine_init`` decides. That decision attaches GIFT when the
+``deepspeed_gift.switch.after_engine_init`` decides. That decision attaches GIFT when the
 switch is on (``deepspeed_gift.install()``, or ``DEEPSPEED_GIFT=1`` in the environment of
 every rank) and otherwise warns once that the block is not in effect.
 """
@@ -29,7 +29,7 @@ def _wrap_engine_class(module) -> None:
     def __init__(self, *args, **kwargs):
         native(self, *args, **kwargs)
         try:
-            from deepspeed_gift.zero import after_engine_init
+            from deepspeed_gift.switch import after_engine_init
         except ImportError as exc:  # a broken install must not stop engines that have no gift block
             print(f"deepspeed_gift: not importable, engines run without GIFT: {exc}", file=sys.stderr)
             return

@@ -10,7 +10,8 @@ from .config import GiftConfig, get_gift_config  # noqa: E402
 from .core.formats import FORMAT_NAMES, Codec, Payload, get_format  # noqa: E402
 from .core.geometry import (CovarianceEMA, FactoredScaling, LowRankDiag, Whitener, factored_scaling_from_sums,  # noqa: E402
                        fit_low_rank_diag, fit_whitener, make_whitener)
-from .zero import GiftState, attach, detach, initialize, install, installed, uninstall  # noqa: E402
+from .switch import initialize, install, installed, uninstall  # noqa: E402
+from .zero import GiftState, attach, detach  # noqa: E402
 
 __all__ = [
     # entry points

@@ -361,3 +361,11 @@ def get_gift_config(ds_config: dict) -> GiftConfig:
     except ValidationError as exc:
         lines = _format_errors(exc.errors())
         raise ValueError("invalid gift config:\n  " + "\n  ".join(lines)) from None
+
+
+def first_difference(a, b, path):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return first_difference(a.get(key), b.get(key), f"{path}.{key}")
+    return (path, a, b)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Dict, List, Optional
+from typing import Protocol, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -107,26 +107,69 @@ class InputMoments:
         return out
 
 
+class OptimizerView(Protocol):
+    """What geometry reads of the optimizer (``zero.ZeroOptimizerState`` for DeepSpeed's)."""
+
+    capture_rank: Dict[str, int]  # the rank that captures a layer's gradient for the profile
+
+    def update_rule(self, name: str):
+        """The update rule judged for layer ``name`` (``core.metrics``), or None: plain L2."""
+
+    def second_moment_sums(self, name: str):
+        """This rank's (row sums, column sums, elements) of Adam's second moment of ``name``, or None."""
+
+
+class NoOptimizer:
+    """An optimizer GIFT does not read: every layer judged in plain L2, no Adam state."""
+
+    capture_rank: Dict[str, int] = {}
+
+    def update_rule(self, name: str):
+        return None
+
+    def second_moment_sums(self, name: str):
+        return None
+
+
+def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Linear]:
+    """The layers ``gift.layers`` names: trainable ``nn.Linear`` modules by name."""
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and m.weight.requires_grad}
+    layers = cfg.layers
+    if layers in ("measured", "all"):
+        return linears
+    chosen = {n: m for n, m in linears.items() if any(fnmatch.fnmatchcase(n, p) for p in layers)}
+    unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
+    if unmatched:
+        sample = sorted(linears)[:6]
+        raise ValueError(f"gift.layers: pattern(s) {unmatched} match no trainable nn.Linear module; "
+                         f"module names look like {sample}")
+    return chosen
+
+
 class GeometryManager:
-    def __init__(self, cfg, model: nn.Module, comm, *, main_codec) -> None:
+    """Each candidate layer's geometry: its input statistics, the transforms fitted from them and
+    shared between ranks, and which layers take which transform (see the module docstring)."""
+
+    def __init__(self, cfg, modules: Dict[str, nn.Linear], comm, *, main_codec,
+                 optimizer: Optional[OptimizerView] = None) -> None:
         self.cfg = cfg
         self.gcfg = cfg.geometry
         self.comm = comm
         self.main_codec = main_codec
         self.kinds = geometry_kinds(self.gcfg.kind)  # () = identity: every layer Euclidean
-        self.modules: Dict[str, nn.Linear] = self._find_candidates(model)
+        self.modules: Dict[str, nn.Linear] = dict(modules)
         self.names: List[str] = sorted(self.modules)
         self.version = 0
         self.step = -1  # k of the step being run (set by begin_step)
         self.transforms: Dict[str, Dict[str, object]] = {kind: {} for kind in self.kinds}  # kind -> layer -> map
         self.active: Dict[str, str] = {}  # layer in the geometry branch -> the kind it uses
         self.gains: Dict[str, float] = {}
-        # Set by the optimizer seam: which rank captures a layer's gradient for the profile (one
-        # that holds the layer's optimizer state), the update rule judged there, and this rank's
-        # part of the row and column sums of Adam's second moment (adam_factored).
-        self.capture_rank: Dict[str, int] = {}
-        self.rule_for = lambda name: None
-        self.second_moment_sums = lambda name: None
+        # The optimizer's side: which rank captures a layer's gradient for the profile (one that
+        # holds the layer's state), the update rule judged there, and this rank's part of the row
+        # and column sums of Adam's second moment (adam_factored).
+        self.optimizer = optimizer if optimizer is not None else NoOptimizer()
+        self.capture_rank: Dict[str, int] = dict(self.optimizer.capture_rank)
         self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
         self.moments = InputMoments({n: self.modules[n] for n in self.names}, cfg.geometry.stats_tokens)
         self._stats: Dict[str, geo.CovarianceEMA] = {}
@@ -142,21 +185,6 @@ class GeometryManager:
                                                                       seed=cfg.seed * 1_000_003 + i)
         if not self.kinds or self.cfg.layers != "measured":
             self.active = {name: self.kinds[0] if self.kinds else "identity" for name in self.names}
-
-    # ---- selection of candidates ----------------------------------------------------
-    def _find_candidates(self, model: nn.Module) -> Dict[str, nn.Linear]:
-        linears = {n: m for n, m in model.named_modules()
-                   if isinstance(m, nn.Linear) and m.weight.requires_grad}
-        layers = self.cfg.layers
-        if layers in ("measured", "all"):
-            return linears
-        chosen = {n: m for n, m in linears.items() if any(fnmatch.fnmatchcase(n, p) for p in layers)}
-        unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
-        if unmatched:
-            sample = sorted(linears)[:6]
-            raise ValueError(f"gift.layers: pattern(s) {unmatched} match no trainable nn.Linear module; "
-                             f"module names look like {sample}")
-        return chosen
 
     def remove_hooks(self) -> None:
         """Take the statistics hooks off the model (``deepspeed_gift.detach``)."""
@@ -226,7 +254,7 @@ class GeometryManager:
         # every transform acts on rows alike (Adam's scaling differs from row to row).
         rule = None
         if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS or "adam_factored" in self.kinds:
-            rule = self.rule_for(name)
+            rule = self.optimizer.update_rule(name)
         else:
             index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
             grad2d = grad2d.index_select(0, index)
@@ -261,7 +289,7 @@ class GeometryManager:
         parts = []
         for name in self.names:
             out_dim, width = self.modules[name].weight.shape
-            got = self.second_moment_sums(name)
+            got = self.optimizer.second_moment_sums(name)
             device = self.modules[name].weight.device
             if got is None:
                 parts.append(torch.zeros(out_dim + width + 1, device=device))
@@ -556,6 +584,11 @@ class GeometryManager:
 
     def in_branch(self, name: str) -> bool:
         return name in self.active
+
+    def take_profile(self) -> Optional[dict]:
+        """The summary of the latest profile, once (telemetry's record of the step takes it)."""
+        profile, self.profile = self.profile, None
+        return profile
 
     def take_geometry_bytes(self) -> int:
         """Bytes this rank sent for statistics and factors since the last call."""

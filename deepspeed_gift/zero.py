@@ -23,19 +23,19 @@ import torch
 
 from .core import formats
 from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
-from .config import GIFT_KEY as GIFT_BLOCK
-from .config import PASSTHROUGH_FORMATS, GiftConfig, get_gift_config
+from . import checkpoint
+from .config import PASSTHROUGH_FORMATS, GiftConfig, first_difference, get_gift_config
 from .core.geometry import row_col_sums
-from .layers import GeometryManager
+from .layers import GeometryManager, find_candidates
 from .core.metrics import AdamRule, MuonRule
 from .exchange.param_gather import ReplicaGather
 from .exchange.plan import GEO, HIGH, MAIN, ParamSlice
 from .exchange.reducer import GiftReducer
 from .exchange.two_level import TwoLevelReducer
 from .exchange.stats import StepStats
+from .telemetry import TelemetryLog, step_record
 
 logger = logging.getLogger("deepspeed_gift")
-CHECKPOINT_FORMAT = "deepspeed_gift/1"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -143,16 +143,8 @@ def _fingerprint_check(comm, cfg: GiftConfig) -> None:
         if other["version"] != ref["version"]:
             raise ValueError(f"deepspeed_gift version differs between ranks: rank 0 has {ref['version']}, "
                              f"rank {r} has {other['version']}")
-        diff = _first_difference(ref["gift"], other["gift"], "gift")
+        diff = first_difference(ref["gift"], other["gift"], "gift")
         raise ValueError(f"{diff[0]} differs between ranks: rank 0 has {diff[1]!r}, rank {r} has {diff[2]!r}")
-
-
-def _first_difference(a, b, path):
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                return _first_difference(a.get(key), b.get(key), f"{path}.{key}")
-    return (path, a, b)
 
 
 def choose_topology(comm, cfg: GiftConfig):
@@ -224,79 +216,23 @@ class GiftState:
                          and dist.get_rank(group=opt.real_dp_process_group[g]) == self.comm.rank,
                          "gift.params: DeepSpeed's partitions of the parameters do not follow GIFT's data-parallel "
                          "ranks; remove gift.params")
-        self.geometry = GeometryManager(cfg, engine.module, self.comm, main_codec=self.main_codec)
-        self.param_names: Dict[int, str] = {}
-        for name, module in self.geometry.modules.items():
-            self.param_names[opt.get_param_id(module.weight)] = name
+        modules = find_candidates(cfg, engine.module)
+        self.optimizer_state = ZeroOptimizerState(opt, modules, self.comm.rank)
+        self.geometry = GeometryManager(cfg, modules, self.comm, main_codec=self.main_codec,
+                                        optimizer=self.optimizer_state)
+        self.param_names: Dict[int, str] = {opt.get_param_id(m.weight): name for name, m in modules.items()}
         self.native_average_tensor = opt.average_tensor
-        self._muon_class = _muon_optimizer_class()
-        self._layer_params = self._locate_layer_params()
-        self.geometry.capture_rank = {name: self._main_owner(*where) for name, where in self._layer_params.items()}
-        self.geometry.rule_for = self.update_rule
-        self.geometry.second_moment_sums = self.second_moment_sums
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
-        self.records: List[dict] = []
+        self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor)
         self.replaced: List[tuple] = []  # (object, attribute, what the instance held) that attach set
-        self._jsonl = None
-        if cfg.telemetry.jsonl and self.comm.rank == 0:
-            self._jsonl = open(cfg.telemetry.jsonl, "a", buffering=1)
 
-    # ---- checkpointing --------------------------------------------------------------
+    # ---- checkpointing (the files: deepspeed_gift.checkpoint) -----------------------------
     def state_dict(self) -> dict:
-        return {"format": CHECKPOINT_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
-                "exchange": self.exchange, "fingerprint": self.cfg.fingerprint(),
-                "geometry": self.geometry.state_dict(),
-                "reducer": self.reducer.state_dict(), "run_totals": dict(self.run_totals)}
+        return checkpoint.gift_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"gift checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
-        if state["fingerprint"] != self.cfg.fingerprint():
-            diff = _first_difference(json.loads(state["fingerprint"]), json.loads(self.cfg.fingerprint()), "gift")
-            logger.warning("gift: resuming with %s = %r (the checkpoint was written with %r)", diff[0], diff[2],
-                           diff[1])
-        self.geometry.load_state_dict(state["geometry"])
-        self.run_totals = dict(state["run_totals"])
-        saved_exchange = list(state.get("exchange", ["flat"]))
-        if state["world_size"] == self.comm.world_size and saved_exchange == self.exchange:
-            self.reducer.load_state_dict(state["reducer"], self.engine.device)
-        elif state["reducer"]["residuals"]:
-            # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
-            dropped = sum(r.numel() for _, _, r, _ in state["reducer"]["residuals"])
-            logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
-                           "error-feedback residual elements of rank %d (statistics, factors and selection are "
-                           "kept)", state["world_size"], saved_exchange, self.comm.world_size, self.exchange, dropped,
-                           state["rank"])
-        else:
-            self.reducer.load_state_dict(dict(state["reducer"], residuals=[]), self.engine.device)
-
-    def save_files(self, save_dir: str, tag: str) -> None:
-        path = os.path.join(save_dir, str(tag), f"gift_rank{self.comm.rank}.pt")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(self.state_dict(), path)
-
-    def load_files(self, load_dir: str, tag: str) -> None:
-        folder = os.path.join(load_dir, str(tag))
-        saved = sorted(f for f in os.listdir(folder) if f.startswith("gift_rank") and f.endswith(".pt"))
-        if not saved:
-            raise ValueError(f"gift: checkpoint {folder} has no gift_rank*.pt files: it was saved without GIFT "
-                             "attached; start from it with gift.start_step past its step, or without the gift block")
-        mine = f"gift_rank{self.comm.rank}.pt"
-        if mine not in saved or len(saved) != self.comm.world_size:
-            mine = saved[self.comm.rank % len(saved)]
-        path = os.path.join(folder, mine)
-        try:
-            # GIFT's state is tensors, numbers, strings and containers: nothing in it needs
-            # pickle's code execution, so a file that asks for it is refused.
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises UnpicklingError or RuntimeError by version
-            raise ValueError(f"gift: {path} is not a GIFT checkpoint file that loads as plain data "
-                             f"(tensors, numbers, strings, containers): {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-        if not isinstance(state, dict):
-            raise ValueError(f"gift: {path} holds a {type(state).__name__}, not GIFT's state dict")
-        self.load_state_dict(state)
+        checkpoint.load_gift_state(self, state)
 
     # ---- step bookkeeping -----------------------------------------------------------
     @property
@@ -327,110 +263,9 @@ class GiftState:
             return (GEO, w) if w is not None else (MAIN, None)
         return (HIGH if self.high_codec is not None else MAIN), None
 
-    # ---- the optimizer's state, for errors in its metric ------------------------------
-    def _locate_layer_params(self) -> Dict[str, tuple]:
-        """Candidate layer name -> (weight, ZeRO group index, param id)."""
-        out = {}
-        for name, module in self.geometry.modules.items():
-            for g, group in enumerate(self.opt.bit16_groups):
-                if any(p is module.weight for p in group):
-                    out[name] = (module.weight, g, self.opt.get_param_id(module.weight))
-                    break
-        return out
-
-    def _partition_runs(self, g: int, param_id: int, numel: int) -> List[tuple]:
-        """``(start, end, partition)`` of each ZeRO partition's run of a parameter, in order."""
-        starts = sorted((int(self.opt.grad_start_offset[g][pid][param_id]), pid)
-                        for pid in self.opt.param_to_partition_ids[g][param_id])
-        return [(start, starts[j + 1][0] if j + 1 < len(starts) else numel, pid)
-                for j, (start, pid) in enumerate(starts)]
-
-    def _main_owner(self, param, g: int, param_id: int) -> int:
-        """The partition holding the largest part of ``param`` (it judges the layer's profile:
-        it has the optimizer state there)."""
-        return -max((end - start, -pid) for start, end, pid in self._partition_runs(g, param_id, param.numel()))[1]
-
-    def _is_muon(self, param) -> bool:
-        return (self._muon_class is not None and isinstance(self.opt.optimizer, self._muon_class)
-                and getattr(param, "use_muon", False))
-
     def update_rule(self, name: str):
-        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
-        this rank (called during the reduction: the state before the step being run, which
-        the step then overwrites): Muon's momentum of the whole matrix, which every owner of a
-        slice holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT
-        does not model (its errors are then judged in plain L2)."""
-        where = self._layer_params.get(name)
-        if where is None:
-            return None
-        param, g, _ = where
-        opt = self.opt
-        inner_group = opt.optimizer.param_groups[g]
-        if self._is_muon(param):
-            state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
-            offset = 0
-            for t in opt.params_in_partition[g]:
-                if t is param:
-                    break
-                offset += t.numel()
-            else:
-                return None
-            buffer = state.get("momentum_buffer")
-            momentum = (torch.zeros(param.shape, device=param.device) if buffer is None
-                        else buffer.narrow(0, offset, param.numel()).view(param.shape).float().clone())
-            return MuonRule(momentum=momentum, beta=float(inner_group["momentum"]), nesterov=True)
-        where = self._adam_slice(name)
-        if where is None:
-            return None
-        start, numel, state, dest = where
-        if "exp_avg" in state and "exp_avg_sq" in state:
-            m = state["exp_avg"].narrow(0, dest, numel).float().clone()
-            v = state["exp_avg_sq"].narrow(0, dest, numel).float().clone()
-            step = int(float(state.get("step", 0)))
-        else:  # before the first step: Adam starts from zero moments
-            m = v = torch.zeros(numel, device=param.device)
-            step = 0
-        return AdamRule(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(inner_group["betas"]),
-                        eps=float(inner_group.get("eps", 1e-8)), start=start)
-
-    def _adam_slice(self, name: str):
-        """Where this rank's Adam state of layer ``name`` is: ``(start, numel, state, dest)``, the
-        slice's first element in the flattened weight, its length, the optimizer state of the
-        partition and the slice's offset in it; None when this rank owns none of the layer or an
-        Adam-family optimizer does not train it (Muon's matrices, other optimizers)."""
-        where = self._layer_params.get(name)
-        if where is None:
-            return None
-        param, g, param_id = where
-        opt, me = self.opt, self.comm.rank
-        if self._is_muon(param) or "betas" not in opt.optimizer.param_groups[g] \
-                or param_id not in opt.grad_start_offset[g][me]:
-            return None
-        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
-        start = int(opt.grad_start_offset[g][me][param_id])
-        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
-        numel = min(param.numel() - start, int(opt.partition_size[g]) - dest)
-        return start, numel, state, dest
-
-    def second_moment_sums(self, name: str):
-        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
-        and how many elements it covers (``adam_factored``); None without such state here."""
-        where = self._adam_slice(name)
-        if where is None or "exp_avg_sq" not in where[2]:
-            return None
-        start, numel, state, dest = where
-        weight = self._layer_params[name][0]
-        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, weight.shape)
-        return rows, cols, numel
-
-    def _copy_ranks(self, param, runs) -> tuple:
-        """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
-        matrix, so its ``average_tensor`` all-reduces a Muon matrix split across partitions to
-        every owner of a slice (``copy_ranks``). The same test as DeepSpeed's, so GIFT delivers
-        exactly what the native path would."""
-        if len(runs) > 1 and self._is_muon(param):
-            return tuple(sorted(pid for _, _, pid in runs))
-        return ()
+        """The optimizer's update rule for layer ``name`` with a copy of its state on this rank."""
+        return self.optimizer_state.update_rule(name)
 
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
         k = self.k
@@ -451,8 +286,8 @@ class GiftState:
             name = self.param_names.get(param_id)
             if name is not None and self.geometry.wants_capture(name):
                 self.geometry.capture(name, tensor.narrow(0, offset, numel).view(param.shape))
-            runs = self._partition_runs(group_idx, param_id, numel)
-            copy_ranks = self._copy_ranks(param, runs)  # then delivered whole: every row is whole
+            runs = self.optimizer_state.partition_runs(group_idx, param_id, numel)
+            copy_ranks = self.optimizer_state.copy_ranks(param, runs)  # then delivered whole: every row is whole
             for start, end, pid in runs:
                 slices.append(ParamSlice(pid, offset + start, end - start, start, param_id, row_len, mode,
                                          copy_ranks))
@@ -510,81 +345,137 @@ class GiftState:
         t, self.step_totals = self.step_totals, None
         if t is None:
             return
-        geometry_bytes = self.geometry.take_geometry_bytes()
-        sent = t.bytes_sent
-        elements = t.elements_sent
-        self.run_totals["bytes"] += sent + geometry_bytes
-        self.run_totals["elements"] += elements
-        in_use = self.geometry.whiteners  # a dict built per call: once per step here
-        record = {
-            "step": k + self.cfg.start_step,
-            "bytes_payload": t.bytes_main + t.bytes_high,
-            "bytes_scales": t.bytes_scales,
-            "bytes_header": t.bytes_header,
-            "bytes_geometry": int(geometry_bytes),
-            "elements_sent": int(elements),
-            "bytes_per_elem": (sent + geometry_bytes) / elements if elements else 0.0,
-            "bytes_per_elem_run": (self.run_totals["bytes"] / self.run_totals["elements"]
-                                   if self.run_totals["elements"] else 0.0),
-            "hierarchy": self.hierarchy,
-            # the busiest rank's gradient receive (each collective's largest, summed), and the route
-            "bytes_recv_max": t.recv_max,
-            "bytes_recv_max_internode": t.recv_max_internode,
-            "relay_buckets": t.relay_buckets,
-            # payload + headers this rank sent to ranks of other nodes (flat: by the detected topology)
-            "bytes_internode": t.bytes_internode,
-            "geometry_version": self.geometry.version,
-            "geometry_layers": len(in_use),
-        }
-        if t.timed:  # seconds only where they time the work (see StepStats.timed)
-            record.update(transform_s=t.transform_s, codec_s=t.codec_s, comm_s=t.comm_s)
-        if self.hierarchy == "two_level":
-            record["bytes_node"] = t.bytes_node
-            record["balanced_buckets"] = t.balanced_buckets
-            if t.timed:
-                record["node_s"] = t.node_s
-        if len(self.geometry.kinds) > 1:
-            kinds = [self.geometry.active[n] for n in in_use]
-            record["geometry_kinds"] = {kind: kinds.count(kind) for kind in self.geometry.kinds}
-        record["ratio_to_bf16"] = record["bytes_per_elem"] / 2.0
-        if t.params_elements:
-            record["params_bytes"] = t.params_bytes
-            record["params_bytes_internode"] = t.params_bytes_internode
-            record["params_bytes_per_elem"] = t.params_bytes / t.params_elements
-            if t.params_gap_rel is not None:
-                record["params_gap_rel"] = t.params_gap_rel
-            record["params_exact"] = bool(t.params_exact_steps)
-            if t.timed:
-                record["params_s"] = t.params_codec_s + t.params_comm_s
-        elif self.replica_dtype is not None:  # DeepSpeed's own all-gather: the replica's dtype per element
-            record["params_bytes_per_elem"] = float(self.replica_dtype.itemsize)
-        if "params_bytes_per_elem" in record:
-            # per element of the model and step: gradients (and geometry) out, parameters back
-            record["bytes_per_elem_total"] = record["bytes_per_elem"] + record["params_bytes_per_elem"]
-        if self.cfg.error_feedback:
-            record["error_feedback_bytes"] = self.reducer.residual_nbytes()
-        if t.fidelity_ref_sq:
-            record["fidelity_rel_err"] = (t.fidelity_err_sq / t.fidelity_ref_sq) ** 0.5
-        if t.bytes_fidelity:
-            record["fidelity_bytes"] = t.bytes_fidelity
-        if t.sampled:
-            record.update(saturated=t.saturated, underflow=t.underflow, nonfinite=t.nonfinite, quantized=t.quantized)
-        if t.quantized:
-            record["underflow_rate"] = t.underflow / t.quantized
-        profile, self.geometry.profile = self.geometry.profile, None
-        if profile:
-            record.update(profile)
-        self.records.append(record)
-        if len(self.records) > 1000:
-            del self.records[:-1000]
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-        monitor = getattr(self.engine, "monitor", None)
-        if self.cfg.telemetry.monitor and monitor is not None and getattr(monitor, "enabled", False) \
-                and self.comm.rank == 0:
-            events = [(f"Gift/{key}", float(v), self.engine.global_samples) for key, v in record.items()
-                      if key != "step" and isinstance(v, (int, float))]
-            monitor.write_events(events)
+        record = step_record(k, t, start_step=self.cfg.start_step, hierarchy=self.hierarchy, geometry=self.geometry,
+                             geometry_bytes=self.geometry.take_geometry_bytes(), run_totals=self.run_totals,
+                             replica_itemsize=self.replica_dtype.itemsize if self.replica_dtype is not None else None,
+                             error_feedback_bytes=self.reducer.residual_nbytes() if self.cfg.error_feedback else None,
+                             profile=self.geometry.take_profile())
+        self.telemetry.write(record, self.engine)
+
+    @property
+    def records(self) -> List[dict]:
+        return self.telemetry.records
+
+
+class ZeroOptimizerState:
+    """What GIFT reads of the ZeRO optimizer's partitions and state for the candidate layers:
+    which rank holds most of a layer (it judges the layer's profile), each layer's update rule
+    with a copy of its real state (the optimizer's metric), the row and column sums of Adam's
+    second moment (``adam_factored``), and which ranks must receive a Muon matrix whole. What
+    ``GeometryManager`` is handed at construction as its view of the optimizer."""
+
+    def __init__(self, opt, modules: Dict[str, torch.nn.Module], rank: int) -> None:
+        self.opt = opt
+        self.rank = rank
+        self._muon_class = _muon_optimizer_class()
+        self.modules = modules
+        self._layer_params = self._locate_layer_params()
+        # the rank that captures each layer's gradient for the profile (it holds the layer's state)
+        self.capture_rank = {name: self._main_owner(*where) for name, where in self._layer_params.items()}
+
+    def _locate_layer_params(self) -> Dict[str, tuple]:
+        """Candidate layer name -> (weight, ZeRO group index, param id)."""
+        out = {}
+        for name, module in self.modules.items():
+            for g, group in enumerate(self.opt.bit16_groups):
+                if any(p is module.weight for p in group):
+                    out[name] = (module.weight, g, self.opt.get_param_id(module.weight))
+                    break
+        return out
+
+    def partition_runs(self, g: int, param_id: int, numel: int) -> List[tuple]:
+        """``(start, end, partition)`` of each ZeRO partition's run of a parameter, in order."""
+        starts = sorted((int(self.opt.grad_start_offset[g][pid][param_id]), pid)
+                        for pid in self.opt.param_to_partition_ids[g][param_id])
+        return [(start, starts[j + 1][0] if j + 1 < len(starts) else numel, pid)
+                for j, (start, pid) in enumerate(starts)]
+
+    def _main_owner(self, param, g: int, param_id: int) -> int:
+        """The partition holding the largest part of ``param`` (it judges the layer's profile:
+        it has the optimizer state there)."""
+        return -max((end - start, -pid) for start, end, pid in self.partition_runs(g, param_id, param.numel()))[1]
+
+    def is_muon(self, param) -> bool:
+        return (self._muon_class is not None and isinstance(self.opt.optimizer, self._muon_class)
+                and getattr(param, "use_muon", False))
+
+    def update_rule(self, name: str):
+        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
+        this rank (called during the reduction: the state before the step being run, which
+        the step then overwrites): Muon's momentum of the whole matrix, which every owner of a
+        slice holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT
+        does not model (its errors are then judged in plain L2)."""
+        where = self._layer_params.get(name)
+        if where is None:
+            return None
+        param, g, _ = where
+        opt = self.opt
+        inner_group = opt.optimizer.param_groups[g]
+        if self.is_muon(param):
+            state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
+            offset = 0
+            for t in opt.params_in_partition[g]:
+                if t is param:
+                    break
+                offset += t.numel()
+            else:
+                return None
+            buffer = state.get("momentum_buffer")
+            momentum = (torch.zeros(param.shape, device=param.device) if buffer is None
+                        else buffer.narrow(0, offset, param.numel()).view(param.shape).float().clone())
+            return MuonRule(momentum=momentum, beta=float(inner_group["momentum"]), nesterov=True)
+        where = self._adam_slice(name)
+        if where is None:
+            return None
+        start, numel, state, dest = where
+        if "exp_avg" in state and "exp_avg_sq" in state:
+            m = state["exp_avg"].narrow(0, dest, numel).float().clone()
+            v = state["exp_avg_sq"].narrow(0, dest, numel).float().clone()
+            step = int(float(state.get("step", 0)))
+        else:  # before the first step: Adam starts from zero moments
+            m = v = torch.zeros(numel, device=param.device)
+            step = 0
+        return AdamRule(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(inner_group["betas"]),
+                        eps=float(inner_group.get("eps", 1e-8)), start=start)
+
+    def _adam_slice(self, name: str):
+        """Where this rank's Adam state of layer ``name`` is: ``(start, numel, state, dest)``, the
+        slice's first element in the flattened weight, its length, the optimizer state of the
+        partition and the slice's offset in it; None when this rank owns none of the layer or an
+        Adam-family optimizer does not train it (Muon's matrices, other optimizers)."""
+        where = self._layer_params.get(name)
+        if where is None:
+            return None
+        param, g, param_id = where
+        opt, me = self.opt, self.rank
+        if self.is_muon(param) or "betas" not in opt.optimizer.param_groups[g] \
+                or param_id not in opt.grad_start_offset[g][me]:
+            return None
+        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
+        start = int(opt.grad_start_offset[g][me][param_id])
+        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
+        numel = min(param.numel() - start, int(opt.partition_size[g]) - dest)
+        return start, numel, state, dest
+
+    def second_moment_sums(self, name: str):
+        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
+        and how many elements it covers (``adam_factored``); None without such state here."""
+        where = self._adam_slice(name)
+        if where is None or "exp_avg_sq" not in where[2]:
+            return None
+        start, numel, state, dest = where
+        weight = self._layer_params[name][0]
+        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, weight.shape)
+        return rows, cols, numel
+
+    def copy_ranks(self, param, runs) -> tuple:
+        """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
+        matrix, so its ``average_tensor`` all-reduces a Muon matrix split across partitions to
+        every owner of a slice (``copy_ranks``). The same test as DeepSpeed's, so GIFT delivers
+        exactly what the native path would."""
+        if len(runs) > 1 and self.is_muon(param):
+            return tuple(sorted(pid for _, _, pid in runs))
+        return ()
 
 
 def _muon_optimizer_class():
@@ -624,7 +515,7 @@ class _reduction_stream:
         return False
 
 
-def _log_like_deepspeed() -> None:
+def log_like_deepspeed() -> None:
     """Route this package's log records (layer selection, refreshes) where DeepSpeed's go."""
     from deepspeed.utils import logger as ds_logger
 
@@ -643,7 +534,7 @@ def attach(engine) -> Optional[GiftState]:
         return None
     if getattr(engine, "gift", None) is not None:
         raise RuntimeError("deepspeed_gift.attach: GIFT is already attached to this engine")
-    _log_like_deepspeed()
+    log_like_deepspeed()
     state = GiftState(engine, cfg)
     engine.gift = state
     _replace(state, state.opt, "average_tensor", state.average_tensor)
@@ -679,7 +570,7 @@ def attach(engine) -> Optional[GiftState]:
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
         result = native_save(save_dir, tag, *args, **kwargs)
-        state.save_files(save_dir, tag)
+        checkpoint.save_files(state, save_dir, tag)
         return result
 
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
@@ -688,7 +579,7 @@ def attach(engine) -> Optional[GiftState]:
             if tag is None:
                 with open(os.path.join(load_dir, "latest")) as f:
                     tag = f.read().strip()
-            state.load_files(load_dir, tag)
+            checkpoint.load_files(state, load_dir, tag)
         return load_path, client_state
 
     _replace(state, engine, "save_checkpoint", save_checkpoint)
@@ -756,85 +647,5 @@ def detach(engine) -> None:
         _unroute_param_gather(state)
     state._forward_hook.remove()
     state.geometry.remove_hooks()
-    if state._jsonl is not None:
-        state._jsonl.close()
-        state._jsonl = None
+    state.telemetry.close()
     engine.gift = None
-
-
-def initialize(*args, **kwargs):
-    """``deepspeed.initialize`` with GIFT attached when the config's ``gift`` block is enabled.
-    Same arguments and return value."""
-    import deepspeed
-
-    config = kwargs.get("config", kwargs.get("config_params"))
-    if isinstance(config, dict):
-        get_gift_config(config)  # fail on a bad block before building the engine
-    global _attaching
-    _attaching += 1
-    try:
-        result = deepspeed.initialize(*args, **kwargs)
-    finally:
-        _attaching -= 1
-    if getattr(result[0], "gift", None) is None:
-        attach(result[0])
-    return result
-
-
-# ---- the switch: GIFT for engines that other code builds (Trainer, Accelerate, Lightning) ----
-_installed = False
-_attaching = 0  # inside deepspeed_gift.initialize: its engine gets GIFT whatever the switch
-_warned = False
-
-
-def install() -> None:
-    """Every DeepSpeed engine built from now on whose config has an enabled ``gift`` block gets
-    GIFT, whoever builds it (HF Trainer, Accelerate, Lightning, ``deepspeed.initialize``).
-    Idempotent; :func:`uninstall` undoes it. ``DEEPSPEED_GIFT=1`` in every rank's environment
-    does the same without code."""
-    import deepspeed_gift_hook
-
-    global _installed
-    _installed = True
-    deepspeed_gift_hook.watch_deepspeed()
-
-
-def uninstall() -> None:
-    """Engines built from now on no longer get GIFT unless built by ``deepspeed_gift.initialize``
-    (engines that have it keep it). An enabled block is then warned about again."""
-    global _installed
-    _installed = False
-
-
-def installed() -> bool:
-    """Whether engines built now get GIFT from their config alone."""
-    import deepspeed_gift_hook
-
-    return _installed or os.environ.get(deepspeed_gift_hook.ENV_SWITCH, "") == "1"
-
-
-def after_engine_init(engine) -> None:
-    """Called when any ``DeepSpeedEngine`` has been built (the startup hook wraps its
-    ``__init__``): attaches GIFT when the switch is on and the config has an enabled block;
-    otherwise says once that the block is not in effect. An invalid block fails here, as it
-    would under ``deepspeed_gift.initialize``."""
-    global _warned
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    raw = getattr(getattr(engine, "_config", None), "_param_dict", None)
-    if not isinstance(raw, dict) or GIFT_BLOCK not in raw or getattr(engine, "gift", None) is not None:
-        return
-    _log_like_deepspeed()
-    if type(engine) is not DeepSpeedEngine:  # pipeline or hybrid engines are still being built
-        logger.warning("gift: the DeepSpeed config has a \"gift\" block, but GIFT does not attach to %s "
-                       "(only to DeepSpeed's ZeRO-1/2 DeepSpeedEngine); it runs natively", type(engine).__name__)
-        return
-    if _attaching or installed():
-        attach(engine)
-    elif not _warned and get_gift_config(raw).enabled:
-        _warned = True
-        logger.warning("gift: the DeepSpeed config has an enabled \"gift\" block, but this engine was built without "
-                       "GIFT, so it runs DeepSpeed's native reduction. Call deepspeed_gift.install() before the "
-                       "engine is built (HF Trainer, Accelerate, Lightning), set DEEPSPEED_GIFT=1 for every rank, or "
-                       "build it with deepspeed_gift.initialize")
-
