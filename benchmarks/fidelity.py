@@ -114,7 +114,7 @@ from deepspeed_gift.core import geometry as geo  # noqa: E402
 from deepspeed_gift.core import metrics as fm  # noqa: E402
 from deepspeed_gift.exchange.comm import run_local  # noqa: E402
 from deepspeed_gift.core.formats import FORMAT_NAMES, get_format  # noqa: E402
-from deepspeed_gift.layers import InputMoments  # noqa: E402
+from deepspeed_gift.statistics import InputMoments  # noqa: E402
 from deepspeed_gift.exchange.plan import GEO, ParamSlice  # noqa: E402
 from deepspeed_gift.exchange.reducer import GiftReducer  # noqa: E402
 from deepspeed_gift.exchange.stats import StepStats  # noqa: E402

@@ -26,7 +26,7 @@ from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, first_difference, get_gift_config
 from .core.geometry import row_col_sums
-from .layers import GeometryManager, find_candidates
+from .lifecycle import GeometryManager, find_candidates
 from .core.metrics import AdamRule, MuonRule
 from .exchange.param_gather import ReplicaGather
 from .exchange.plan import GEO, HIGH, MAIN, ParamSlice

@@ -4,7 +4,7 @@ presence on the model only on collect steps, in a real DeepSpeed engine."""
 import torch
 from torch import nn
 
-from deepspeed_gift.layers import InputMoments, subsample_tokens
+from deepspeed_gift.statistics import InputMoments, subsample_tokens
 from launch.spawn import run_ranks
 
 

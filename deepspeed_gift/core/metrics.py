@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-import torch
 from torch import Tensor
 
 METRICS = ("optimizer", "l2", "whitened")

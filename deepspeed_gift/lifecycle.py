@@ -1,0 +1,292 @@
+"""Geometry lifecycle for one model: which layers take the geometry branch, their input
+statistics, the fit of their whiteners, and the versions every rank must agree on.
+
+Works on ``nn.Module`` names and a ``Comm``; knows nothing of DeepSpeed's optimizer.
+
+Lifecycle, with ``k = global_step - start_step``:
+
+* forward of step k: if ``k % collect_interval == 0`` or ``k % refresh_interval == 0``,
+  pre-hooks on candidate ``nn.Linear`` modules add ``x^T x`` of their input to a per-step
+  sum (modules that read the same input tensor, like q/k/v, share one statistic);
+* end of step k: the step's statistic enters a local EMA (the average of local EMAs over
+  ranks is the EMA of averaged statistics, so nothing is exchanged here);
+* end of a refresh step (``k % refresh_interval == 0``): each statistic is averaged at the
+  rank assigned to fit it - in full for narrow layers, as a one-round Nystrom sketch
+  (O(in * (rank + oversample)) bytes instead of O(in^2)) for wide ones - that rank fits
+  it, the factors are shared so every rank holds bit-identical whiteners,
+  ``layers: "measured"`` re-profiles, and the version increases by one;
+* ``adam_factored`` (Adam's geometry): at the end of a refresh step every rank sums the
+  optimizer's ``exp_avg_sq`` over the rows and columns of the slices it owns (the seam's
+  ``second_moment_sums``), one all-reduce of ``out + in + 1`` numbers per weight gives every
+  rank the same sums, and each builds the same :class:`geometry.FactoredScaling`.
+
+``geometry.kind`` may list several kinds (with ``layers: "measured"``): every refresh judges each
+layer in each of them and the layer takes the one that lowers the error most in
+``selection.metric`` (or stays Euclidean).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Protocol, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .core import geometry as geo
+from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings
+from .selection import PROFILE_MAX_ROWS, Selection, summarize_profile
+from .statistics import InputMoments
+
+logger = logging.getLogger("deepspeed_gift")
+
+
+
+class OptimizerView(Protocol):
+    """What geometry reads of the optimizer (``zero.ZeroOptimizerState`` for DeepSpeed's)."""
+
+    capture_rank: Dict[str, int]  # the rank that captures a layer's gradient for the profile
+
+    def update_rule(self, name: str):
+        """The update rule judged for layer ``name`` (``core.metrics``), or None: plain L2."""
+
+    def second_moment_sums(self, name: str):
+        """This rank's (row sums, column sums, elements) of Adam's second moment of ``name``, or None."""
+
+
+class NoOptimizer:
+    """An optimizer GIFT does not read: every layer judged in plain L2, no Adam state."""
+
+    capture_rank: Dict[str, int] = {}
+
+    def update_rule(self, name: str):
+        return None
+
+    def second_moment_sums(self, name: str):
+        return None
+
+
+def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Linear]:
+    """The layers ``gift.layers`` names: trainable ``nn.Linear`` modules by name."""
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and m.weight.requires_grad}
+    layers = cfg.layers
+    if layers in ("measured", "all"):
+        return linears
+    chosen = {n: m for n, m in linears.items() if any(fnmatch.fnmatchcase(n, p) for p in layers)}
+    unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
+    if unmatched:
+        sample = sorted(linears)[:6]
+        raise ValueError(f"gift.layers: pattern(s) {unmatched} match no trainable nn.Linear module; "
+                         f"module names look like {sample}")
+    return chosen
+
+
+class GeometryManager:
+    """Each candidate layer's geometry: its input statistics, the transforms fitted from them and
+    shared between ranks, and which layers take which transform (see the module docstring)."""
+
+    def __init__(self, cfg, modules: Dict[str, nn.Linear], comm, *, main_codec,
+                 optimizer: Optional[OptimizerView] = None) -> None:
+        self.cfg = cfg
+        self.gcfg = cfg.geometry
+        self.comm = comm
+        self.main_codec = main_codec
+        self.kinds = geometry_kinds(self.gcfg.kind)  # () = identity: every layer Euclidean
+        self.modules: Dict[str, nn.Linear] = dict(modules)
+        self.names: List[str] = sorted(self.modules)
+        self.version = 0
+        self.step = -1  # k of the step being run (set by begin_step)
+        self.transforms: Dict[str, Dict[str, object]] = {kind: {} for kind in self.kinds}  # kind -> layer -> map
+        self.active: Dict[str, str] = {}  # layer in the geometry branch -> the kind it uses
+        # The optimizer's side: which rank captures a layer's gradient for the profile (one that
+        # holds the layer's state), the update rule judged there, and this rank's part of the row
+        # and column sums of Adam's second moment (adam_factored).
+        self.optimizer = optimizer if optimizer is not None else NoOptimizer()
+        self.capture_rank: Dict[str, int] = dict(self.optimizer.capture_rank)
+        self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
+        self.moments = InputMoments({n: self.modules[n] for n in self.names}, cfg.geometry.stats_tokens)
+        self._check_widths()
+        self.owner_of = balance_over_ranks({n: self.modules[n].in_features for n in self.names},
+                                           self.comm.world_size)
+        self.kfac = KfacRefresh(self.gcfg, cfg.seed, comm, self.names, self.owner_of)
+        self.selection = Selection(cfg, self.kinds, self.names, comm, main_codec)
+        self.gains = self.selection.gains  # each layer's measured gain, kept in checkpoints
+        if "hadamard" in self.kinds:
+            for i, name in enumerate(self.names):
+                width = self.modules[name].in_features
+                self.transforms["hadamard"][name] = geo.make_whitener("hadamard", width,
+                                                                      seed=cfg.seed * 1_000_003 + i)
+        if not self.kinds or self.cfg.layers != "measured":
+            self.active = {name: self.kinds[0] if self.kinds else "identity" for name in self.names}
+
+    def remove_hooks(self) -> None:
+        """Take the statistics hooks off the model (``deepspeed_gift.detach``)."""
+        self.moments.detach()
+
+    @property
+    def whiteners(self) -> Dict[str, object]:
+        """The transform each layer uses now (layers in the branch whose transform exists)."""
+        return {name: self.transforms[kind][name] for name, kind in sorted(self.active.items())
+                if name in self.transforms.get(kind, {})}
+
+    def _check_widths(self) -> None:
+        if "kfac_input" not in self.kinds:
+            return
+        for name in self.names:
+            width = self.modules[name].in_features
+            if self.gcfg.rank > width:
+                raise ValueError(f"gift.geometry.rank: got {self.gcfg.rank}; layer '{name}' has only "
+                                 f"{width} input features, rank must be <= the narrowest selected layer "
+                                 "(or narrow gift.layers)")
+
+    # ---- statistics -----------------------------------------------------------------
+    def begin_step(self, k: int) -> None:
+        """Called before the forward of step k: the statistics hooks are on the model only on
+        collect steps, so other steps run the model with no GIFT code in its forward."""
+        self.step = k
+        self.moments.new_forward()
+        if self.collecting():
+            self.moments.attach()
+        else:
+            self.moments.detach()
+
+    def collecting(self) -> bool:
+        k = self.step
+        return ("kfac_input" in self.kinds and k >= 0
+                and (k % self.gcfg.collect_interval == 0 or k % self.gcfg.refresh_interval == 0))
+
+    def refresh_due(self, k: int) -> bool:
+        return k >= 0 and k % self.gcfg.refresh_interval == 0 and bool(self.kinds)
+
+    # ---- profile capture (called from the reduction on refresh steps) ----------------
+    def profiling(self) -> bool:
+        """Refresh steps judge every layer's coordinates: to select them (``layers: "measured"``) or,
+        with sampled telemetry, to report their errors in every metric."""
+        telemetry = self.cfg.telemetry
+        return bool(self.kinds) and (self.cfg.layers == "measured" or (telemetry.fidelity and telemetry.every > 0))
+
+    def wants_capture(self, name: str) -> bool:
+        return (self.profiling() and self.refresh_due(self.step)
+                and self.capture_rank.get(name, self.owner_of.get(name)) == self.comm.rank)
+
+    def capture(self, name: str, grad2d: torch.Tensor) -> None:
+        """Keep this step's local gradient of ``name`` and the optimizer's rule with its state
+        now (the step about to run overwrites it)."""
+        rows = grad2d.shape[0]
+        # The optimizer's update (Muon's orthogonalization, Adam's state over a ZeRO slice) is
+        # defined on the whole matrix; plain and whitened errors are row-wise, a sample will do
+        # when selection does not use the optimizer's metric (which is then not reported) and
+        # every transform acts on rows alike (Adam's scaling differs from row to row).
+        rule = None
+        if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS or "adam_factored" in self.kinds:
+            rule = self.optimizer.update_rule(name)
+        else:
+            index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
+            grad2d = grad2d.index_select(0, index)
+        self.selection.captured[name] = (grad2d.detach().float().clone(), rule)
+
+    # ---- end of step ----------------------------------------------------------------
+    def end_step(self, k: int) -> None:
+        """End of step k: fold its statistics; on a refresh step refit, share, judge and select,
+        and the version goes up (a transform built now carries the new version)."""
+        if "kfac_input" in self.kinds:
+            self.kfac.fold(self.moments.take())
+        if not self.refresh_due(k):
+            return
+        previous = {kind: dict(maps) for kind, maps in self.transforms.items()}
+        if "kfac_input" in self.kinds:
+            self._rebuild_whiteners(self.kfac.refit(self.version), self.version + 1)
+        if "adam_factored" in self.kinds:
+            refit_adam_scalings(self.names, self.modules, self.optimizer, self.comm,
+                                self.transforms["adam_factored"], version=self.version + 1)
+        if self.profiling():
+            judged = self.selection.judge(previous)
+            if self.cfg.layers == "measured":
+                self.active = self.selection.select(judged, self.version + 1)
+            if judged:
+                self.profile = summarize_profile(judged, self.active, self.cfg.selection.metric)
+        self.version += 1
+
+    def _rebuild_whiteners(self, keys, version: int) -> None:
+        """Whiteners of every module whose statistic is among ``keys``, from the shared factors
+        (modules sharing one input share one whitener object)."""
+        built = {}
+        for name in self.names:
+            key = self.moments.key_of.get(name, name)
+            if key in keys:
+                if key not in built:
+                    built[key] = geo.whitener_from_low_rank(self.kfac.lowrank[key], self.gcfg.solver, version=version)
+                self.transforms["kfac_input"][name] = built[key]
+
+
+
+    # ---- checkpointing --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly: statistics (this rank's EMAs), shared
+        factors, Adam scalings, selection, gains, version."""
+        scalings = self.transforms.get("adam_factored", {})
+        return {
+            "version": self.version,
+            "active": dict(sorted(self.active.items())),
+            "gains": dict(self.gains),
+            "stats_key": dict(self.moments.key_of),
+            **self.kfac.state_dict(),
+            "scalings": {k: (s.row.cpu(), s.col.cpu()) for k, s in sorted(scalings.items())},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        active = state["active"]
+        if not isinstance(active, dict):  # checkpoints of one geometry kind kept a list of layers
+            active = {name: self.kinds[0] if self.kinds else "identity" for name in active}
+        unknown = sorted((set(active) | set(state["gains"]) | set(state.get("scalings", {}))) - set(self.names))
+        if unknown:
+            raise ValueError(f"gift checkpoint names layers this model does not have as candidates: {unknown[:5]}")
+        kinds = set(self.kinds) or {"identity"}
+        foreign = sorted({kind for kind in active.values() if kind not in kinds})
+        if foreign:
+            raise ValueError(f"gift checkpoint has layers on geometry kind(s) {foreign}; gift.geometry.kind is "
+                             f"{self.gcfg.kind!r} now")
+        self.version = int(state["version"])
+        self.active = dict(active)
+        self.gains.clear()
+        self.gains.update(state["gains"])
+        self.moments.key_of = dict(state["stats_key"])
+        device = next(iter(self.modules.values())).weight.device if self.modules else torch.device("cpu")
+        self.kfac.load_state_dict(state, device)
+        if "kfac_input" in self.kinds:
+            self._rebuild_whiteners(self.kfac.lowrank, self.version)
+        if "adam_factored" in self.kinds:
+            self.transforms["adam_factored"] = {k: geo.FactoredScaling(row.to(device), col.to(device),
+                                                                       version=self.version)
+                                                for k, (row, col) in state.get("scalings", {}).items()}
+
+    # ---- what the reduction asks ----------------------------------------------------
+    def whitener_for(self, name: str) -> Optional[object]:
+        """The transform to use for ``name`` now, or None if it goes without one."""
+        kind = self.active.get(name)
+        return None if kind is None else self.transforms.get(kind, {}).get(name)
+
+    def in_branch(self, name: str) -> bool:
+        return name in self.active
+
+    def take_profile(self) -> Optional[dict]:
+        """The summary of the latest profile, once (telemetry's record of the step takes it)."""
+        profile, self.profile = self.profile, None
+        return profile
+
+    def take_geometry_bytes(self) -> int:
+        """Bytes this rank sent for statistics and factors since the last call."""
+        return self.comm.bytes_sent.pop("geometry", 0)
+
+
+def geometry_kinds(kind) -> tuple:
+    """``geometry.kind`` as the kinds that have transforms, in configured order (identity: none)."""
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+    return tuple(k for k in kinds if k != "identity")
+
+
+
+
+
