@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 from .config import GiftConfig, get_gift_config  # noqa: E402
 from .core.formats import FORMAT_NAMES, Codec, Payload, get_format  # noqa: E402
-from .core.geometry import (CovarianceEMA, FactoredScaling, LowRankDiag, Whitener, factored_scaling_from_sums,  # noqa: E402
-                       fit_low_rank_diag, fit_whitener, make_whitener)
+from .core.geometry import (CovarianceEMA, FactoredScaling, LowRankDiag, Transform, Whitener,  # noqa: E402
+                            factored_scaling_from_sums, fit_low_rank_diag, fit_whitener, make_whitener)
 from .switch import initialize, install, installed, uninstall  # noqa: E402
 from .zero import GiftState, attach, detach  # noqa: E402
 
@@ -35,6 +35,7 @@ __all__ = [
     "FactoredScaling",
     "factored_scaling_from_sums",
     "LowRankDiag",
+    "Transform",
     "Whitener",
     "fit_low_rank_diag",
     "fit_whitener",

@@ -15,6 +15,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from .core.formats import FORMAT_NAMES, format_class
+from .exchange.plan import Route
 
 GIFT_KEY = "gift"
 
@@ -207,7 +208,7 @@ class GiftConfig(_GiftModel):
     once per node partial. ``by_topology``: two-level when the job spans more than one node with
     more than one rank per node, else flat."""
 
-    route: Literal["by_layout", "direct", "relay"] = "by_layout"
+    route: Route = "by_layout"
     """How each bucket's all-to-all is routed (flat, and among the nodes of ``two_level``).
     ``direct``: every rank sends each owner its part, one all-to-all; a bucket that reaches a
     few owners (buckets smaller than a partition: models past ~1B parameters) funnels into

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .core import geometry as geo
+from .exchange.comm import ByteKind
 from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings
 from .selection import PROFILE_MAX_ROWS, Selection, summarize_profile
 from .statistics import InputMoments
@@ -278,7 +279,7 @@ class GeometryManager:
 
     def take_geometry_bytes(self) -> int:
         """Bytes this rank sent for statistics and factors since the last call."""
-        return self.comm.bytes_sent.pop("geometry", 0)
+        return self.comm.bytes_sent.pop(ByteKind.GEOMETRY, 0)
 
 
 def geometry_kinds(kind) -> tuple:

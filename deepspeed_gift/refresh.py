@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .core import geometry as geo
+from .exchange.comm import ByteKind
 
 logger = logging.getLogger("deepspeed_gift")
 
@@ -108,7 +109,7 @@ class KfacRefresh:
         recv = self.comm.all_to_all_bytes(torch.cat([t.view(torch.uint8) for t in sends]),
                                           [t.numel() * width for t in sends],
                                           [0 if r == me else recv_len * width for r in range(world)],
-                                          kind="geometry")
+                                          kind=ByteKind.GEOMETRY)
         if world > 1 and recv_len:
             total += recv.view(GEOMETRY_WIRE_DTYPE).view(world - 1, recv_len).float().sum(0)
         total /= world
@@ -161,7 +162,7 @@ class KfacRefresh:
             return
         # Only the subspace matters here, so the sum may travel (and round) in bf16.
         flat = torch.cat([(self.stats[k].value() @ omegas[k]).reshape(-1) for k in cold]).to(GEOMETRY_WIRE_DTYPE)
-        self.comm.all_reduce_sum(flat, kind="geometry")
+        self.comm.all_reduce_sum(flat, kind=ByteKind.GEOMETRY)
         flat = flat.float()
         pos = 0
         for k in cold:
@@ -208,7 +209,7 @@ class KfacRefresh:
         device = self.stats[keys[0]].value().device
         width = torch.finfo(GEOMETRY_WIRE_DTYPE).bits // 8
         shared = {}
-        for b in self.comm.all_gather_bytes(blob.to(device), kind="geometry"):
+        for b in self.comm.all_gather_bytes(blob.to(device), kind=ByteKind.GEOMETRY):
             raw = b.cpu().clone()
             pos = 0
             while pos < raw.numel():
@@ -240,7 +241,7 @@ def refit_adam_scalings(names: List[str], modules: Dict[str, nn.Linear], optimiz
             parts.append(torch.cat([rows.float(), cols.float(),
                                     torch.tensor([covered / (out_dim * width)], device=rows.device)]).to(device))
     flat = torch.cat(parts)
-    comm.all_reduce_sum(flat, kind="geometry")
+    comm.all_reduce_sum(flat, kind=ByteKind.GEOMETRY)
     pos = 0
     for name in names:
         out_dim, width = modules[name].weight.shape

@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 
 from .core import metrics
+from .exchange.comm import ByteKind
 
 logger = logging.getLogger("deepspeed_gift")
 
@@ -51,7 +52,7 @@ class Selection:
             rule_codes[i] = float(RULE_CODES[metrics.rule_kind(rule)])
         self.captured.clear()
         flat = torch.cat([table.reshape(-1), rule_codes])
-        self.comm.all_reduce_sum(flat, kind="control")
+        self.comm.all_reduce_sum(flat, kind=ByteKind.CONTROL)
         table = flat[:table.numel()].view_as(table)
         judged = {}  # layer -> kind -> its profile row (every kind measured on the layer)
         for i, name in enumerate(self.names):

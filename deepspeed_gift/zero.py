@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .core import formats
-from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
+from .exchange.comm import ByteKind, detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, first_difference, get_gift_config
 from .core.geometry import row_col_sums
@@ -135,7 +135,7 @@ def _fingerprint_check(comm, cfg: GiftConfig) -> None:
 
     mine = json.dumps({"version": __version__, "gift": json.loads(cfg.fingerprint())}, sort_keys=True)
     blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind="control")]
+    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind=ByteKind.CONTROL)]
     ref = everyone[0]
     for r, other in enumerate(everyone):
         if other == ref:

@@ -513,3 +513,33 @@ def test_runs_come_back_in_buffers_of_their_own(kind):
     for run in (w.apply_run(values, 0), w.invert_run(values, 0)):
         run.add_(1.0)
         assert torch.equal(values, before) and run.dtype == torch.float32
+
+
+def test_every_transform_kind_keeps_the_transform_contract():
+    from deepspeed_gift.core import geometry as geo
+
+    # the reduction uses transforms only through geo.Transform: a run of whole units in, the
+    # same run out, inverted back, with the version they were built with
+    torch.manual_seed(0)
+    dim, rows = 16, 6
+    x = torch.randn(200, dim) * torch.linspace(0.1, 3.0, dim)
+    lrd = geo.fit_low_rank_diag(x.T @ x / 200, rank=4, damping=1e-3)
+    kinds = {
+        "structured": geo.whitener_from_low_rank(lrd, "structured", version=3),
+        "cholesky": geo.whitener_from_low_rank(lrd, "cholesky", version=3),
+        "hadamard": geo.make_whitener("hadamard", dim, seed=1, version=3),
+        "identity": geo.make_whitener("identity", dim, version=3),
+        "adam_factored": geo.FactoredScaling(torch.rand(rows) + 0.5, torch.rand(dim) + 0.5, version=3),
+    }
+    flat = torch.randn(rows * dim)
+    for name, t in kinds.items():
+        assert isinstance(t, geo.Transform), name
+        assert t.version == 3 and t.run_unit == (1 if name == "adam_factored" else dim), name
+        start, n = 2 * dim, 3 * dim  # rows 2-4 of the weight, as a ZeRO slice would hand them
+        run = flat[start:start + n]
+        moved = t.apply_run(run, start)
+        assert moved.shape == run.shape
+        if name != "identity":
+            assert not torch.allclose(moved, run), name
+        torch.testing.assert_close(t.invert_run(moved, start), run, rtol=1e-5, atol=1e-5)
+        assert all(isinstance(v, torch.Tensor) for v in t.to_tensors()), name

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -98,6 +98,27 @@ def second_moment(x: Tensor) -> Tensor:
     if n == 0:
         raise ValueError(f"second_moment needs at least one sample, got x of shape {tuple(x.shape)}")
     return (rows.T @ rows).div_(n)
+
+
+@runtime_checkable
+class Transform(Protocol):
+    """The contract of a layer's transform, as the reduction uses it: ``apply_run`` moves a
+    flat run of the parameter that starts at element ``start`` into the transform's coordinates,
+    ``invert_run`` back; a run is made of whole ``run_unit``-element units (a whitener's rows;
+    1 for an elementwise scaling); ``version`` names the fit (ranks must agree on it: the bucket
+    plan's hash includes it); ``to_tensors`` is its state for checkpoints and sharing.
+    :class:`Whitener` (K-FAC, Hadamard, identity) and :class:`FactoredScaling` implement it."""
+
+    version: int
+
+    @property
+    def run_unit(self) -> int: ...
+
+    def apply_run(self, values: Tensor, start: int) -> Tensor: ...
+
+    def invert_run(self, values: Tensor, start: int) -> Tensor: ...
+
+    def to_tensors(self) -> list[Tensor]: ...
 
 
 class CovarianceEMA:

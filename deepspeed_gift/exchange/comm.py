@@ -19,12 +19,25 @@ can report exactly what crossed the network.
 from __future__ import annotations
 
 import collections
+import enum
 import datetime
 import sys
 import threading
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+
+class ByteKind(str, enum.Enum):
+    """What the bytes a comm sends are for (its ``bytes_sent`` counts them by kind)."""
+
+    PAYLOAD = "payload"  # gradient payloads of the exchange among ranks (or nodes)
+    NODE = "node"  # two-level: inside the node (node stage, forwards)
+    GEOMETRY = "geometry"  # statistics, sketches and factors
+    CONTROL = "control"  # fingerprints, topology, profile tables
+    TELEMETRY = "telemetry"  # the fidelity check's exact reduction of a sample
+    PARAMS = "params"  # the compressed parameter all-gather
+    PARAMS_NODE = "params_node"  # the same inside the node
 
 
 class Comm:
@@ -34,7 +47,7 @@ class Comm:
     device = torch.device("cpu")  # where the collectives take their tensors
 
     def __init__(self) -> None:
-        self.bytes_sent: Dict[str, int] = collections.defaultdict(int)
+        self.bytes_sent: Dict[ByteKind, int] = collections.defaultdict(int)
 
     rank: int
     world_size: int
@@ -43,16 +56,16 @@ class Comm:
         return t if t.device == self.device else t.to(self.device)
 
     def all_to_all_bytes(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                         *, kind: str = "payload") -> torch.Tensor:
+                         *, kind: ByteKind = ByteKind.PAYLOAD) -> torch.Tensor:
         """Send ``send[sum(send_splits[:j]) : ...]`` to rank j; return what every rank sent
         here, concatenated in rank order (``recv_splits[j]`` bytes from rank j)."""
         raise NotImplementedError(f"{type(self).__name__}.all_to_all_bytes")
 
-    def all_reduce_sum(self, tensor: torch.Tensor, *, kind: str = "geometry") -> torch.Tensor:
+    def all_reduce_sum(self, tensor: torch.Tensor, *, kind: ByteKind = ByteKind.GEOMETRY) -> torch.Tensor:
         """In-place sum over the group (float32 statistics, counters)."""
         raise NotImplementedError(f"{type(self).__name__}.all_reduce_sum")
 
-    def all_gather_bytes(self, blob: torch.Tensor, *, kind: str = "geometry",
+    def all_gather_bytes(self, blob: torch.Tensor, *, kind: ByteKind = ByteKind.GEOMETRY,
                          same_size: bool = False) -> List[torch.Tensor]:
         """Every rank contributes a 1-D uint8 tensor of any length; all get all, in rank order.
         ``same_size``: the caller guarantees every rank's blob has this one's length, which
@@ -65,8 +78,8 @@ class Comm:
         the same list, at the same point (backends build every group collectively)."""
         raise NotImplementedError(f"{type(self).__name__}.split")
 
-    def _count(self, kind: str, nbytes: int) -> None:
-        self.bytes_sent[kind] += int(nbytes)
+    def _count(self, kind: "ByteKind", nbytes: int) -> None:
+        self.bytes_sent[ByteKind(kind)] += int(nbytes)  # a kind outside the vocabulary fails here
 
 
 def group_of(groups: Sequence[Sequence[int]], rank: int, world_size: int) -> int:
@@ -145,7 +158,7 @@ class TorchComm(Comm):
         sub.rank, sub.world_size = dist.get_rank(group=made), dist.get_world_size(group=made)
         return sub
 
-    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind=ByteKind.PAYLOAD):
         send_splits = [int(s) for s in send_splits]
         recv_splits = [int(s) for s in recv_splits]
         if self.world_size == 1:
@@ -155,7 +168,7 @@ class TorchComm(Comm):
         self._count(kind, sum(send_splits) - send_splits[self.rank])
         return recv.to(send.device)
 
-    def all_reduce_sum(self, tensor, *, kind="geometry"):
+    def all_reduce_sum(self, tensor, *, kind=ByteKind.GEOMETRY):
         if self.world_size > 1:
             work = self._on_device(tensor)
             self._dist.all_reduce(work, op=self._dist.ReduceOp.SUM, group=self.group)
@@ -169,7 +182,7 @@ class TorchComm(Comm):
         gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
         gather(out, tensor, group=self.group)
 
-    def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
+    def all_gather_bytes(self, blob, *, kind=ByteKind.GEOMETRY, same_size=False):
         if self.world_size == 1:
             return [blob.clone()]
         if same_size:
@@ -268,7 +281,7 @@ class MpiComm(Comm):
         # mpi4py reads CUDA tensors through __cuda_array_interface__ (CUDA-aware MPI only)
         return t.numpy() if t.device.type == "cpu" else t
 
-    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind=ByteKind.PAYLOAD):
         send_splits = [int(s) for s in send_splits]
         recv_splits = [int(s) for s in recv_splits]
         host_send = self._host(send)
@@ -293,7 +306,7 @@ class MpiComm(Comm):
             tensor.copy_(host)
         return tensor
 
-    def all_reduce_sum(self, tensor, *, kind="geometry"):
+    def all_reduce_sum(self, tensor, *, kind=ByteKind.GEOMETRY):
         if tensor.dtype in (torch.bfloat16, torch.float16):  # MPI has no 16-bit float sum
             wide = tensor.float()
             self.all_reduce_sum(wide, kind=kind)
@@ -305,7 +318,7 @@ class MpiComm(Comm):
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
-    def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
+    def all_gather_bytes(self, blob, *, kind=ByteKind.GEOMETRY, same_size=False):
         host = self._host(blob)
         with self._deadline("all-gather"):
             sizes = [int(host.numel())] * self.world_size if same_size else self.comm.allgather(int(host.numel()))
@@ -345,7 +358,7 @@ class LocalComm(Comm):
         self._barrier.wait()  # every rank has read before the next exchange overwrites the box
         return posted
 
-    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind="payload"):
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind=ByteKind.PAYLOAD):
         chunks = list(torch.split(send, [int(n) for n in send_splits]))
         posted = self._exchange(chunks)
         got = [posted[src][self.rank] for src in range(self.world_size)]
@@ -355,7 +368,7 @@ class LocalComm(Comm):
         self._count(kind, sum(int(n) for n in send_splits) - int(send_splits[self.rank]))
         return torch.cat(got) if got else send.new_empty(0)
 
-    def all_reduce_sum(self, tensor, *, kind="geometry"):
+    def all_reduce_sum(self, tensor, *, kind=ByteKind.GEOMETRY):
         posted = self._exchange(tensor.clone())
         total = posted[0].clone()
         for part in posted[1:]:  # rank order, as every rank sees it: the same bits everywhere
@@ -365,7 +378,7 @@ class LocalComm(Comm):
             self._count(kind, _ring_allreduce_bytes(tensor, self.world_size))
         return tensor
 
-    def all_gather_bytes(self, blob, *, kind="geometry", same_size=False):
+    def all_gather_bytes(self, blob, *, kind=ByteKind.GEOMETRY, same_size=False):
         posted = self._exchange(blob.clone())
         self._count(kind, blob.numel() * (self.world_size - 1))
         return [b.clone() for b in posted]
@@ -450,7 +463,7 @@ def detect_ranks_per_node(comm: Comm):
 
     mine = json.dumps([socket.gethostname(), os.environ.get("LOCAL_WORLD_SIZE", "")])
     blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind="control")]
+    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind=ByteKind.CONTROL)]
     whole_job = not dist.is_initialized() or dist.get_world_size() == comm.world_size
     return ranks_per_node_from([h for h, _ in everyone], [n for _, n in everyone], whole_job)
 

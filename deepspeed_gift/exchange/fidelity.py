@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .comm import ByteKind
 from .plan import BucketPlan, section_sample
 from .stats import StepStats
 
@@ -32,7 +33,7 @@ def exact_sample_reduction(comm, tensor: torch.Tensor, plan: BucketPlan, divisor
         sizes.append(raw.numel() * 4)
     my_bytes = own.numel() * 4
     recv = comm.all_to_all_bytes(torch.cat(chunks), sizes, [0 if src == me else my_bytes for src in range(world)],
-                                 kind="telemetry")
+                                 kind=ByteKind.TELEMETRY)
     stats.bytes_fidelity += sum(sizes)
     if own.numel() == 0:
         return None

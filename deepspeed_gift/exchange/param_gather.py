@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..core.formats import Codec
+from .comm import ByteKind
 from .stats import StepStats, clock
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of
@@ -68,10 +69,10 @@ class ReplicaGather:
     def exchange(self, blob: Tensor) -> List[Tensor]:
         """Every rank's ``blob`` (all of one length), in rank order."""
         if not self.two_level:
-            return self.comm.all_gather_bytes(blob, kind="params", same_size=True)
+            return self.comm.all_gather_bytes(blob, kind=ByteKind.PARAMS, same_size=True)
         size = blob.numel()
-        by_node = self.slot_comm.all_gather_bytes(blob, kind="params", same_size=True)  # [n]: rank n*G + l
-        by_slot = self.node_comm.all_gather_bytes(torch.cat(by_node), kind="params_node", same_size=True)
+        by_node = self.slot_comm.all_gather_bytes(blob, kind=ByteKind.PARAMS, same_size=True)  # [n]: rank n*G + l
+        by_slot = self.node_comm.all_gather_bytes(torch.cat(by_node), kind=ByteKind.PARAMS_NODE, same_size=True)
         nodes, per_node = len(by_node), len(by_slot)
         return [by_slot[l][n * size:(n + 1) * size] for n in range(nodes) for l in range(per_node)]
 

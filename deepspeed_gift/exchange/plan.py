@@ -22,14 +22,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 
 import torch
 
-from ..core.geometry import row_runs
+from ..core.geometry import Transform, row_runs
 from .headers import CONTROL_HEADER_BYTES, hash_bytes
 
-ROUTES = ("by_layout", "direct", "relay")  # gift.route
+Route = Literal["by_layout", "direct", "relay"]  # gift.route
+ROUTES: Tuple[str, ...] = get_args(Route)
 MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
 
 
@@ -267,7 +268,8 @@ def message_nbytes(plan: "BucketPlan", dst: int, codec_of) -> int:
 
 
 # ---- pieces in and out of a packed buffer ----------------------------------------------
-def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int, transforms) -> torch.Tensor:
+def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int,
+                  transforms: Optional[Dict[int, Transform]]) -> torch.Tensor:
     """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates;
     ``transforms`` None: all in gradient coordinates), always a buffer of its own."""
     if len(pieces) == 1 and pieces[0].rows and transforms is not None:  # the transform's own output
@@ -286,7 +288,8 @@ def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int, transfo
     return out
 
 
-def transform_pieces(buf: torch.Tensor, pieces: List[Piece], transforms, *, inverse: bool) -> torch.Tensor:
+def transform_pieces(buf: torch.Tensor, pieces: List[Piece], transforms: Dict[int, Transform], *,
+                     inverse: bool) -> torch.Tensor:
     """A packed buffer with its transformed pieces moved into (or back from) their coordinates:
     the transform's own output when one piece fills it, else ``buf`` changed in place."""
     if len(pieces) == 1 and pieces[0].rows:

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.geometry import full_fp32_matmuls
+from ..core.geometry import Transform, full_fp32_matmuls
+from .comm import ByteKind
 from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
@@ -77,7 +78,7 @@ class GiftReducer:
         return plan
 
     # ---- the reduction --------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform],
                versions: Dict[int, int], *, divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Reduce ``tensor`` (a flat bucket, this rank's local gradients) so that every
@@ -205,7 +206,7 @@ class GiftReducer:
             sizes.append(msg.numel())
         t0 = self.now()
         recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
-                                          kind="payload")
+                                          kind=ByteKind.PAYLOAD)
         stats.comm_s += self.now() - t0
         return recv
 

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..core.geometry import Transform
+from .comm import ByteKind
 from .headers import CONTROL_HEADER_BYTES, control_header, expect_control_header
 from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .reducer import GiftReducer
@@ -264,7 +266,7 @@ class TwoLevelReducer:
             split = min(splits, key=lambda k: (among_nodes[k], NODE_SPLITS.index(k)))
         return NodePlan(slices, L, self.rank, splits[split], split), among_nodes[split]
 
-    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, object],
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform],
                versions: Dict[int, int], *, divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
@@ -307,7 +309,7 @@ class TwoLevelReducer:
             sizes.append(CONTROL_HEADER_BYTES + body.numel())
         incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
         recv = self.node_comm.all_to_all_bytes(torch.cat(messages), sizes,
-                                               [0 if i == me else incoming for i in range(L)], kind="node")
+                                               [0 if i == me else incoming for i in range(L)], kind=ByteKind.NODE)
         partial, pos = None, 0
         for i in range(L):  # local rank order on every receiver: copies of a shared parameter agree bit for bit
             if i == me:
@@ -341,7 +343,7 @@ class TwoLevelReducer:
         recv_sizes = [CONTROL_HEADER_BYTES + plan.forward_numel[j][me] * elem if plan.forward_numel[j][me] else 0
                       for j in range(L)]
         recv = self.node_comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
-                                               kind="node")
+                                               kind=ByteKind.NODE)
         pos = 0
         for j in range(L):
             if not recv_sizes[j]:
