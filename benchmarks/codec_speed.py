@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deepspeed_gift.core.formats import FORMAT_NAMES, get_format  # noqa: E402
+from deepspeed_gift.core.formats import FORMAT_NAMES, NvFp4Codec, get_format  # noqa: E402
 from deepspeed_gift.core.geometry import fit_whitener, make_whitener  # noqa: E402
 
 TRANSFORMS = ("structured", "cholesky", "hadamard")
@@ -120,9 +120,7 @@ def main(argv: List[str] | None = None) -> int:
         rounding = "nearest" if name == "fp32" else args.rounding
         variants.append((name, get_format(name, rounding=rounding)))
         if name == "nvfp4":  # the single scale rule of earlier versions, beside the per-block choice
-            old = get_format(name, rounding=rounding)
-            old.scale_candidates = ("up",)
-            variants.append(("nvfp4/up", old))
+            variants.append(("nvfp4/up", NvFp4Codec(rounding=rounding, scale_candidates=("up",))))
     for label, codec in variants:
         rounding = codec.rounding
         wire = codec.encode_to_bytes(x)

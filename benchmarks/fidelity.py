@@ -113,7 +113,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deepspeed_gift.core import geometry as geo  # noqa: E402
 from deepspeed_gift.core import metrics as fm  # noqa: E402
 from deepspeed_gift.exchange.comm import run_local  # noqa: E402
-from deepspeed_gift.core.formats import FORMAT_NAMES, get_format  # noqa: E402
+from deepspeed_gift.core.formats import FORMAT_NAMES, NvFp4Codec, get_format  # noqa: E402
 from deepspeed_gift.statistics import InputMoments  # noqa: E402
 from deepspeed_gift.exchange.plan import GEO, ParamSlice  # noqa: E402
 from deepspeed_gift.exchange.reducer import GiftReducer  # noqa: E402
@@ -924,8 +924,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         formats.append(args.per_layer_format)
     codecs = {f: get_format(f, block_size=FORMAT_BLOCKS.get(f)) for f in formats}
     if "nvfp4" in codecs:  # the single block-scale rule of earlier versions, beside the per-block choice
-        codecs["nvfp4/up"] = get_format("nvfp4")
-        codecs["nvfp4/up"].scale_candidates = ("up",)
+        codecs["nvfp4/up"] = NvFp4Codec(scale_candidates=("up",))
         formats.insert(formats.index("nvfp4") + 1, "nvfp4/up")
     kfac = parse_kfac(args.kfac)
     geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + [ADAM_SPEC,

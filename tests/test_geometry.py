@@ -339,7 +339,7 @@ def test_hadamard_is_orthonormal_and_matches_reference(dim, block):
 
 @pytest.mark.parametrize("n", [1, 2, 8, 32, 512, 2048])
 def test_fast_hadamard_transform_matches_the_butterfly(n):
-    from deepspeed_gift.core.geometry import _fwht, _fwht_reference
+    from deepspeed_gift.core.geometry import _fwht
 
     x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     torch.testing.assert_close(_fwht(x), _fwht_reference(x), atol=1e-10, rtol=0)
@@ -543,3 +543,16 @@ def test_every_transform_kind_keeps_the_transform_contract():
             assert not torch.allclose(moved, run), name
         torch.testing.assert_close(t.invert_run(moved, start), run, rtol=1e-5, atol=1e-5)
         assert all(isinstance(v, torch.Tensor) for v in t.to_tensors()), name
+
+
+def _fwht_reference(x: torch.Tensor) -> torch.Tensor:
+    """Slow reference of ``geometry._fwht``: the butterfly, one pass per power of two."""
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        x = x.reshape(*lead, n // (2 * h), 2, h)
+        lo, hi = x[..., 0, :], x[..., 1, :]
+        x = torch.stack((lo + hi, lo - hi), dim=-2)
+        h *= 2
+    return x.reshape(*lead, n)

@@ -881,12 +881,6 @@ def _e2m1_nearest(y: Tensor) -> Tensor:
     return _e2m1_of_keys(_fp4_keys(y.contiguous()))
 
 
-def _e2m1_nearest_reference(y: Tensor) -> Tensor:
-    """Slow reference of :func:`_e2m1_nearest`: count the midpoints below ``|y|``."""
-    mags = _table_on(_FP4_VALUES_T, y.device)[_fp4_magnitude_codes(y.abs()).long()]
-    return mags.copysign_(y)
-
-
 _DEVICE_TABLES: Dict[Tuple[int, torch.device], Tensor] = {}
 
 
@@ -908,9 +902,16 @@ class NvFp4Codec(_ScaledCodec):
     data_dtype = torch.uint8
     elements_per_byte = 2
     has_global_scale = True
-    # Block scales tried per block (see _prepare); ("up",) is the single-candidate codec of
-    # earlier versions, which the benchmarks set to show old against new.
-    scale_candidates: Tuple[str, ...] = ("up", "down", "4/6")
+    SCALE_CANDIDATES: ClassVar[Tuple[str, ...]] = ("up", "down", "4/6")  # tried per block, in tie-break order
+
+    def __init__(self, *, scale_candidates: Tuple[str, ...] = SCALE_CANDIDATES, **options) -> None:
+        """``scale_candidates``: the block scales tried per block (see ``_prepare``); ``("up",)``
+        alone is the single rule the per-block choice is measured against."""
+        if not scale_candidates or any(c not in self.SCALE_CANDIDATES for c in scale_candidates):
+            raise ValueError(f"nvfp4 scale_candidates must be a non-empty subset of {self.SCALE_CANDIDATES}, "
+                             f"got {scale_candidates!r}")
+        super().__init__(**options)
+        self.scale_candidates = tuple(scale_candidates)
 
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
         self._check_scale(scale, ("fp32",))

@@ -608,7 +608,7 @@ def _fwht(x: Tensor) -> Tensor:
 
     ``H_n = H_a (x) H_b`` with ``a * b = n``: viewing each row as an ``a x b`` matrix ``X``,
     the transform is ``H_a X H_b``, two small matrix products that run as BLAS / tensor-core
-    GEMMs, instead of log2(n) butterfly passes (:func:`_fwht_reference`) that each read and
+    GEMMs, instead of log2(n) butterfly passes (the reference in ``tests/test_geometry.py``) that each read and
     write the whole tensor (2.5-5x faster on CPU for Llama-600M's layers, see
     ``benchmarks/codec_speed.py``). Under TF32 matmuls the rounding is TF32's.
     """
@@ -620,19 +620,6 @@ def _fwht(x: Tensor) -> Tensor:
     y = torch.matmul(_sylvester(a, x.device, x.dtype), y)
     y = torch.matmul(y, _sylvester(n // a, x.device, x.dtype))  # symmetric, so no transpose
     return y.reshape(x.shape)
-
-
-def _fwht_reference(x: Tensor) -> Tensor:
-    """Slow reference of :func:`_fwht`: the butterfly, one pass per power of two."""
-    n = x.shape[-1]
-    lead = x.shape[:-1]
-    h = 1
-    while h < n:
-        x = x.reshape(*lead, n // (2 * h), 2, h)
-        lo, hi = x[..., 0, :], x[..., 1, :]
-        x = torch.stack((lo + hi, lo - hi), dim=-2)
-        h *= 2
-    return x.reshape(*lead, n)
 
 
 def _hadamard_segments(dim: int, block: int | None) -> list[tuple[int, int, int]]:
