@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .config import first_difference
+from .config import Hierarchy, first_difference
 
 logger = logging.getLogger("deepspeed_gift")
 CHECKPOINT_FORMAT = "deepspeed_gift/1"
@@ -34,8 +34,9 @@ def load_gift_state(state, saved: dict) -> None:
         logger.warning("gift: resuming with %s = %r (the checkpoint was written with %r)", diff[0], diff[2],
                        diff[1])
     state.geometry.load_state_dict(saved["geometry"])
-    state.run_totals = dict(saved["run_totals"])
-    saved_exchange = list(saved.get("exchange", ["flat"]))
+    state.run_totals.clear()
+    state.run_totals.update(saved["run_totals"])
+    saved_exchange = list(saved.get("exchange", [Hierarchy.FLAT.value]))
     if saved["world_size"] == state.comm.world_size and saved_exchange == state.exchange:
         state.reducer.load_state_dict(saved["reducer"], state.engine.device)
     elif saved["reducer"]["residuals"]:

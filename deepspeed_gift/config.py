@@ -8,6 +8,8 @@ key path (``gift.geometry.rank``), the value given and what is allowed.
 
 from __future__ import annotations
 
+import enum
+
 import json
 from typing import List, Literal, Optional, Union, get_args
 
@@ -15,11 +17,20 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from .core.formats import FORMAT_NAMES, format_class
+from .core.geometry import GeometryKind
 from .exchange.plan import Route
 
 GIFT_KEY = "gift"
 
-GeometryKind = Literal["kfac_input", "adam_factored", "identity", "hadamard"]
+class Hierarchy(str, enum.Enum):
+    """``gift.hierarchy``, and the exchange it resolves to (``flat`` or ``two_level``)."""
+
+    BY_TOPOLOGY = "by_topology"
+    FLAT = "flat"
+    TWO_LEVEL = "two_level"
+
+
+GeometryKindName = Literal[tuple(k.value for k in GeometryKind)]
 # pydantic needs the names spelled out; the codecs in ``formats`` are the source of truth, and
 # the import fails if the two ever differ.
 FormatName = Literal["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
@@ -39,7 +50,7 @@ class _GiftModel(DeepSpeedConfigModel):
 class GeometryConfig(_GiftModel):
     """How gradients are moved into geometry-aware coordinates before quantization."""
 
-    kind: Union[GeometryKind, List[GeometryKind]] = "kfac_input"
+    kind: Union[GeometryKindName, List[GeometryKindName]] = GeometryKind.KFAC_INPUT.value
     """``kfac_input``: whitening by the layer's input covariance (GIFT); ``adam_factored``:
     Adam's geometry, the gradient scaled by the row and column factors of the optimizer's
     second moment (Adam/AdamW layers; others stay Euclidean); ``identity``: Euclidean
@@ -200,7 +211,7 @@ class GiftConfig(_GiftModel):
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""
 
-    hierarchy: Literal["by_topology", "flat", "two_level"] = "by_topology"
+    hierarchy: Literal[tuple(h.value for h in Hierarchy)] = Hierarchy.BY_TOPOLOGY.value
     """How a bucket reaches its owners. ``flat``: one quantized all-to-all among all ranks.
     ``two_level``: first a reduce-scatter inside each node in the bucket's own dtype (summed in
     fp32 by the receiver), so local rank l holds the node's partial sum of what ranks with local
@@ -244,7 +255,7 @@ class GiftConfig(_GiftModel):
             raise ValueError(f"gift.rounding: got {self.rounding!r} with format '{fmt}': {exc}") from None
         kinds = self.geometry.kind
         if isinstance(kinds, list):
-            if not kinds or len(set(kinds)) != len(kinds) or "identity" in kinds:
+            if not kinds or len(set(kinds)) != len(kinds) or GeometryKind.IDENTITY in kinds:
                 raise ValueError(f"gift.geometry.kind: got {kinds!r}; a list names distinct kinds among "
                                  "'kfac_input', 'adam_factored', 'hadamard' (Euclidean is every layer's fallback, "
                                  "'identity' is not listed)")

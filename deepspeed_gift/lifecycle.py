@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .core import geometry as geo
+from .core.geometry import GeometryKind as K
 from .exchange.comm import ByteKind
 from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings
 from .selection import PROFILE_MAX_ROWS, Selection, summarize_profile
@@ -114,13 +115,13 @@ class GeometryManager:
         self.kfac = KfacRefresh(self.gcfg, cfg.seed, comm, self.names, self.owner_of)
         self.selection = Selection(cfg, self.kinds, self.names, comm, main_codec)
         self.gains = self.selection.gains  # each layer's measured gain, kept in checkpoints
-        if "hadamard" in self.kinds:
+        if K.HADAMARD in self.kinds:
             for i, name in enumerate(self.names):
                 width = self.modules[name].in_features
-                self.transforms["hadamard"][name] = geo.make_whitener("hadamard", width,
+                self.transforms[K.HADAMARD][name] = geo.make_whitener(K.HADAMARD, width,
                                                                       seed=cfg.seed * 1_000_003 + i)
         if not self.kinds or self.cfg.layers != "measured":
-            self.active = {name: self.kinds[0] if self.kinds else "identity" for name in self.names}
+            self.active = {name: self.kinds[0] if self.kinds else K.IDENTITY.value for name in self.names}
 
     def remove_hooks(self) -> None:
         """Take the statistics hooks off the model (``deepspeed_gift.detach``)."""
@@ -133,7 +134,7 @@ class GeometryManager:
                 if name in self.transforms.get(kind, {})}
 
     def _check_widths(self) -> None:
-        if "kfac_input" not in self.kinds:
+        if K.KFAC_INPUT not in self.kinds:
             return
         for name in self.names:
             width = self.modules[name].in_features
@@ -155,7 +156,7 @@ class GeometryManager:
 
     def collecting(self) -> bool:
         k = self.step
-        return ("kfac_input" in self.kinds and k >= 0
+        return (K.KFAC_INPUT in self.kinds and k >= 0
                 and (k % self.gcfg.collect_interval == 0 or k % self.gcfg.refresh_interval == 0))
 
     def refresh_due(self, k: int) -> bool:
@@ -181,7 +182,7 @@ class GeometryManager:
         # when selection does not use the optimizer's metric (which is then not reported) and
         # every transform acts on rows alike (Adam's scaling differs from row to row).
         rule = None
-        if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS or "adam_factored" in self.kinds:
+        if self.cfg.selection.metric == "optimizer" or rows <= PROFILE_MAX_ROWS or K.ADAM_FACTORED in self.kinds:
             rule = self.optimizer.update_rule(name)
         else:
             index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
@@ -192,16 +193,16 @@ class GeometryManager:
     def end_step(self, k: int) -> None:
         """End of step k: fold its statistics; on a refresh step refit, share, judge and select,
         and the version goes up (a transform built now carries the new version)."""
-        if "kfac_input" in self.kinds:
+        if K.KFAC_INPUT in self.kinds:
             self.kfac.fold(self.moments.take())
         if not self.refresh_due(k):
             return
         previous = {kind: dict(maps) for kind, maps in self.transforms.items()}
-        if "kfac_input" in self.kinds:
+        if K.KFAC_INPUT in self.kinds:
             self._rebuild_whiteners(self.kfac.refit(self.version), self.version + 1)
-        if "adam_factored" in self.kinds:
+        if K.ADAM_FACTORED in self.kinds:
             refit_adam_scalings(self.names, self.modules, self.optimizer, self.comm,
-                                self.transforms["adam_factored"], version=self.version + 1)
+                                self.transforms[K.ADAM_FACTORED], version=self.version + 1)
         if self.profiling():
             judged = self.selection.judge(previous)
             if self.cfg.layers == "measured":
@@ -219,7 +220,7 @@ class GeometryManager:
             if key in keys:
                 if key not in built:
                     built[key] = geo.whitener_from_low_rank(self.kfac.lowrank[key], self.gcfg.solver, version=version)
-                self.transforms["kfac_input"][name] = built[key]
+                self.transforms[K.KFAC_INPUT][name] = built[key]
 
 
 
@@ -227,7 +228,7 @@ class GeometryManager:
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: statistics (this rank's EMAs), shared
         factors, Adam scalings, selection, gains, version."""
-        scalings = self.transforms.get("adam_factored", {})
+        scalings = self.transforms.get(K.ADAM_FACTORED, {})
         return {
             "version": self.version,
             "active": dict(sorted(self.active.items())),
@@ -240,11 +241,11 @@ class GeometryManager:
     def load_state_dict(self, state: dict) -> None:
         active = state["active"]
         if not isinstance(active, dict):  # checkpoints of one geometry kind kept a list of layers
-            active = {name: self.kinds[0] if self.kinds else "identity" for name in active}
+            active = {name: self.kinds[0] if self.kinds else K.IDENTITY.value for name in active}
         unknown = sorted((set(active) | set(state["gains"]) | set(state.get("scalings", {}))) - set(self.names))
         if unknown:
             raise ValueError(f"gift checkpoint names layers this model does not have as candidates: {unknown[:5]}")
-        kinds = set(self.kinds) or {"identity"}
+        kinds = set(self.kinds) or {K.IDENTITY}
         foreign = sorted({kind for kind in active.values() if kind not in kinds})
         if foreign:
             raise ValueError(f"gift checkpoint has layers on geometry kind(s) {foreign}; gift.geometry.kind is "
@@ -253,13 +254,13 @@ class GeometryManager:
         self.active = dict(active)
         self.gains.clear()
         self.gains.update(state["gains"])
-        self.moments.key_of = dict(state["stats_key"])
+        self.moments.restore_keys(state["stats_key"])
         device = next(iter(self.modules.values())).weight.device if self.modules else torch.device("cpu")
         self.kfac.load_state_dict(state, device)
-        if "kfac_input" in self.kinds:
+        if K.KFAC_INPUT in self.kinds:
             self._rebuild_whiteners(self.kfac.lowrank, self.version)
-        if "adam_factored" in self.kinds:
-            self.transforms["adam_factored"] = {k: geo.FactoredScaling(row.to(device), col.to(device),
+        if K.ADAM_FACTORED in self.kinds:
+            self.transforms[K.ADAM_FACTORED] = {k: geo.FactoredScaling(row.to(device), col.to(device),
                                                                        version=self.version)
                                                 for k, (row, col) in state.get("scalings", {}).items()}
 
@@ -285,7 +286,7 @@ class GeometryManager:
 def geometry_kinds(kind) -> tuple:
     """``geometry.kind`` as the kinds that have transforms, in configured order (identity: none)."""
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
-    return tuple(k for k in kinds if k != "identity")
+    return tuple(k for k in kinds if k != K.IDENTITY)
 
 
 

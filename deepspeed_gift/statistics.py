@@ -61,6 +61,10 @@ class InputMoments:
 
         return hook
 
+    def restore_keys(self, key_of: Dict[str, str]) -> None:
+        """Which statistic each layer feeds, as a checkpoint recorded it (layers sharing an input)."""
+        self.key_of = dict(key_of)
+
     def take(self) -> Dict[str, torch.Tensor]:
         """Mean ``x x^T`` per statistic since the last call."""
         out = {key: total / max(self.counts[key], 1) for key, total in self.sums.items()}

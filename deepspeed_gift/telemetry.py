@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
+from .config import Hierarchy
 from .exchange.stats import StepStats
 
 TELEMETRY_KEYS: Dict[str, str] = {
@@ -80,7 +81,7 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
         "elements_sent": int(elements),
         "bytes_per_elem": (sent + geometry_bytes) / elements if elements else 0.0,
         "bytes_per_elem_run": run_totals["bytes"] / run_totals["elements"] if run_totals["elements"] else 0.0,
-        "hierarchy": hierarchy,
+        "hierarchy": Hierarchy(hierarchy).value,
         "bytes_recv_max": t.recv_max,
         "bytes_recv_max_internode": t.recv_max_internode,
         "relay_buckets": t.relay_buckets,
@@ -90,7 +91,7 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
     }
     if t.timed:  # seconds only where they time the work (see StepStats.timed)
         record.update(transform_s=t.transform_s, codec_s=t.codec_s, comm_s=t.comm_s)
-    if hierarchy == "two_level":
+    if hierarchy == Hierarchy.TWO_LEVEL:
         record["bytes_node"] = t.bytes_node
         record["balanced_buckets"] = t.balanced_buckets
         if t.timed:

@@ -24,7 +24,7 @@ import torch
 from .core import formats
 from .exchange.comm import ByteKind, detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
-from .config import PASSTHROUGH_FORMATS, GiftConfig, first_difference, get_gift_config
+from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
 from .core.geometry import row_col_sums
 from .lifecycle import GeometryManager, find_candidates
 from .core.metrics import AdamRule, MuonRule
@@ -158,16 +158,16 @@ def choose_topology(comm, cfg: GiftConfig):
     else:
         per_node, why = detect_ranks_per_node(comm)
         if per_node is None:
-            if cfg.hierarchy == "two_level":
+            if cfg.hierarchy == Hierarchy.TWO_LEVEL:
                 raise ValueError(f"gift.hierarchy: got 'two_level' but {why}; set gift.ranks_per_node to the number "
                                  "of data-parallel ranks per node, or use hierarchy 'flat'")
-            if cfg.hierarchy == "by_topology":
+            if cfg.hierarchy == Hierarchy.BY_TOPOLOGY:
                 logger.warning("gift: %s; gift.hierarchy 'by_topology' runs the flat exchange", why)
-            return "flat", 1
+            return Hierarchy.FLAT, 1
     nodes = world // per_node
-    if cfg.hierarchy == "two_level" or (cfg.hierarchy == "by_topology" and nodes > 1 and per_node > 1):
-        return "two_level", per_node
-    return "flat", per_node
+    if cfg.hierarchy == Hierarchy.TWO_LEVEL or (cfg.hierarchy == Hierarchy.BY_TOPOLOGY and nodes > 1 and per_node > 1):
+        return Hierarchy.TWO_LEVEL, per_node
+    return Hierarchy.FLAT, per_node
 
 
 class GiftState:
@@ -186,10 +186,11 @@ class GiftState:
         generator.manual_seed(cfg.seed * 1_000_003 + self.comm.rank + 1)
         self.hierarchy, self.ranks_per_node = choose_topology(self.comm, cfg)
         # what error-feedback residuals are laid out for (the flat exchange: the ranks alone)
-        self.exchange = ["two_level", self.ranks_per_node] if self.hierarchy == "two_level" else ["flat"]
+        self.exchange = ([Hierarchy.TWO_LEVEL.value, self.ranks_per_node] if self.hierarchy == Hierarchy.TWO_LEVEL
+                         else [Hierarchy.FLAT.value])
         codecs = (self.main_codec, self.high_codec or self.main_codec)
         node_comm = slot_comm = None
-        if self.hierarchy == "two_level":
+        if self.hierarchy == Hierarchy.TWO_LEVEL:
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,

@@ -26,6 +26,7 @@ transforms compute in float32 whatever the input dtype.
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 from dataclasses import dataclass
@@ -98,6 +99,15 @@ def second_moment(x: Tensor) -> Tensor:
     if n == 0:
         raise ValueError(f"second_moment needs at least one sample, got x of shape {tuple(x.shape)}")
     return (rows.T @ rows).div_(n)
+
+
+class GeometryKind(str, enum.Enum):
+    """The kinds of transform (``gift.geometry.kind``), in the order the config lists them."""
+
+    KFAC_INPUT = "kfac_input"  # input whitening from K-FAC statistics (fitted, refreshed)
+    ADAM_FACTORED = "adam_factored"  # Adam's factored second moment (refitted from its state)
+    IDENTITY = "identity"  # none: Euclidean
+    HADAMARD = "hadamard"  # a seeded random-sign Hadamard rotation (data-independent)
 
 
 @runtime_checkable
@@ -657,7 +667,7 @@ class HadamardWhitener(Whitener):
     Wire tensors: ``[signs (in,)]``; the block layout is not on the wire (pass ``block``).
     """
 
-    kind = "hadamard"
+    kind = GeometryKind.HADAMARD
 
     def __init__(self, dim: int, *, seed: int, block: int | None = None, device=None, version: int = 0):
         gen = torch.Generator(device="cpu")
@@ -718,7 +728,7 @@ class HadamardWhitener(Whitener):
 class IdentityWhitener(Whitener):
     """``S = I``: the Euclidean baseline. ``apply``/``invert`` return float32 copies."""
 
-    kind = "identity"
+    kind = GeometryKind.IDENTITY
 
     def _apply_rows(self, g: Tensor) -> Tensor:
         return g.clone()
@@ -750,8 +760,8 @@ class IdentityWhitener(Whitener):
 WHITENER_KINDS: dict[str, type[Whitener]] = {
     "structured": StructuredWhitener,
     "cholesky": CholeskyWhitener,
-    "hadamard": HadamardWhitener,
-    "identity": IdentityWhitener,
+    GeometryKind.HADAMARD: HadamardWhitener,
+    GeometryKind.IDENTITY: IdentityWhitener,
 }
 
 
@@ -788,9 +798,9 @@ def make_whitener(
     kind: str, dim: int, *, seed: int = 0, block: int | None = None, device=None, version: int = 0
 ) -> Whitener:
     """Data-independent whiteners: ``"hadamard"`` (seeded random-sign rotation) or ``"identity"``."""
-    if kind == "hadamard":
+    if kind == GeometryKind.HADAMARD:
         return HadamardWhitener(dim, seed=seed, block=block, device=device, version=version)
-    if kind == "identity":
+    if kind == GeometryKind.IDENTITY:
         return IdentityWhitener(dim, version=version)
     raise ValueError(f"whitener kind {kind!r} not in allowed values ['hadamard', 'identity']")
 
@@ -801,9 +811,9 @@ def whitener_from_tensors(
     """Rebuild a broadcast whitener on a receiving rank (``dim`` for identity, ``block`` for hadamard)."""
     if kind not in WHITENER_KINDS:
         raise ValueError(f"whitener kind {kind!r} not in allowed values {list(WHITENER_KINDS)}")
-    if kind == "identity":
+    if kind == GeometryKind.IDENTITY:
         return IdentityWhitener.from_tensors(tensors, dim=dim, version=version)
-    if kind == "hadamard":
+    if kind == GeometryKind.HADAMARD:
         return HadamardWhitener.from_tensors(tensors, block=block, version=version)
     return WHITENER_KINDS[kind].from_tensors(tensors, version=version)
 
@@ -872,7 +882,7 @@ class FactoredScaling:
     multiplies by precomputed reciprocals (round trip within a few float32 ulps).
     """
 
-    kind = "adam_factored"
+    kind = GeometryKind.ADAM_FACTORED
     run_unit = 1
     rank = 0
 

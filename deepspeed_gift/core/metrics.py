@@ -16,11 +16,20 @@ reports the error of ``approx`` against ``exact`` relative to ``exact``, in one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import enum
 from typing import Dict, Optional, Tuple
 
 from torch import Tensor
 
 METRICS = ("optimizer", "l2", "whitened")
+
+
+class RuleKind(str, enum.Enum):
+    """Which update rule judges a layer: Muon's, Adam's, or none (plain L2)."""
+
+    L2 = "l2"
+    ADAM = "adam"
+    MUON = "muon"
 # Muon's quintic Newton-Schulz coefficients (Keller Jordan's, as DeepSpeed uses them).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -106,10 +115,10 @@ def update_relative_error(rule, approx: Tensor, exact: Tensor) -> float:
 
 def rule_kind(rule: Optional[object]) -> str:
     if isinstance(rule, MuonRule):
-        return "muon"
+        return RuleKind.MUON
     if isinstance(rule, AdamRule):
-        return "adam"
-    return "l2"
+        return RuleKind.ADAM
+    return RuleKind.L2
 
 
 def roundtrip(G: Tensor, codec, whitener=None) -> Tensor:
