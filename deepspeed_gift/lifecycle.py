@@ -115,11 +115,11 @@ class GeometryManager:
         self.kfac = KfacRefresh(self.gcfg, cfg.seed, comm, self.names, self.owner_of)
         self.selection = Selection(cfg, self.kinds, self.names, comm, main_codec)
         self.gains = self.selection.gains  # each layer's measured gain, kept in checkpoints
-        if K.HADAMARD in self.kinds:
-            for i, name in enumerate(self.names):
-                width = self.modules[name].in_features
-                self.transforms[K.HADAMARD][name] = geo.make_whitener(K.HADAMARD, width,
-                                                                      seed=cfg.seed * 1_000_003 + i)
+        for kind in self.kinds:  # data-independent kinds: built once here
+            build = geo.FIXED_KINDS.get(kind)
+            if build is not None:
+                for i, name in enumerate(self.names):
+                    self.transforms[kind][name] = build(self.modules[name].in_features, cfg.seed * 1_000_003 + i)
         if not self.kinds or self.cfg.layers != "measured":
             self.active = {name: self.kinds[0] if self.kinds else K.IDENTITY.value for name in self.names}
 

@@ -30,7 +30,7 @@ import enum
 import math
 import threading
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -115,11 +115,16 @@ class Transform(Protocol):
     """The contract of a layer's transform, as the reduction uses it: ``apply_run`` moves a
     flat run of the parameter that starts at element ``start`` into the transform's coordinates,
     ``invert_run`` back; a run is made of whole ``run_unit``-element units (a whitener's rows;
-    1 for an elementwise scaling); ``version`` names the fit (ranks must agree on it: the bucket
-    plan's hash includes it); ``to_tensors`` is its state for checkpoints and sharing.
+    1 for an elementwise scaling); ``apply``/``invert`` do the same on the whole ``(out, in)``
+    gradient (the selection's profile); ``version`` names the fit (ranks must agree on it: the
+    bucket plan's hash includes it); ``to_tensors`` is its state for checkpoints and sharing.
     :class:`Whitener` (K-FAC, Hadamard, identity) and :class:`FactoredScaling` implement it."""
 
     version: int
+
+    def apply(self, G: Tensor) -> Tensor: ...
+
+    def invert(self, Z: Tensor) -> Tensor: ...
 
     @property
     def run_unit(self) -> int: ...
@@ -755,6 +760,13 @@ class IdentityWhitener(Whitener):
     @classmethod
     def tensor_shapes(cls, dim: int, rank: int = 0) -> list[tuple[int, ...]]:
         return []
+
+
+# Data-independent kinds: built once per layer from its input width and a seed, never refitted;
+# a kind listed here needs nothing else to be built (lifecycle.GeometryManager builds them all).
+FIXED_KINDS: dict[GeometryKind, Callable[[int, int], Transform]] = {
+    GeometryKind.HADAMARD: lambda dim, seed: HadamardWhitener(dim, seed=seed),
+}
 
 
 WHITENER_KINDS: dict[str, type[Whitener]] = {
