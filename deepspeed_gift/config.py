@@ -16,8 +16,9 @@ from typing import List, Literal, Optional, Union, get_args
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from .core.formats import FORMAT_NAMES, format_class
-from .core.geometry import GeometryKind
+from .core.formats import FORMAT_NAMES, ROUNDING_MODES, format_class
+from .core.geometry import SOLVERS, GeometryKind
+from .core.metrics import METRICS
 from .exchange.plan import Route
 
 GIFT_KEY = "gift"
@@ -31,11 +32,7 @@ class Hierarchy(str, enum.Enum):
 
 
 GeometryKindName = Literal[tuple(k.value for k in GeometryKind)]
-# pydantic needs the names spelled out; the codecs in ``formats`` are the source of truth, and
-# the import fails if the two ever differ.
-FormatName = Literal["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
-if get_args(FormatName) != FORMAT_NAMES:
-    raise ImportError(f"config.FormatName {get_args(FormatName)} differs from formats.FORMAT_NAMES {FORMAT_NAMES}")
+FormatName = Literal[FORMAT_NAMES]  # the codecs in ``formats`` name the formats
 FP8_FORMATS = tuple(n for n in FORMAT_NAMES if n.startswith("fp8_"))
 PASSTHROUGH_FORMATS = tuple(n for n in FORMAT_NAMES if format_class(n).default_block_size == 0)
 DEFAULT_BLOCK_SIZE = {n: format_class(n).default_block_size for n in FORMAT_NAMES if n not in PASSTHROUGH_FORMATS}
@@ -85,7 +82,7 @@ class GeometryConfig(_GiftModel):
     """Smoothing across refreshes: the fit sees ``factor_decay * A_hat_prev +
     (1 - factor_decay) * A_stats``."""
 
-    solver: Literal["structured", "cholesky"] = "structured"
+    solver: Literal[SOLVERS] = "structured"
     """``structured``: O(out*in*r) whitening with exact inverse; ``cholesky``: the
     published dense form, O(out*in^2), kept for comparison."""
 
@@ -104,7 +101,7 @@ class SelectionConfig(_GiftModel):
     max_layers: Optional[int] = Field(None, ge=1)
     """Keep at most this many layers (highest gain per transform FLOP first)."""
 
-    metric: Literal["optimizer", "l2", "whitened"] = "optimizer"
+    metric: Literal[METRICS] = "optimizer"
     """The error a layer's gain is measured in: ``optimizer``: the relative error of the
     update the configured optimizer takes from the gradient (Muon: Newton-Schulz of the
     Nesterov momentum blend; Adam/AdamW: ``m_hat / (sqrt(v_hat) + eps)``, with the real
@@ -187,7 +184,7 @@ class GiftConfig(_GiftModel):
     scale: Literal["fp32", "e8m0"] = "fp32"
     """Scale encoding: fp32 per block, or power-of-two E8M0 per 32 (fp8 only)."""
 
-    rounding: Literal["nearest", "stochastic"] = "nearest"
+    rounding: Literal[ROUNDING_MODES] = "nearest"
     backend: Literal["torch", "mpi"] = "torch"
     geometry: GeometryConfig = Field(default_factory=GeometryConfig)
     layers: Union[Literal["measured", "all"], List[str]] = "measured"

@@ -91,7 +91,7 @@ class Selection:
 
 PROFILE_COLUMNS = tuple([f"euclid_{m}" for m in metrics.METRICS] + [f"geo_{m}" for m in metrics.METRICS]
                         + ["measured"])
-RULE_CODES = {metrics.RuleKind.L2: 0, metrics.RuleKind.ADAM: 1, metrics.RuleKind.MUON: 2}  # all-reduced as numbers
+RULE_CODES = {kind: code for code, kind in enumerate(metrics.RuleKind)}  # the rule travels as a number
 
 
 def summarize_profile(judged: Dict[str, Dict[str, dict]], active: Dict[str, str], metric: str) -> dict:
