@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from .core.formats import FORMAT_NAMES, ROUNDING_MODES, format_class
 from .core.geometry import SOLVERS, GeometryKind
 from .core.metrics import METRICS
+from .exchange.comm import Backend
 from .exchange.plan import Route
 
 GIFT_KEY = "gift"
@@ -29,6 +30,20 @@ class Hierarchy(str, enum.Enum):
     BY_TOPOLOGY = "by_topology"
     FLAT = "flat"
     TWO_LEVEL = "two_level"
+
+
+class Layers(str, enum.Enum):
+    """``gift.layers`` as a word: the layers selected by measurement, or all of them."""
+
+    MEASURED = "measured"
+    ALL = "all"
+
+
+class DampingMode(str, enum.Enum):
+    """``gift.geometry.damping_mode``: damping as it is, or relative to the statistic's mean diagonal."""
+
+    ABSOLUTE = "absolute"
+    RELATIVE = "relative"
 
 
 GeometryKindName = Literal[tuple(k.value for k in GeometryKind)]
@@ -60,7 +75,7 @@ class GeometryConfig(_GiftModel):
     damping: float = Field(1e-3, gt=0.0)
     """Floor of the residual diagonal ``d`` (keeps ``S`` bounded); see ``damping_mode``."""
 
-    damping_mode: Literal["absolute", "relative"] = "absolute"
+    damping_mode: Literal[tuple(d.value for d in DampingMode)] = DampingMode.ABSOLUTE.value
     """``absolute``: the floor is ``damping``; ``relative``: ``damping * mean(diag(A))``, the
     same conditioning whatever the scale of the layer's inputs."""
 
@@ -185,9 +200,9 @@ class GiftConfig(_GiftModel):
     """Scale encoding: fp32 per block, or power-of-two E8M0 per 32 (fp8 only)."""
 
     rounding: Literal[ROUNDING_MODES] = "nearest"
-    backend: Literal["torch", "mpi"] = "torch"
+    backend: Literal[tuple(b.value for b in Backend)] = Backend.TORCH.value
     geometry: GeometryConfig = Field(default_factory=GeometryConfig)
-    layers: Union[Literal["measured", "all"], List[str]] = "measured"
+    layers: Union[Literal[tuple(x.value for x in Layers)], List[str]] = Layers.MEASURED.value
     """``measured``: per-layer selection by the measured error; ``all``: every eligible linear layer; or a
     list of glob patterns over module names (``"*.mlp.*"``)."""
 
@@ -256,7 +271,7 @@ class GiftConfig(_GiftModel):
                 raise ValueError(f"gift.geometry.kind: got {kinds!r}; a list names distinct kinds among "
                                  "'kfac_input', 'adam_factored', 'hadamard' (Euclidean is every layer's fallback, "
                                  "'identity' is not listed)")
-            if len(kinds) > 1 and self.layers != "measured":
+            if len(kinds) > 1 and self.layers != Layers.MEASURED:
                 raise ValueError(f"gift.geometry.kind: got {kinds!r} with gift.layers {self.layers!r}; choosing a "
                                  "kind per layer needs gift.layers 'measured' (or give one kind)")
         if isinstance(self.layers, list):

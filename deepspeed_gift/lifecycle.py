@@ -34,6 +34,7 @@ from typing import Protocol, Dict, List, Optional
 import torch
 from torch import nn
 
+from .config import Layers
 from .core import geometry as geo
 from .core.geometry import GeometryKind as K
 from .exchange.comm import ByteKind
@@ -74,7 +75,7 @@ def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Linear]:
     linears = {n: m for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and m.weight.requires_grad}
     layers = cfg.layers
-    if layers in ("measured", "all"):
+    if layers in (Layers.MEASURED, Layers.ALL):
         return linears
     chosen = {n: m for n, m in linears.items() if any(fnmatch.fnmatchcase(n, p) for p in layers)}
     unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
@@ -120,7 +121,7 @@ class GeometryManager:
             if build is not None:
                 for i, name in enumerate(self.names):
                     self.transforms[kind][name] = build(self.modules[name].in_features, cfg.seed * 1_000_003 + i)
-        if not self.kinds or self.cfg.layers != "measured":
+        if not self.kinds or self.cfg.layers != Layers.MEASURED:
             self.active = {name: self.kinds[0] if self.kinds else K.IDENTITY.value for name in self.names}
 
     def remove_hooks(self) -> None:
@@ -167,7 +168,7 @@ class GeometryManager:
         """Refresh steps judge every layer's coordinates: to select them (``layers: "measured"``) or,
         with sampled telemetry, to report their errors in every metric."""
         telemetry = self.cfg.telemetry
-        return bool(self.kinds) and (self.cfg.layers == "measured" or (telemetry.fidelity and telemetry.every > 0))
+        return bool(self.kinds) and (self.cfg.layers == Layers.MEASURED or (telemetry.fidelity and telemetry.every > 0))
 
     def wants_capture(self, name: str) -> bool:
         return (self.profiling() and self.refresh_due(self.step)
@@ -205,7 +206,7 @@ class GeometryManager:
                                 self.transforms[K.ADAM_FACTORED], version=self.version + 1)
         if self.profiling():
             judged = self.selection.judge(previous)
-            if self.cfg.layers == "measured":
+            if self.cfg.layers == Layers.MEASURED:
                 self.active = self.selection.select(judged, self.version + 1)
             if judged:
                 self.profile = summarize_profile(judged, self.active, self.cfg.selection.metric)

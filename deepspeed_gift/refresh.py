@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from .config import DampingMode
 from .core import geometry as geo
 from .exchange.comm import ByteKind
 
@@ -191,7 +192,7 @@ class KfacRefresh:
         return geo.nystrom_low_rank_diag(omega, Y, diag, rank=self.gcfg.rank, damping=self._damping_floor(diag))
 
     def _damping_floor(self, diag: torch.Tensor) -> float:
-        if self.gcfg.damping_mode == "absolute":
+        if self.gcfg.damping_mode == DampingMode.ABSOLUTE:
             return self.gcfg.damping
         mean = float(diag.double().mean())
         # an all-zero input (a dead layer) still needs a positive floor

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .core import formats
+from .core.formats import Rounding
 from .exchange.comm import ByteKind, detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
@@ -194,7 +195,7 @@ class GiftState:
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
-                                route=cfg.route, shared_seed=cfg.seed if cfg.rounding == "stochastic" else None)
+                                route=cfg.route, shared_seed=cfg.seed if cfg.rounding == Rounding.STOCHASTIC else None)
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,

@@ -62,6 +62,7 @@ below 2**-24 of a step).
 
 from __future__ import annotations
 
+import enum
 import math
 import struct
 from dataclasses import dataclass, field
@@ -81,7 +82,16 @@ __all__ = [
 ]
 
 FORMAT_NAMES: Tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32")
-ROUNDING_MODES: Tuple[str, ...] = ("nearest", "stochastic")
+
+
+class Rounding(str, enum.Enum):
+    """How a codec rounds to its grid (``gift.rounding``)."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
+ROUNDING_MODES: Tuple[str, ...] = tuple(r.value for r in Rounding)
 SCALE_KINDS: Tuple[str, ...] = ("none", "fp32", "e8m0", "e4m3")
 
 HEADER_BYTES = 16
@@ -451,7 +461,7 @@ class Codec:
         buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=x.device)
         buf[:HEADER_BYTES].copy_(self.header_on(numel, buf.device))
         p = self._views(buf, numel, x.shape)
-        gen = self._generator(x.device, generator) if self.rounding == "stochastic" and numel else None
+        gen = self._generator(x.device, generator) if self.rounding == Rounding.STOCHASTIC and numel else None
         self._encode_into(flat, p, gen)
         return p
 
@@ -932,7 +942,7 @@ class NvFp4Codec(_ScaledCodec):
         up = _e4m3_at_least(target)
         options = {"up": up, "down": torch.where(up > 0, up - 1, up),
                    "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
-        allowed = self.scale_candidates if self.rounding == "nearest" else ("up", "4/6")
+        allowed = self.scale_candidates if self.rounding == Rounding.NEAREST else ("up", "4/6")
         return [options[k] for k in allowed]
 
     def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
@@ -1049,7 +1059,7 @@ class Fp32Codec(_PassthroughCodec):
     bytes_per_element = 4
 
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
-        if self.rounding != "nearest":
+        if self.rounding != Rounding.NEAREST:
             raise ValueError(f"fp32 is exact: rounding must be 'nearest', got {self.rounding!r}")
         return super()._check_options(block_size, scale)
 

@@ -28,6 +28,13 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 
+class Backend(str, enum.Enum):
+    """``gift.backend``: DeepSpeed's own process group (torch.distributed), or MPI."""
+
+    TORCH = "torch"
+    MPI = "mpi"
+
+
 class ByteKind(str, enum.Enum):
     """What the bytes a comm sends are for (its ``bytes_sent`` counts them by kind)."""
 
@@ -463,21 +470,22 @@ def detect_ranks_per_node(comm: Comm):
 
     mine = json.dumps([socket.gethostname(), os.environ.get("LOCAL_WORLD_SIZE", "")])
     blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind=ByteKind.CONTROL)]
+    everyone = [json.loads(b.cpu().numpy().tobytes().decode())
+                for b in comm.all_gather_bytes(blob, kind=ByteKind.CONTROL)]
     whole_job = not dist.is_initialized() or dist.get_world_size() == comm.world_size
     return ranks_per_node_from([h for h, _ in everyone], [n for _, n in everyone], whole_job)
 
 
 def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> Comm:
     """The backend named by ``gift.backend`` over DeepSpeed's data-parallel group."""
-    if backend == "torch":
+    if backend == Backend.TORCH:
         return TorchComm(group, timeout)
-    if backend == "mpi":
+    if backend == Backend.MPI:
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         return MpiComm(ranks, timeout)
-    raise ValueError(f"gift.backend: got {backend!r}; allowed: 'torch', 'mpi'")
+    raise ValueError(f"gift.backend: got {backend!r}; allowed: {', '.join(repr(b.value) for b in Backend)}")
 
 
 __all__ = ["Comm", "TorchComm", "MpiComm", "LocalComm", "run_local", "make_comm", "split_by_node", "detect_ranks_per_node",
