@@ -520,8 +520,8 @@ def reduce_ranks(G: Tensor, codec, whitener: geo.Whitener, *, owner: Optional[in
 
     def rank_body(comm):
         bucket = G[comm.rank].reshape(-1).to(torch.float32, copy=True)
-        counters = GiftReducer(comm, codec).reduce(bucket, slices, {0: whitener}, {0: whitener.version},
-                                                   divisor=float(world), sample=stats)
+        counters = GiftReducer(comm, codec).reduce(bucket, slices, {0: whitener}, divisor=float(world),
+                                                   sample=stats)
         return bucket if comm.rank == dst else None, counters
 
     per_rank = run_local(world, rank_body)

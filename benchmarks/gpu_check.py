@@ -153,7 +153,7 @@ def _reducer_rank(comm, device, steps, grads, whitener):
         bucket = grads[comm.rank].to(device)
         exact = grads.to(device).mean(0)
         with HostSyncCounter() as counter:
-            reducer.reduce(bucket, slices, {0: whitener}, {0: 0}, divisor=world, step=step)
+            reducer.reduce(bucket, slices, {0: whitener}, divisor=world, step=step)
         syncs += counter.total
         reducer.verify_checks()
         me = slice(bounds[comm.rank], bounds[comm.rank + 1])

@@ -275,7 +275,7 @@ class GiftState:
             return self.native_average_tensor(tensor, communication_data_type)
         opt = self.opt
         bucket = opt.ipg_buckets[communication_data_type]
-        slices, outputs, whiteners, versions = [], [], {}, {}
+        slices, outputs, whiteners = [], [], {}
         offset = 0
         for group_idx, param_idx, param_id in bucket.params:
             param = opt.bit16_groups[group_idx][param_idx]
@@ -284,7 +284,6 @@ class GiftState:
             row_len = whitener.run_unit if mode == GEO else 0
             if whitener is not None:
                 whiteners[param_id] = whitener
-                versions[param_id] = whitener.version
             name = self.param_names.get(param_id)
             if name is not None and self.geometry.wants_capture(name):
                 self.geometry.capture(name, tensor.narrow(0, offset, numel).view(param.shape))
@@ -300,7 +299,7 @@ class GiftState:
                                f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
         divisor = self.comm.world_size / float(opt.sequence_parallel_size) if opt.gradient_average else 1.0
         with _reduction_stream(opt, communication_data_type):
-            stats = self.reducer.reduce(tensor, slices, whiteners, versions, divisor=divisor, step=k,
+            stats = self.reducer.reduce(tensor, slices, whiteners, divisor=divisor, step=k,
                                         outputs=outputs, sample=self.sampling(k))
         self._count(stats)
 

@@ -126,10 +126,10 @@ def _reduce_body(rank, world, fmt, scaled):
     bucket = grads[rank].clone()
     reducer = GiftReducer(TorchComm(), formats.get_format(fmt))
     if scaled:
-        reducer.reduce(bucket, slices, transforms, {0: 0}, divisor=world, step=1)
+        reducer.reduce(bucket, slices, transforms, divisor=world, step=1)
     else:
         plain = [ParamSlice(s.dst, s.bucket_offset, s.numel, s.param_offset, 0) for s in slices]
-        reducer.reduce(bucket, plain, {}, {}, divisor=world, step=1)
+        reducer.reduce(bucket, plain, {}, divisor=world, step=1)
     exact = torch.stack(grads).sum(0) / world
     s = slices[rank]
     return (s.param_offset, bucket[s.bucket_offset:s.bucket_offset + s.numel].clone(),

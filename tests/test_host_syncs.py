@@ -47,7 +47,7 @@ def _mismatch_body(rank, world):
     reducer = GiftReducer(TorchComm(), formats.get_format("fp8_e4m3"), defer_checks=True)
     slices = [ParamSlice(d, d * 512, 512, d * 512, 0) for d in range(world)]
     with HostSyncCounter() as counter:  # deferred: the reduction itself reads nothing back
-        reducer.reduce(torch.randn(512 * world), slices, {}, {}, divisor=world, step=5 + rank)
+        reducer.reduce(torch.randn(512 * world), slices, {}, divisor=world, step=5 + rank)
     try:
         reducer.verify_checks()
     except RuntimeError as exc:

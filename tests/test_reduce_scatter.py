@@ -43,13 +43,13 @@ def _layout(world):
     return shapes, slices, total
 
 
-def _whiteners():
+def _whiteners(version: int = 0):
     out = {}
     for key, dim in ((0, 16), (1, 32)):
         g = torch.Generator().manual_seed(key)
         X = torch.randn(200, dim, generator=g) * torch.linspace(0.1, 3.0, dim)
         A = X.T @ X / 200
-        out[key] = geo.fit_whitener(A, rank=4, damping=1e-3)
+        out[key] = geo.fit_whitener(A, rank=4, damping=1e-3, version=version)
     return out
 
 
@@ -66,7 +66,7 @@ def _reduce_body(rank, world, fmt):
     bucket = grads[rank].clone()
     outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in slices]
     whiteners = _whiteners()
-    stats = reducer.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, step=7,
+    stats = reducer.reduce(bucket, slices, whiteners, divisor=world, step=7,
                            outputs=outputs, sample=True)
     exact = torch.stack(grads).sum(0) / world
     mine = [(s, o) for s, o in zip(slices, outputs) if s.dst == rank]
@@ -99,7 +99,7 @@ def _one_piece_body(rank, world):
     grads = [torch.randn(128, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
     bucket = grads[rank].clone()
     stats = GiftReducer(TorchComm(), formats.get_format("fp32")).reduce(
-        bucket, slices, {0: _whiteners()[0]}, {0: 0}, divisor=world, sample=True)
+        bucket, slices, {0: _whiteners()[0]}, divisor=world, sample=True)
     exact = (torch.stack(grads).sum(0) / world)[rank * 64:(rank + 1) * 64]
     return bucket[rank * 64:(rank + 1) * 64], exact, grads[rank], stats
 
@@ -131,14 +131,14 @@ def _feedback_body(rank, world, error_feedback, switch_at):
     comm = TorchComm()
     reducer = GiftReducer(comm, formats.get_format("int4"), error_feedback=error_feedback)
     grad = torch.randn(total, generator=torch.Generator().manual_seed(100 + rank))
-    first, second = _whiteners(), {k: geo.make_whitener("hadamard", w.dim, seed=5) for k, w in _whiteners().items()}
+    first = _whiteners()
+    second = {k: geo.make_whitener("hadamard", w.dim, seed=5, version=1) for k, w in first.items()}
     acc = torch.zeros(total)
     steps = 12
     for step in range(steps):
         whiteners = first if step < switch_at else second
         bucket = grad.clone()
-        reducer.reduce(bucket, slices, whiteners, {k: int(step >= switch_at) for k in whiteners}, divisor=world,
-                       step=step)
+        reducer.reduce(bucket, slices, whiteners, divisor=world, step=step)
         acc += bucket
     exact = torch.stack([torch.randn(total, generator=torch.Generator().manual_seed(100 + r))
                          for r in range(world)]).mean(0)
@@ -170,10 +170,9 @@ def _disagree_body(rank, world):
     dist.init_process_group("gloo")
     shapes, slices, total = _layout(world)
     reducer = GiftReducer(TorchComm(), formats.get_format("fp8_e4m3"), formats.get_format("bf16"))
-    whiteners = _whiteners()
-    versions = {k: rank for k in whiteners}  # rank 1 believes in a newer whitener
+    whiteners = _whiteners(version=rank)  # rank 1 believes in a newer whitener
     try:
-        reducer.reduce(torch.randn(total), slices, whiteners, versions, divisor=world, step=3)
+        reducer.reduce(torch.randn(total), slices, whiteners, divisor=world, step=3)
     except RuntimeError as exc:
         return str(exc)
     return ""
@@ -206,7 +205,7 @@ def _shared_body(rank, world, fmt, error_feedback):
     stats = {}
     for step in range(2):  # the second step adds the first one's residual when error feedback is on
         bucket = grads[rank].clone()
-        stats = reducer.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, step=step,
+        stats = reducer.reduce(bucket, slices, whiteners, divisor=world, step=step,
                                outputs=outputs if step == 1 else None)
     start = min(s.bucket_offset for s in slices if s.param_key == 1)
     numel = 5 * 32
@@ -262,7 +261,7 @@ def _two_level_body(rank, world, fmt, rounding, error_feedback):
         for step in range(2):  # step 1 carries step 0's residual when error feedback is on
             bucket = grads[rank].clone()
             outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in slices]
-            stats = reducer.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, step=step,
+            stats = reducer.reduce(bucket, slices, whiteners, divisor=world, step=step,
                                    outputs=outputs)
         mine = [(s, bucket[s.bucket_offset:s.bucket_offset + s.numel].clone(), o) for s, o in zip(slices, outputs)
                 if s.dst == rank and not s.copy_ranks]
@@ -323,7 +322,7 @@ def _sampled_body(comm, limit, grads):
     bounds = [n * j // world for j in range(world + 1)]
     slices = [ParamSlice(d, bounds[d], bounds[d + 1] - bounds[d], bounds[d], 0) for d in range(world)]
     reducer = GiftReducer(comm, formats.get_format("fp8_e4m3"), fidelity_elements=limit)
-    stats = reducer.reduce(grads[comm.rank].clone(), slices, {}, {}, divisor=world, sample=True)
+    stats = reducer.reduce(grads[comm.rank].clone(), slices, {}, divisor=world, sample=True)
     return stats.bytes_fidelity, (stats.fidelity_err_sq / stats.fidelity_ref_sq) ** 0.5, comm.bytes_sent["telemetry"]
 
 
@@ -369,8 +368,7 @@ def test_transforms_run_in_full_fp32_whatever_the_users_tf32_setting():
         slices = [ParamSlice(d, d * 64, 64, d * 64, 0, 1, GEO) for d in range(comm.world_size)]
         reducer = GiftReducer(comm, formats.get_format("fp32"))
         for step in range(3):
-            reducer.reduce(torch.randn(64 * comm.world_size), slices, {0: probe}, {0: 0},
-                           divisor=comm.world_size, step=step)
+            reducer.reduce(torch.randn(64 * comm.world_size), slices, {0: probe}, divisor=comm.world_size, step=step)
 
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # what HF's tf32=True sets

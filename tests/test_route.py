@@ -24,7 +24,7 @@ def _reduce(comm, route, fmt, slices, grads, steps=1, **kw):
     reducer = GiftReducer(comm, formats.get_format(fmt, **kw.pop("codec", {})), route=route, **kw)
     for step in range(steps):
         bucket = grads[step][comm.rank].clone()
-        stats = reducer.reduce(bucket, slices, {}, {}, divisor=comm.world_size, step=step)
+        stats = reducer.reduce(bucket, slices, {}, divisor=comm.world_size, step=step)
     return bucket, stats
 
 
@@ -76,7 +76,7 @@ def test_relay_error_feedback_cancels_both_quantizations():
             total = torch.zeros(N)
             for step in range(steps):
                 bucket = grads[step][comm.rank].clone()
-                reducer.reduce(bucket, slices, {}, {}, divisor=world, step=step)
+                reducer.reduce(bucket, slices, {}, divisor=world, step=step)
                 total += bucket
             return float((total - steps * exact).norm() / (steps * exact).norm()), reducer.residual_nbytes()
         return run_local(world, body)[0]
@@ -264,7 +264,7 @@ def _two_level_routes_body(rank, world, per_node):
             two = TwoLevelReducer(node_comm, inner, per_node)
             bucket = grads[rank].clone()
             outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in slices]
-            stats = two.reduce(bucket, slices, whiteners, {k: 0 for k in whiteners}, divisor=world, outputs=outputs)
+            stats = two.reduce(bucket, slices, whiteners, divisor=world, outputs=outputs)
             owned = [(s.bucket_offset, bucket.narrow(0, s.bucket_offset, s.numel).clone(), o)
                      for s, o in zip(slices, outputs) if s.dst == rank and s.mode != HIGH]
             shared = bucket.narrow(0, 96, 160).clone() if rank in (1, world - 1) else None

@@ -50,7 +50,7 @@ def _body(comm, fmt, route, grads, toy):
     slices = [ParamSlice(d, cuts[d], cuts[d + 1] - cuts[d], cuts[d], 0, DIM, mode) for d in range(WORLD)]
     reducer = GiftReducer(comm, formats.get_format(fmt), route=route)
     bucket = grads[comm.rank].clone()
-    reducer.reduce(bucket, slices, {0: toy} if toy is not None else {}, {0: 0}, divisor=WORLD)
+    reducer.reduce(bucket, slices, {0: toy} if toy is not None else {}, divisor=WORLD)
     s = slices[comm.rank]
     return bucket.narrow(0, s.bucket_offset, s.numel)
 

@@ -78,8 +78,8 @@ class GiftReducer:
         return plan
 
     # ---- the reduction --------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform],
-               versions: Dict[int, int], *, divisor: float, step: int = 0,
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
+               divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Reduce ``tensor`` (a flat bucket, this rank's local gradients) so that every
         slice owned by this rank holds the sum over ranks divided by ``divisor`` (and every
@@ -94,7 +94,7 @@ class GiftReducer:
         the result is added to it (DeepSpeed's compact fp32 gradient partition).
         Returns this rank's counters for telemetry (``sample``: with the quantization counts
         and the fidelity against an exact fp32 reduction)."""
-        plan = self.plan_for(slices, versions)
+        plan = self.plan_for(slices, {key: t.version for key, t in whiteners.items()})  # the plan names the fits
         # On an accelerator the seconds mean something only with the device synchronized: on
         # sampled steps (a wait per section), not on ordinary ones (then left out of telemetry).
         self._timing = (tensor.device, sample)

@@ -266,15 +266,15 @@ class TwoLevelReducer:
             split = min(splits, key=lambda k: (among_nodes[k], NODE_SPLITS.index(k)))
         return NodePlan(slices, L, self.rank, splits[split], split), among_nodes[split]
 
-    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform],
-               versions: Dict[int, int], *, divisor: float, step: int = 0,
+    def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
+               divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
         plan, among_nodes = self.plan_for(slices)
         t0 = clock(tensor.device, sample)
         partial, node_bytes = self._node_stage(tensor, plan, step)
         node_s = clock(tensor.device, sample) - t0
-        stats = self.inner.reduce(partial, plan.slices, whiteners, versions, divisor=divisor, step=step,
+        stats = self.inner.reduce(partial, plan.slices, whiteners, divisor=divisor, step=step,
                                   outputs=plan.outputs_for(outputs), sample=sample)
         for compact_at, bucket_at, numel in plan.delivered:
             tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
