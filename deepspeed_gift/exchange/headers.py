@@ -46,6 +46,11 @@ class HeaderChecks:
             if bad:
                 raise RuntimeError(explain(bytes(head.cpu().tolist())))
 
+    def control_header(self, plan, step: int, device) -> torch.Tensor:
+        """The control header of ``plan`` (its ``hash_on``) at ``step`` on ``device``: what every
+        message of the bucket opens with, and what a receiver expects."""
+        return control_header(plan.hash_on(device), self.step_bytes(step, device))
+
     def step_bytes(self, step: int, device) -> torch.Tensor:
         """The step as 8 bytes on ``device``, made once per step and device."""
         key = (step, str(device))

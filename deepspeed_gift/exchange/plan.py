@@ -169,8 +169,8 @@ class BucketPlan:
         self.sections = [sec for sec in self.sections if sec.numel]
         # indices into ``sections`` of what each rank receives, in message order
         self.to_rank = [[i for i, sec in enumerate(self.sections) if d in sec.dests] for d in range(world_size)]
-        self.message_sizes: List[int] = []  # bytes every other rank sends to each rank (set by the reducer)
-        # The relay route (set by the reducer when it takes it): chunk j of every owned section goes
+        self.message_sizes: List[int] = []  # bytes every other rank sends to each rank (set by plan_route)
+        # The relay route (set by plan_route when it takes it): chunk j of every owned section goes
         # to rank j, which sums it and sends the sum on to the owner. ``chunks[i]``: (start, numel)
         # per rank for section i (owned sections only); ``relay_sizes[j]``: bytes every other rank
         # sends to relay j; ``forward_sizes[j][d]``: bytes relay j sends on to owner d.

@@ -24,8 +24,7 @@ from .comm import ByteKind
 from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
-from .headers import (CONTROL_HEADER_BYTES, DISAGREE, HeaderChecks, control_header, expect_codec_header,
-                      expect_control_header)
+from .headers import CONTROL_HEADER_BYTES, DISAGREE, HeaderChecks, expect_codec_header, expect_control_header
 from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, gather_pieces, plan_route,
                    scatter_section, transform_pieces)
 from .relay import relay_totals
@@ -108,8 +107,9 @@ class GiftReducer:
         else:
             with full_fp32_matmuls():
                 packed = self.pack(tensor, plan, whiteners, stats, sample, step)
-            recv = self._exchange(plan, packed, step, tensor.device, stats)
-            totals = self._sum_at_owner(plan, packed, recv, step, stats)
+            head = self.checks.control_header(plan, step, tensor.device)  # sent and expected alike
+            recv = self._exchange(plan, packed, head, stats)
+            totals = self._sum_at_owner(plan, packed, recv, head, stats)
         t0 = self.now()
         results = []  # the inverse may hand back a new tensor: keep what was scattered
         with full_fp32_matmuls():
@@ -177,10 +177,9 @@ class GiftReducer:
                 packed.append(Packed(own=own, wire=wire))
         return packed
 
-    def _exchange(self, plan: BucketPlan, packed: List[Packed], step: int, device, stats: StepStats) -> torch.Tensor:
+    def _exchange(self, plan: BucketPlan, packed: List[Packed], head: torch.Tensor, stats: StepStats) -> torch.Tensor:
         """The direct route's one all-to-all; the message to ``dst`` holds every section it receives."""
         me, world = self.comm.rank, self.comm.world_size
-        head = control_header(plan.hash_on(device), self.checks.step_bytes(step, device))
         parts = {dst: [packed[i].wire for i in plan.to_rank[dst]] for dst in range(world)
                  if dst != me and plan.to_rank[dst]}
         my_size = plan.message_sizes[me]
@@ -231,7 +230,7 @@ class GiftReducer:
                 pos += size
         return out
 
-    def _sum_at_owner(self, plan: BucketPlan, packed: List[Packed], recv: torch.Tensor, step: int,
+    def _sum_at_owner(self, plan: BucketPlan, packed: List[Packed], recv: torch.Tensor, head: torch.Tensor,
                       stats: StepStats) -> Totals:
         """Decode every source and sum in fp32 - my own section starting from my exact
         contribution (or, where it has transformed pieces, the others' sum, with mine returned
@@ -241,8 +240,7 @@ class GiftReducer:
         if not plan.to_rank[me]:
             return []
         t0 = self.now()
-        want = control_header(plan.hash_on(recv.device), self.checks.step_bytes(step, recv.device))
-        messages = self.split_messages(recv, plan.message_sizes[me], want, DISAGREE)
+        messages = self.split_messages(recv, plan.message_sizes[me], head, DISAGREE)
         offsets = {src: CONTROL_HEADER_BYTES for src in messages}
         totals = []
         for i in plan.to_rank[me]:

@@ -9,7 +9,7 @@ import torch
 
 from ..core.geometry import full_fp32_matmuls
 from .encode import Packed
-from .headers import CONTROL_HEADER_BYTES, DISAGREE, control_header, expect_control_header
+from .headers import CONTROL_HEADER_BYTES, DISAGREE, expect_control_header
 from .plan import BucketPlan, Section, gather_pieces
 from .stats import StepStats
 
@@ -28,7 +28,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     The busiest link then carries about twice its share of one quantized copy, whatever the
     bucket's owners; the sum is quantized a second time on the way to its owner."""
     me, world, device = r.comm.rank, r.comm.world_size, tensor.device
-    head = control_header(plan.hash_on(device), r.checks.step_bytes(step, device))
+    head = r.checks.control_header(plan, step, device)
     # 1. chunks to the relays
     chunk_wires: Dict[int, List[Optional[torch.Tensor]]] = {}
     own_chunks: Dict[int, torch.Tensor] = {}

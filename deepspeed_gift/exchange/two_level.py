@@ -13,7 +13,7 @@ import torch
 
 from ..core.geometry import Transform
 from .comm import ByteKind
-from .headers import CONTROL_HEADER_BYTES, control_header, expect_control_header
+from .headers import CONTROL_HEADER_BYTES, expect_control_header
 from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .reducer import GiftReducer
 from .stats import StepStats, clock
@@ -149,7 +149,6 @@ class NodePlan:
         self.numel_to_slot = [sum(n for _, _, n in runs) for runs in carried]
         mine = carried[self.slot]
         self.slices = slot_group_slices(slices, mine, L, self.slot)
-        self.source_index = [i for i, _, _ in mine]
         self.delivered: List[Tuple[int, int, int]] = []  # (compact offset, bucket offset, numel) kept here
         self.kept: List[bool] = []  # per slice of my slot: this rank takes its result (owner or copy rank)
         self.forward_out: Dict[int, List[Tuple[int, int]]] = {}  # local rank -> (compact offset, numel) it gets
@@ -272,14 +271,16 @@ class TwoLevelReducer:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
         plan, among_nodes = self.plan_for(slices)
         t0 = clock(tensor.device, sample)
-        partial, node_bytes = self._node_stage(tensor, plan, step)
+        # the node's messages open with it (a node of one rank sends none)
+        head = self.inner.checks.control_header(plan, step, tensor.device) if self.ranks_per_node > 1 else None
+        partial, node_bytes = self._node_stage(tensor, plan, head)
         node_s = clock(tensor.device, sample) - t0
         stats = self.inner.reduce(partial, plan.slices, whiteners, divisor=divisor, step=step,
                                   outputs=plan.outputs_for(outputs), sample=sample)
         for compact_at, bucket_at, numel in plan.delivered:
             tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
         t0 = clock(tensor.device, sample)
-        node_bytes += self._forward(tensor, partial, plan, step, outputs)
+        node_bytes += self._forward(tensor, partial, plan, head, outputs)
         stats.node_s = node_s + clock(tensor.device, sample) - t0
         stats.bytes_node = node_bytes
         stats.balanced_buckets = int(plan.split == "balanced")
@@ -287,10 +288,7 @@ class TwoLevelReducer:
         stats.recv_max = among_nodes + plan.busiest_node_receive(tensor.element_size())
         return stats
 
-    def _node_message(self, plan, step: int, device) -> torch.Tensor:
-        return control_header(plan.hash_on(device), self.inner.checks.step_bytes(step, device))
-
-    def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, step: int) -> Tuple[torch.Tensor, int]:
+    def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, head: torch.Tensor) -> Tuple[torch.Tensor, int]:
         """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
         buffer of its own), and the bytes this rank sent inside the node."""
         L, me = self.ranks_per_node, plan.slot
@@ -298,7 +296,6 @@ class TwoLevelReducer:
         if L == 1:
             return mine.to(torch.float32, copy=True), 0
         checks = self.inner.checks
-        head = self._node_message(plan, step, tensor.device)
         messages, sizes = [], []
         for j in range(L):
             if j == me:
@@ -323,13 +320,13 @@ class TwoLevelReducer:
             partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
         return partial, sum(sizes)
 
-    def _forward(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, step: int, outputs) -> int:
+    def _forward(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, head: torch.Tensor,
+                 outputs) -> int:
         """Balanced split: hand every owner of this node the results other local ranks reduced for
         it, in the bucket's dtype (an fp32 model's results arrive exact); the bytes sent."""
         if not plan.forwards:
             return 0
         L, me, dtype = self.ranks_per_node, plan.slot, tensor.dtype
-        head = self._node_message(plan, step, tensor.device)
         messages, sizes = [], []
         for o in range(L):
             runs = plan.forward_out.get(o)
