@@ -28,7 +28,7 @@ from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
 from .core.geometry import row_col_sums
 from .lifecycle import GeometryManager, find_candidates
-from .core.metrics import AdamRule, MuonRule
+from .core import metrics
 from .exchange.param_gather import ReplicaGather
 from .exchange.plan import GEO, HIGH, MAIN, ParamSlice
 from .exchange.reducer import GiftReducer
@@ -401,62 +401,65 @@ class ZeroOptimizerState:
                 and getattr(param, "use_muon", False))
 
     def update_rule(self, name: str):
-        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
-        this rank (called during the reduction: the state before the step being run, which
+        """The update rule of the optimizer for layer ``name`` (the first of
+        ``metrics.UPDATE_RULES`` that serves its parameter group), with a copy of its real state
+        on this rank (called during the reduction: the state before the step being run, which
         the step then overwrites): Muon's momentum of the whole matrix, which every owner of a
         slice holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT
         does not model (its errors are then judged in plain L2)."""
         where = self._layer_params.get(name)
         if where is None:
             return None
-        param, g, _ = where
-        opt = self.opt
-        inner_group = opt.optimizer.param_groups[g]
-        if self.is_muon(param):
-            state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
-            offset = 0
-            for t in opt.params_in_partition[g]:
-                if t is param:
-                    break
-                offset += t.numel()
-            else:
-                return None
-            buffer = state.get("momentum_buffer")
-            momentum = (torch.zeros(param.shape, device=param.device) if buffer is None
-                        else buffer.narrow(0, offset, param.numel()).view(param.shape).float().clone())
-            return MuonRule(momentum=momentum, beta=float(inner_group["momentum"]), nesterov=True)
-        where = self._adam_slice(name)
-        if where is None:
+        param, g, param_id = where
+        group = self.opt.optimizer.param_groups[g]
+        rule = metrics.rule_serving(group, param)
+        if rule is None:
             return None
-        start, numel, state, dest = where
-        if "exp_avg" in state and "exp_avg_sq" in state:
-            m = state["exp_avg"].narrow(0, dest, numel).float().clone()
-            v = state["exp_avg_sq"].narrow(0, dest, numel).float().clone()
-            step = int(float(state.get("step", 0)))
-        else:  # before the first step: Adam starts from zero moments
-            m = v = torch.zeros(numel, device=param.device)
-            step = 0
-        return AdamRule(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(inner_group["betas"]),
-                        eps=float(inner_group.get("eps", 1e-8)), start=start)
+        held = self._whole_matrix(param, g) if rule.whole_matrix else self._slice(param, g, param_id)
+        if held is None:
+            return None
+        start, numel, dest = held
+        state = self.opt.optimizer.state.get(self.opt.single_partition_of_fp32_groups[g], {})
+        return rule.from_state(_narrow_state(state, dest, numel), group, shape=param.shape, start=start,
+                               numel=numel, device=param.device)
+
+    def _whole_matrix(self, param, g: int):
+        """``(0, numel, offset)`` of ``param`` whole in this rank's fp32 partition, where
+        DeepSpeed's Muon keeps whole matrices; None elsewhere."""
+        if not self.is_muon(param):
+            return None
+        offset = 0
+        for t in self.opt.params_in_partition[g]:
+            if t is param:
+                return 0, param.numel(), offset
+            offset += t.numel()
+        return None
+
+    def _slice(self, param, g: int, param_id: int):
+        """``(start, numel, dest)`` of this rank's ZeRO slice of ``param``: its first element in
+        the flattened weight, its length and its offset in the partition; None when this rank
+        owns none of it."""
+        opt, me = self.opt, self.rank
+        if param_id not in opt.grad_start_offset[g][me]:
+            return None
+        start = int(opt.grad_start_offset[g][me][param_id])
+        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
+        return start, min(param.numel() - start, int(opt.partition_size[g]) - dest), dest
 
     def _adam_slice(self, name: str):
-        """Where this rank's Adam state of layer ``name`` is: ``(start, numel, state, dest)``, the
-        slice's first element in the flattened weight, its length, the optimizer state of the
-        partition and the slice's offset in it; None when this rank owns none of the layer or an
-        Adam-family optimizer does not train it (Muon's matrices, other optimizers)."""
+        """Where this rank's Adam state of layer ``name`` is: ``(start, numel, state, dest)``;
+        None when this rank owns none of the layer or Adam does not train it."""
         where = self._layer_params.get(name)
         if where is None:
             return None
         param, g, param_id = where
-        opt, me = self.opt, self.rank
-        if self.is_muon(param) or "betas" not in opt.optimizer.param_groups[g] \
-                or param_id not in opt.grad_start_offset[g][me]:
+        if metrics.rule_serving(self.opt.optimizer.param_groups[g], param) is not metrics.AdamRule:
             return None
-        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {})
-        start = int(opt.grad_start_offset[g][me][param_id])
-        dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
-        numel = min(param.numel() - start, int(opt.partition_size[g]) - dest)
-        return start, numel, state, dest
+        held = self._slice(param, g, param_id)
+        if held is None:
+            return None
+        start, numel, dest = held
+        return start, numel, self.opt.optimizer.state.get(self.opt.single_partition_of_fp32_groups[g], {}), dest
 
     def second_moment_sums(self, name: str):
         """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
@@ -477,6 +480,13 @@ class ZeroOptimizerState:
         if len(runs) > 1 and self.is_muon(param):
             return tuple(sorted(pid for _, _, pid in runs))
         return ()
+
+
+def _narrow_state(state: dict, offset: int, numel: int) -> dict:
+    """An optimizer's per-partition state with every 1-D tensor narrowed to ``numel`` elements
+    from ``offset`` (what an update rule's ``from_state`` takes); scalars (``step``) as they are."""
+    return {key: value.narrow(0, offset, numel) if torch.is_tensor(value) and value.dim() == 1 else value
+            for key, value in state.items()}
 
 
 def _muon_optimizer_class():

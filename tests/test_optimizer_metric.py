@@ -153,3 +153,33 @@ def test_each_layer_takes_the_geometry_that_measures_best_in_adams_update():
     assert last["profile_update"] < last["profile_update_euclid"]
     assert last["geometry_kinds"] == {kind: sum(k == kind for k in kinds.values())
                                       for kind in ("kfac_input", "adam_factored")}
+
+
+def test_the_rules_follow_one_contract():
+    # Every rule the metric knows is found by its parameter group alone and built from a state
+    # dict narrowed to what this rank holds: the seam needs nothing rule-specific.
+    class Param:
+        use_muon = True
+
+    muon_group = {"use_muon": True, "momentum": 0.9, "lr": 0.02}
+    adam_group = {"use_muon": False, "betas": (0.9, 0.95), "eps": 1e-8, "lr": 3e-3}
+    assert metrics.rule_serving(muon_group, Param()) is metrics.MuonRule
+    assert metrics.rule_serving(adam_group, Param()) is metrics.AdamRule
+    assert metrics.rule_serving({"lr": 0.1, "momentum": 0.9}, Param()) is None  # SGD: plain L2
+    assert metrics.rule_kind(None) == metrics.RuleKind.L2
+    g = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    for rule in metrics.UPDATE_RULES:
+        assert isinstance(rule.kind, metrics.RuleKind) and isinstance(rule.whole_matrix, bool)
+        group = muon_group if rule is metrics.MuonRule else adam_group
+        start, numel = (0, 24) if rule.whole_matrix else (8, 10)
+        fresh = rule.from_state({}, group, shape=g.shape, start=start, numel=numel, device=g.device)
+        assert metrics.rule_kind(fresh) == rule.kind
+        assert fresh.direction(g).numel() == numel  # the elements whose state it holds
+    # from a real state, Adam's first step is the sign of the gradient's bias-corrected moment
+    v = torch.full((10,), 4.0)
+    adam = metrics.AdamRule.from_state({"exp_avg": torch.zeros(10), "exp_avg_sq": v, "step": torch.tensor(3.0)},
+                                       adam_group, shape=g.shape, start=8, numel=10, device=g.device)
+    assert adam.step == 3 and adam.betas == (0.9, 0.95)
+    m_hat = 0.1 * g.reshape(-1)[8:18] / (1 - 0.9 ** 4)
+    v_hat = (0.95 * v + 0.05 * g.reshape(-1)[8:18] ** 2) / (1 - 0.95 ** 4)
+    assert torch.allclose(adam.direction(g), m_hat / (v_hat.sqrt() + 1e-8), rtol=1e-6)

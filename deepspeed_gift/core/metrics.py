@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import enum
-from typing import Dict, Optional, Tuple
+from typing import ClassVar, Dict, Optional, Protocol, Tuple
 
+import torch
 from torch import Tensor
 
 METRICS = ("optimizer", "l2", "whitened")
@@ -74,6 +75,23 @@ class MuonRule:
     beta: float = 0.95
     nesterov: bool = True
 
+    kind: ClassVar[RuleKind] = RuleKind.MUON
+    # DeepSpeed's Muon orthogonalizes whole matrices: every owner of a slice holds the
+    # momentum of the whole matrix, and the rule needs all of it
+    whole_matrix: ClassVar[bool] = True
+
+    @staticmethod
+    def serves(group: dict, param) -> bool:
+        return bool(group.get("use_muon", False)) and bool(getattr(param, "use_muon", False))
+
+    @classmethod
+    def from_state(cls, state: Dict[str, object], group: dict, *, shape, start: int, numel: int,
+                   device) -> "MuonRule":
+        buffer = state.get("momentum_buffer")
+        momentum = (torch.zeros(shape, device=device) if buffer is None
+                    else buffer.view(shape).float().clone())
+        return cls(momentum=momentum, beta=float(group["momentum"]), nesterov=True)
+
     def direction(self, g: Tensor) -> Tensor:
         g = g.float()
         m = self.momentum.float().view_as(g).lerp(g, 1.0 - self.beta)
@@ -94,6 +112,25 @@ class AdamRule:
     eps: float = 1e-8
     start: Optional[int] = None  # the state covers flat elements [start, start + numel) of g (a ZeRO slice)
 
+    kind: ClassVar[RuleKind] = RuleKind.ADAM
+    whole_matrix: ClassVar[bool] = False  # each rank holds the moments of its own slice
+
+    @staticmethod
+    def serves(group: dict, param) -> bool:
+        return "betas" in group and not group.get("use_muon", False)
+
+    @classmethod
+    def from_state(cls, state: Dict[str, object], group: dict, *, shape, start: int, numel: int,
+                   device) -> "AdamRule":
+        if "exp_avg" in state and "exp_avg_sq" in state:
+            m, v = state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
+            step = int(float(state.get("step", 0)))
+        else:  # before the first step: Adam starts from zero moments
+            m = v = torch.zeros(numel, device=device)
+            step = 0
+        return cls(exp_avg=m, exp_avg_sq=v, step=step, betas=tuple(group["betas"]),
+                   eps=float(group.get("eps", 1e-8)), start=start)
+
     def direction(self, g: Tensor) -> Tensor:
         b1, b2 = self.betas
         g = g.float().reshape(-1)
@@ -108,17 +145,47 @@ class AdamRule:
         return m_hat / (v_hat.sqrt() + self.eps)
 
 
+class UpdateRule(Protocol):
+    """The contract of an optimizer's update rule, as the optimizer's metric uses it.
+
+    ``serves(group, param)``: the rule models the optimizer of this parameter group (the inner
+    optimizer's ``param_groups`` entry). ``from_state``: the rule with a copy of the optimizer's
+    per-parameter state, every 1-D tensor of it already narrowed by the DeepSpeed seam to the
+    elements this rank holds: the whole matrix when ``whole_matrix`` (``start`` 0), else this
+    rank's ZeRO slice, flat elements ``[start, start + numel)`` of the weight. ``direction(g)``:
+    the update the optimizer would take from gradient ``g`` (the whole ``(out, in)`` matrix)."""
+
+    kind: ClassVar[RuleKind]
+    whole_matrix: ClassVar[bool]
+
+    @staticmethod
+    def serves(group: dict, param) -> bool: ...
+
+    @classmethod
+    def from_state(cls, state: Dict[str, object], group: dict, *, shape, start: int, numel: int,
+                   device) -> "UpdateRule": ...
+
+    def direction(self, g: Tensor) -> Tensor: ...
+
+
+# The rules the optimizer's metric knows, tried in order (the first that serves a group wins);
+# a new optimizer's rule is a class here and a RuleKind member, nothing else.
+UPDATE_RULES: Tuple[type, ...] = (MuonRule, AdamRule)
+
+
+def rule_serving(group: dict, param) -> Optional[type]:
+    """The first rule of :data:`UPDATE_RULES` that models ``group``'s optimizer, or None."""
+    return next((rule for rule in UPDATE_RULES if rule.serves(group, param)), None)
+
+
 def update_relative_error(rule, approx: Tensor, exact: Tensor) -> float:
     """Relative error of the optimizer's next update when it sees ``approx`` instead of ``exact``."""
     return relative_error(rule.direction(approx), rule.direction(exact))
 
 
-def rule_kind(rule: Optional[object]) -> str:
-    if isinstance(rule, MuonRule):
-        return RuleKind.MUON
-    if isinstance(rule, AdamRule):
-        return RuleKind.ADAM
-    return RuleKind.L2
+def rule_kind(rule: Optional[object]) -> RuleKind:
+    """The kind of ``rule`` (plain L2 where the optimizer has none GIFT models)."""
+    return RuleKind.L2 if rule is None else rule.kind
 
 
 def roundtrip(G: Tensor, codec, whitener=None) -> Tensor:
