@@ -37,7 +37,7 @@ from torch import nn
 from .config import Layers
 from .core import geometry as geo
 from .core.geometry import GeometryKind as K
-from .exchange.comm import ByteKind
+from .exchange.stats import ByteKind
 from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings
 from .selection import PROFILE_MAX_ROWS, Selection, summarize_profile
 from .statistics import InputMoments

@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import DampingMode
 from .core import geometry as geo
-from .exchange.comm import ByteKind
+from .exchange.stats import ByteKind
 
 logger = logging.getLogger("deepspeed_gift")
 

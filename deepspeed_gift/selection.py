@@ -11,7 +11,7 @@ from typing import Dict, List
 import torch
 
 from .core import metrics
-from .exchange.comm import ByteKind
+from .exchange.stats import ByteKind
 
 logger = logging.getLogger("deepspeed_gift")
 

@@ -63,12 +63,12 @@ TELEMETRY_KEYS: Dict[str, str] = {
 }
 
 
-def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geometry, geometry_bytes: int,
+def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geometry,
                 run_totals: Dict[str, float], replica_itemsize: Optional[int], error_feedback_bytes: Optional[int],
                 profile: Optional[dict]) -> dict:
     """The record of step ``k`` from its summed counters; ``run_totals`` (bytes and elements since
     the start) is updated here."""
-    sent, elements = t.bytes_sent, t.elements_sent
+    sent, elements, geometry_bytes = t.bytes_sent, t.elements_sent, t.bytes_geometry
     run_totals["bytes"] += sent + geometry_bytes
     run_totals["elements"] += elements
     in_use = geometry.whiteners  # a dict built per call: once per step here

@@ -23,7 +23,8 @@ import torch
 
 from .core import formats
 from .core.formats import Rounding
-from .exchange.comm import ByteKind, detect_ranks_per_node, make_comm, split_by_node
+from .exchange.stats import ByteKind
+from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
 from .core.geometry import row_col_sums
@@ -346,8 +347,9 @@ class GiftState:
         t, self.step_totals = self.step_totals, None
         if t is None:
             return
+        t.bytes_geometry += self.geometry.take_geometry_bytes()
         record = step_record(k, t, start_step=self.cfg.start_step, hierarchy=self.hierarchy, geometry=self.geometry,
-                             geometry_bytes=self.geometry.take_geometry_bytes(), run_totals=self.run_totals,
+                             run_totals=self.run_totals,
                              replica_itemsize=self.replica_dtype.itemsize if self.replica_dtype is not None else None,
                              error_feedback_bytes=self.reducer.residual_nbytes() if self.cfg.error_feedback else None,
                              profile=self.geometry.take_profile())

@@ -22,8 +22,29 @@ from deepspeed_gift.core.geometry import (
     row_col_sums,
     second_moment,
     whitener_from_low_rank,
-    whitener_from_tensors,
+    CholeskyWhitener,
+    GeometryKind,
+    Whitener,
 )
+
+
+def dense_matrix(w: Whitener) -> torch.Tensor:
+    """``S`` as a dense ``(dim, dim)`` matrix: ``apply`` of the identity."""
+    return w.apply(torch.eye(w.dim))
+
+
+def dense_inverse(w: Whitener) -> torch.Tensor:
+    """``S^{-1}`` as a dense ``(dim, dim)`` matrix."""
+    return w.invert(torch.eye(w.dim))
+
+
+def whitener_from_tensors(kind, tensors, *, dim=None, block=None, version=0) -> Whitener:
+    """A whitener rebuilt from its ``to_tensors`` (``dim`` for identity, ``block`` for Hadamard)."""
+    if kind == GeometryKind.IDENTITY:
+        return IdentityWhitener.from_tensors(tensors, dim=dim, version=version)
+    if kind == GeometryKind.HADAMARD:
+        return HadamardWhitener.from_tensors(tensors, block=block, version=version)
+    return {"structured": StructuredWhitener, "cholesky": CholeskyWhitener}[kind].from_tensors(tensors, version=version)
 
 F32_EPS = torch.finfo(torch.float32).eps
 # invert(apply(G)) in fp32: both transforms contract rows against length-`in` vectors, and
@@ -164,11 +185,11 @@ def test_whitens_the_fitted_covariance(solver, dim):
     A = _anisotropic_cov(dim).float()
     lrd = fit_low_rank_diag(A, rank=RANK, damping=DAMPING)
     w = whitener_from_low_rank(lrd, solver)
-    S = w.dense_matrix().double()
+    S = dense_matrix(w).double()
     A_hat = low_rank_to_dense(lrd).double()
     err = (S.T @ A_hat @ S - torch.eye(dim, dtype=torch.float64)).norm() / math.sqrt(dim)
     assert err <= WHITEN_TOL
-    inverse_err = (S @ w.dense_inverse().double() - torch.eye(dim, dtype=torch.float64)).norm() / math.sqrt(dim)
+    inverse_err = (S @ dense_inverse(w).double() - torch.eye(dim, dtype=torch.float64)).norm() / math.sqrt(dim)
     assert inverse_err <= roundtrip_rtol(dim)
 
 
@@ -177,7 +198,7 @@ def test_whitened_rows_are_near_isotropic(solver):
     dim, rows = 64, 8192
     A = _anisotropic_cov(dim)
     w = fit_whitener(A.float(), rank=RANK, damping=DAMPING, solver=solver)
-    S = w.dense_matrix().double()
+    S = dense_matrix(w).double()
     # population covariance of Z rows: S^T A S (A_hat only approximates A, so not exactly I)
     assert _cond(S.T @ A @ S) < 15.0  # 7.8 here, at most 9.6 over 10 seeds
     G = _rows_with_cov(A, rows)
@@ -195,7 +216,7 @@ def test_structured_and_cholesky_differ_by_a_rotation():
     ws = whitener_from_low_rank(lrd, "structured")
     wc = whitener_from_low_rank(lrd, "cholesky")
     # both satisfy S^T A_hat S = I, so S_c^{-1} S_s is orthogonal
-    R = wc.dense_inverse().double() @ ws.dense_matrix().double()
+    R = dense_inverse(wc).double() @ dense_matrix(ws).double()
     assert (R.T @ R - torch.eye(dim, dtype=torch.float64)).norm() / math.sqrt(dim) < WHITEN_TOL
     G = _rows_with_cov(A, rows)
     cond_s = _cond(torch.cov(ws.apply(G).double().T))
@@ -276,7 +297,7 @@ def test_residual_diagonal_is_damped_and_eigenvalues_nonnegative():
 def test_rank_zero_is_diagonal_whitening():
     A = _anisotropic_cov(20).float()
     w = fit_whitener(A, rank=0, damping=DAMPING)
-    torch.testing.assert_close(w.dense_matrix(), torch.diag(A.diagonal().rsqrt()), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dense_matrix(w), torch.diag(A.diagonal().rsqrt()), rtol=1e-6, atol=0)
 
 
 def test_invalid_arguments_are_reported():
@@ -331,7 +352,7 @@ def _reference_hadamard(w: HadamardWhitener) -> torch.Tensor:
 @pytest.mark.parametrize("dim", [1, 7, 12, 300, 1024])
 def test_hadamard_is_orthonormal_and_matches_reference(dim, block):
     w = HadamardWhitener(dim, seed=5, block=block)
-    S = w.dense_matrix().double()
+    S = dense_matrix(w).double()
     torch.testing.assert_close(S.T @ S, torch.eye(dim, dtype=torch.float64), atol=1e-6, rtol=0)
     torch.testing.assert_close(S, _reference_hadamard(w), atol=1e-7, rtol=0)
     assert sum(size * count for _, size, count in w.segments) == dim
@@ -347,14 +368,14 @@ def test_fast_hadamard_transform_matches_the_butterfly(n):
 
 
 def test_hadamard_mixes_every_channel_for_power_of_two_dim():
-    S = HadamardWhitener(256, seed=0).dense_matrix()
+    S = dense_matrix(HadamardWhitener(256, seed=0))
     torch.testing.assert_close(S.abs(), torch.full((256, 256), 1 / 16.0))
 
 
 def test_hadamard_depends_on_seed_only():
-    a = HadamardWhitener(300, seed=11).dense_matrix()
-    b = HadamardWhitener(300, seed=11).dense_matrix()
-    c = HadamardWhitener(300, seed=12).dense_matrix()
+    a = dense_matrix(HadamardWhitener(300, seed=11))
+    b = dense_matrix(HadamardWhitener(300, seed=11))
+    c = dense_matrix(HadamardWhitener(300, seed=12))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 

@@ -52,13 +52,11 @@ __all__ = [
     "CholeskyWhitener",
     "HadamardWhitener",
     "IdentityWhitener",
-    "WHITENER_KINDS",
     "SOLVERS",
     # entry points
     "fit_whitener",
     "make_whitener",
     "whitener_from_low_rank",
-    "whitener_from_tensors",
     # Adam's geometry
     "FactoredScaling",
     "row_col_sums",
@@ -442,14 +440,6 @@ class Whitener:
         """A copy with the factors on ``device`` (apply moves them per call otherwise)."""
         return self._rebuild([t.to(device) for t in self.to_tensors()])
 
-    def dense_matrix(self) -> Tensor:
-        """``S`` as a dense ``(dim, dim)`` matrix (``apply`` of the identity). Tests/diagnostics only."""
-        return self.apply(torch.eye(self.dim, device=self._device()))
-
-    def dense_inverse(self) -> Tensor:
-        """``S^{-1}`` as a dense ``(dim, dim)`` matrix. Tests/diagnostics only."""
-        return self.invert(torch.eye(self.dim, device=self._device()))
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dim={self.dim}, rank={self.rank}, version={self.version})"
 
@@ -769,14 +759,6 @@ FIXED_KINDS: dict[GeometryKind, Callable[[int, int], Transform]] = {
 }
 
 
-WHITENER_KINDS: dict[str, type[Whitener]] = {
-    "structured": StructuredWhitener,
-    "cholesky": CholeskyWhitener,
-    GeometryKind.HADAMARD: HadamardWhitener,
-    GeometryKind.IDENTITY: IdentityWhitener,
-}
-
-
 # -------------------------------------------------------------------------- entry points
 
 
@@ -815,19 +797,6 @@ def make_whitener(
     if kind == GeometryKind.IDENTITY:
         return IdentityWhitener(dim, version=version)
     raise ValueError(f"whitener kind {kind!r} not in allowed values ['hadamard', 'identity']")
-
-
-def whitener_from_tensors(
-    kind: str, tensors: Sequence[Tensor], *, dim: int | None = None, block: int | None = None, version: int = 0
-) -> Whitener:
-    """Rebuild a broadcast whitener on a receiving rank (``dim`` for identity, ``block`` for hadamard)."""
-    if kind not in WHITENER_KINDS:
-        raise ValueError(f"whitener kind {kind!r} not in allowed values {list(WHITENER_KINDS)}")
-    if kind == GeometryKind.IDENTITY:
-        return IdentityWhitener.from_tensors(tensors, dim=dim, version=version)
-    if kind == GeometryKind.HADAMARD:
-        return HadamardWhitener.from_tensors(tensors, block=block, version=version)
-    return WHITENER_KINDS[kind].from_tensors(tensors, version=version)
 
 
 # ------------------------------------------------------------------------ Adam's geometry

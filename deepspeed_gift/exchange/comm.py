@@ -27,24 +27,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .stats import ByteKind
+
 
 class Backend(str, enum.Enum):
     """``gift.backend``: DeepSpeed's own process group (torch.distributed), or MPI."""
 
     TORCH = "torch"
     MPI = "mpi"
-
-
-class ByteKind(str, enum.Enum):
-    """What the bytes a comm sends are for (its ``bytes_sent`` counts them by kind)."""
-
-    PAYLOAD = "payload"  # gradient payloads of the exchange among ranks (or nodes)
-    NODE = "node"  # two-level: inside the node (node stage, forwards)
-    GEOMETRY = "geometry"  # statistics, sketches and factors
-    CONTROL = "control"  # fingerprints, topology, profile tables
-    TELEMETRY = "telemetry"  # the fidelity check's exact reduction of a sample
-    PARAMS = "params"  # the compressed parameter all-gather
-    PARAMS_NODE = "params_node"  # the same inside the node
 
 
 class Comm:

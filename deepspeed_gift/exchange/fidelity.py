@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .comm import ByteKind
+from .stats import ByteKind
 from .plan import BucketPlan, section_sample
 from .stats import StepStats
 

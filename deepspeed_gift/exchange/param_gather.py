@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..core.formats import Codec
-from .comm import ByteKind
+from .stats import ByteKind
 from .stats import StepStats, clock
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of

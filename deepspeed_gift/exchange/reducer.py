@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.geometry import Transform, full_fp32_matmuls
-from .comm import ByteKind
+from .stats import ByteKind
 from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction

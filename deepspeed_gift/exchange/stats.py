@@ -1,11 +1,27 @@
-"""What one step's gradient reduction and parameter all-gather did on this rank: one typed
-record that every bucket adds into and telemetry reads (pure: no torch.distributed)."""
+"""Byte accounting: what bytes are for (:class:`ByteKind`), and what one step's gradient
+reduction, geometry and parameter all-gather did on this rank: one typed record that every
+bucket adds into and telemetry reads (pure: no torch.distributed)."""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, fields
 from typing import Optional
+
+
+class ByteKind(str, enum.Enum):
+    """What bytes on the wire are for. A comm meters every collective it runs by kind
+    (``Comm.bytes_sent``); the step's record (:class:`StepStats`) takes its figures from the
+    encoders, and the geometry's from the meter (tests check the two against each other)."""
+
+    PAYLOAD = "payload"  # gradient payloads of the exchange among ranks (or nodes)
+    NODE = "node"  # two-level: inside the node (node stage, forwards)
+    GEOMETRY = "geometry"  # statistics, sketches and factors
+    CONTROL = "control"  # fingerprints, topology, profile tables
+    TELEMETRY = "telemetry"  # the fidelity check's exact reduction of a sample
+    PARAMS = "params"  # the compressed parameter all-gather
+    PARAMS_NODE = "params_node"  # the same inside the node
 
 
 @dataclass
@@ -28,6 +44,7 @@ class StepStats:
     relay_buckets: int = 0  # buckets reduced by the relay route (two balanced all-to-alls)
     recv_max_internode: int = 0  # the same, of the messages that cross between nodes
     balanced_buckets: int = 0  # two-level: buckets split over the node's ranks in equal runs
+    bytes_geometry: int = 0  # statistics, sketches and factors (the comm's GEOMETRY meter, once per step)
     transform_s: float = 0.0
     codec_s: float = 0.0
     comm_s: float = 0.0

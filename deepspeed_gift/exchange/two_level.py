@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.geometry import Transform
-from .comm import ByteKind
+from .stats import ByteKind
 from .headers import CONTROL_HEADER_BYTES, expect_control_header
 from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .reducer import GiftReducer
