@@ -229,6 +229,8 @@ class GiftState:
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor)
         self.replaced: List[tuple] = []  # (object, attribute, what the instance held) that attach set
+        # each forward begins the geometry's step (statistics hooks are armed then)
+        self._forward_hook = engine.module.register_forward_pre_hook(lambda module, inputs: self.on_forward())
 
     # ---- checkpointing (the files: deepspeed_gift.checkpoint) -----------------------------
     def state_dict(self) -> dict:
@@ -244,6 +246,12 @@ class GiftState:
 
     def on_forward(self) -> None:
         self.geometry.begin_step(self.k)
+
+    def close(self) -> None:
+        """Remove this state's hooks from the model and close its telemetry (detach)."""
+        self._forward_hook.remove()
+        self.geometry.remove_hooks()
+        self.telemetry.close()
 
     def on_optimizer_step(self, k: int) -> None:
         self.geometry.end_step(k)
@@ -560,10 +568,6 @@ def attach(engine) -> Optional[GiftState]:
         _replace(state, state.opt, "step", optimizer_step)
         _route_param_gather(state)
 
-    def on_forward(module, inputs):
-        state.on_forward()
-
-    state._forward_hook = engine.module.register_forward_pre_hook(on_forward)
     native_step = engine.step
 
     def step(*args, **kwargs):
@@ -658,7 +662,5 @@ def detach(engine) -> None:
     state.replaced.clear()
     if state.params is not None:
         _unroute_param_gather(state)
-    state._forward_hook.remove()
-    state.geometry.remove_hooks()
-    state.telemetry.close()
+    state.close()
     engine.gift = None
