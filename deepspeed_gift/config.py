@@ -56,7 +56,9 @@ E8M0_BLOCK = 32  # the OCP MX block of E8M0-scaled FP8 (formats._Fp8Codec)
 
 
 class _GiftModel(DeepSpeedConfigModel):
-    model_config = ConfigDict(strict=True)
+    # ``use_attribute_docstrings``: the string under a field becomes its ``description`` (read by
+    # scripts/config_reference.py); it affects neither parsing nor validation.
+    model_config = ConfigDict(strict=True, use_attribute_docstrings=True)
 
 
 class GeometryConfig(_GiftModel):
@@ -70,7 +72,8 @@ class GeometryConfig(_GiftModel):
     ``layers: "measured"``): each layer takes the one that measures best in ``selection.metric``."""
 
     rank: int = Field(32, ge=1)
-    """Number of leading eigen-directions kept in the low-rank + diagonal fit."""
+    """Number of leading eigen-directions kept in the low-rank + diagonal fit. With ``kfac_input``
+    it must not exceed the input features of the narrowest selected layer (checked at attach)."""
 
     damping: float = Field(1e-3, gt=0.0)
     """Floor of the residual diagonal ``d`` (keeps ``S`` bounded); see ``damping_mode``."""
@@ -102,8 +105,8 @@ class GeometryConfig(_GiftModel):
     published dense form, O(out*in^2), kept for comparison."""
 
     method: Literal["by_width", "eigh", "randomized"] = "by_width"
-    """Eigen-solver for the fit: exact ``eigh`` for small layers, randomized subspace
-    iteration for large ones (``by_width`` picks by the layer's width)."""
+    """Eigen-solver for the fit: exact ``eigh`` (O(in^3)), or randomized subspace iteration
+    for wide layers; ``by_width`` picks ``eigh`` up to 1024 input features, randomized above."""
 
 
 class SelectionConfig(_GiftModel):
@@ -139,7 +142,7 @@ class TelemetryConfig(_GiftModel):
     sampled element to each owner (``fidelity_bytes``)."""
 
     jsonl: Optional[str] = None
-    """Path of a JSONL file (one record per step, rank 0); none = no file."""
+    """Path of a JSONL file (one record per step, written by rank 0); ``null``: no file."""
 
     monitor: bool = True
     """Also write to DeepSpeed's monitor (tensorboard/csv/wandb) when configured."""
@@ -151,10 +154,12 @@ class ParamsConfig(_GiftModel):
     format: FormatName = "fp8_e4m3"
     """What the owner sends of each replica's change: a quantized format, or ``bf16``/``fp32``.
     The format that is the replica's own dtype (bf16 for a bf16 model, fp32 for an fp32 one) is
-    lossless: DeepSpeed's own all-gather runs."""
+    lossless: DeepSpeed's own all-gather runs; one wider than the replicas (fp32 for a bf16 model)
+    is refused at attach."""
 
     block_size: Optional[int] = Field(None, ge=0)
-    """Elements per scale; ``null`` = the format's default (fp8/int: 128, nvfp4: 16)."""
+    """Elements per scale of the change; ``null`` = the format's default (fp8/int: 128, nvfp4: 16,
+    the only size nvfp4 takes); ``bf16``/``fp32`` have no scales and take only ``null`` or ``0``."""
 
     resync_interval: Optional[int] = Field(None, ge=1)
     """Every this many steps the exact replica is all-gathered (replica = target exactly);
@@ -191,27 +196,49 @@ class GiftConfig(_GiftModel):
     unless it says ``"enabled": false``."""
 
     enabled: bool = True
+    """``false`` leaves DeepSpeed's own gradient reduction untouched (as a missing block does).
+    When on, GIFT needs ZeRO stage 1 or 2 with ``contiguous_gradients`` and no optimizer offload."""
+
     format: FormatName = "fp8_e4m3"
+    """Wire format of the gradients: ``fp8_e4m3``/``fp8_e5m2`` (1 B per element + scales),
+    ``nvfp4`` (E2M1, two per byte, E4M3 scale per 16), ``int8``/``int4`` (symmetric, fp32 scale
+    per group), or the unscaled ``bf16``/``fp32`` (``fp32`` is bit-exact)."""
+
     block_size: Optional[int] = Field(None, ge=0)
-    """Elements per scale; ``null`` = the format's default (fp8/int: 128, nvfp4: 16);
-    ``0`` = one scale per chunk (fp8/int only)."""
+    """Elements per scale; ``null`` = the format's default (fp8/int: 128, nvfp4: 16, the only
+    size nvfp4 takes; 32 with ``scale: "e8m0"``); ``0`` = one scale per chunk (fp8/int only);
+    ``bf16``/``fp32`` have no scales and take only ``null`` or ``0``."""
 
     scale: Literal["fp32", "e8m0"] = "fp32"
     """Scale encoding: fp32 per block, or power-of-two E8M0 per 32 (fp8 only)."""
 
     rounding: Literal[ROUNDING_MODES] = "nearest"
+    """How values are rounded to the format's grid: ``nearest``, or ``stochastic`` (unbiased,
+    seeded from ``seed`` and the rank). ``fp32`` is exact and only takes ``nearest``."""
+
     backend: Literal[tuple(b.value for b in Backend)] = Backend.TORCH.value
+    """Transport of GIFT's payloads: ``torch``: torch.distributed over DeepSpeed's data-parallel
+    group (gloo/NCCL); ``mpi``: mpi4py (needs the ``mpi`` extra installed)."""
+
     geometry: GeometryConfig = Field(default_factory=GeometryConfig)
+    """The geometry transform applied before quantization."""
+
     layers: Union[Literal[tuple(x.value for x in Layers)], List[str]] = Layers.MEASURED.value
     """``measured``: per-layer selection by the measured error; ``all``: every eligible linear layer; or a
     list of glob patterns over module names (``"*.mlp.*"``)."""
 
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
+    """How ``layers: "measured"`` picks layers; unused with ``all`` or a list of patterns."""
+
     others: Literal["euclidean", "bf16", "fp32"] = "euclidean"
     """What happens to gradients outside the geometry branch: quantized in Euclidean
     coordinates with the same format, or sent at bf16/fp32."""
 
     error_feedback: bool = False
+    """Keep each rank's quantization residual (in transformed coordinates) and add it to the
+    next step's gradient before quantizing, so the error does not accumulate; costs an fp32
+    residual per element this rank sends quantized (telemetry ``error_feedback_bytes``)."""
+
     start_step: int = Field(0, ge=0)
     """Steps run on DeepSpeed's native reduction before GIFT takes over."""
 
@@ -249,6 +276,7 @@ class GiftConfig(_GiftModel):
     """Compressed parameter all-gather (see ``ParamsConfig``); ``null``/absent: DeepSpeed's own."""
 
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    """What is measured and where it is written."""
 
     @model_validator(mode="after")
     def _check_combinations(self):
