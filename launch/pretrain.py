@@ -402,8 +402,11 @@ def summarize_profile(train_records: list) -> dict:
 
 
 # ---- the run ----------------------------------------------------------------------------
-def main(argv=None) -> dict:
-    """Train; returns rank 0's summary (other ranks: their own view). For launchers and tests."""
+def main(argv=None, probe=None) -> dict:
+    """Train; returns rank 0's summary (other ranks: their own view). For launchers and tests.
+    ``probe(engine, step)``, if given, runs on every rank after each optimizer step (1-based
+    ``step``); the dict it returns joins that step's train record (studies measure the
+    optimizer's state or GIFT's internals this way, on the very run the losses come from)."""
     args = parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -509,6 +512,8 @@ def main(argv=None) -> dict:
         rec = {"event": "train", "step": step + 1, "time": time.time(), "loss": loss, "lr": engine.get_lr()[0],
                "step_time_s": dt, "cpu_time_s": cpu,
                "tokens_per_s": tokens_per_step / dt, **gift_step_telemetry(engine, step)}
+        if probe is not None:
+            rec.update(probe(engine, step + 1) or {})
         train_records.append(rec)
         metrics.write(rec)
         step += 1

@@ -1,0 +1,232 @@
+"""    .venv/bin/python benchmarks/ef_study.py --seeds 3 --out-dir runs/ef_study
+
+What error feedback (EF) does to NVFP4 under AdamW. Trains the main job's model (``small``
+Llama, 2 CPU ranks, 250 steps, the main job's lr and batches) in five configs per seed: bf16
+(DeepSpeed's own reduction), and NVFP4 in Euclidean and in GIFT coordinates, each without and
+with EF. Each pair differs in one thing only (EF, or the geometry). On the very runs the losses
+come from, a probe (``launch.pretrain.main(probe=...)``) measures every ``--probe-every`` steps:
+
+* ``residual/grad``: the size of EF's residual (what quantization left out, carried to the
+  next step) against the gradient this rank fed into the reduction that step,
+  ``||r|| / ||g||`` over every bucket. For GIFT the residual of a whitened layer is in its
+  whitened coordinates, so the ratio is exact for the Euclidean runs only.
+* Adam's second moment ``v`` (``exp_avg_sq``) of rank 0's partition, against the bf16 run of
+  the same seed at the same step, element by element: the median of ``v / v_bf16`` over all
+  elements, and over the quarter with the smallest ``v_bf16`` (where a gradient is small
+  beside its block's largest element: NVFP4 rounds it to zero, and EF releases it later as a
+  code of the block's scale).
+* Adam's update ``m_hat / (sqrt(v_hat) + eps)``: its RMS over the partition.
+
+Writes ``report.md`` (per config: final validation loss mean +- std over seeds; per pair: the
+seed-paired difference and whether it exceeds 2 standard errors; the probe's figures, mean
+over seeds) and ``results.json`` under ``--out-dir``. About 5 x 55 s per seed on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from launch.compare import DEFAULTS, SE_THRESHOLD, paired_verdict  # noqa: E402
+from launch.spawn import run_ranks  # noqa: E402
+
+CONFIGS = {  # label -> ds_config
+    "bf16": "ds_configs/bf16_baseline_zero2.json",
+    "euclid_nvfp4": "ds_configs/euclid_nvfp4_zero2.json",
+    "euclid_nvfp4_ef": "ds_configs/euclid_nvfp4_ef_zero2.json",
+    "gift_nvfp4": "ds_configs/gift_nvfp4_zero2.json",
+    "gift_nvfp4_ef": "ds_configs/gift_nvfp4_ef_zero2.json",
+}
+# (a, b, what differs): each pair differs in that alone
+PAIRS = (("euclid_nvfp4_ef", "euclid_nvfp4", "error feedback (Euclidean)"),
+         ("gift_nvfp4_ef", "gift_nvfp4", "error feedback (GIFT)"),
+         ("gift_nvfp4", "euclid_nvfp4", "geometry (no EF)"),
+         ("gift_nvfp4_ef", "euclid_nvfp4_ef", "geometry (EF)"))
+SMALL_V_QUANTILE = 0.25
+
+
+class Probe:
+    """Measures one run (see the module docstring). Rank 0 keeps ``v`` snapshots on the host
+    for the comparison with the bf16 run of the same seed."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.grad_sq = 0.0  # squared norm of the gradients fed into this step's reductions
+        self.wrapped = False
+
+    def _wrap(self, engine) -> None:
+        opt = engine.optimizer
+        inner = opt.average_tensor
+
+        def average_tensor(tensor, *args, **kwargs):
+            self.grad_sq += float(tensor.float().square().sum())
+            return inner(tensor, *args, **kwargs)
+
+        opt.average_tensor = average_tensor
+        self.wrapped = True
+
+    def __call__(self, engine, step: int) -> dict:
+        import torch
+
+        if not self.wrapped:  # the first step's reductions already ran: measured from the second
+            self._wrap(engine)
+            self.grad_sq = 0.0
+            return {}
+        grad_sq, self.grad_sq = self.grad_sq, 0.0
+        if step % self.every:
+            return {}
+        out = {}
+        gift = getattr(engine, "gift", None)
+        if gift is not None and gift.cfg.error_feedback and grad_sq > 0:
+            res_sq = sum(float(r.square().sum()) for r, _, _ in gift.reducer.feedback.sent.values())
+            res_sq += sum(float(r.square().sum()) for r in gift.reducer.feedback.relayed.values())
+            out["residual_over_grad"] = math.sqrt(res_sq / grad_sq)
+        opt = engine.optimizer
+        vs, updates = [], []
+        for g, p32 in enumerate(opt.single_partition_of_fp32_groups):
+            state = opt.optimizer.state.get(p32, {})
+            if "exp_avg_sq" not in state:
+                continue
+            group = opt.optimizer.param_groups[g]
+            (b1, b2), t = group["betas"], int(float(state["step"]))
+            v = state["exp_avg_sq"].float()
+            vs.append(v.clone())
+            updates.append((state["exp_avg"].float() / (1 - b1 ** t))
+                           / ((v / (1 - b2 ** t)).sqrt() + group["eps"]))
+        if vs:
+            u = torch.cat(updates)
+            out["update_rms"] = float(u.square().mean().sqrt())
+            if torch.distributed.get_rank() == 0:
+                out["_v"] = torch.cat(vs)
+        return out
+
+
+def run_config(label: str, seed: int, args, probe_every: int) -> dict:
+    argv = ["--ds-config", CONFIGS[label], "--preset", args.preset, "--steps", str(args.steps), "--seed", str(seed),
+            "--seq-len", str(DEFAULTS["seq_len"]), "--micro-batch", str(DEFAULTS["micro_batch"]),
+            "--lr", str(DEFAULTS["lr"]), "--eval-every", str(args.steps), "--eval-batches",
+            str(DEFAULTS["eval_batches"]), "--no-progress"]
+    t0 = time.time()
+    results = run_ranks(_rank_body, 2, argv, probe_every, timeout=args.timeout)
+    summary = results[0]
+    summary["wall_s"] = time.time() - t0
+    return summary
+
+
+def _rank_body(rank: int, world: int, argv: list, probe_every: int) -> dict:
+    from launch.pretrain import main
+
+    probes = {}
+    probe = Probe(probe_every)
+
+    def record(engine, step):
+        out = probe(engine, step)
+        if out:
+            probes[step] = out
+        return {k: v for k, v in out.items() if not k.startswith("_")}
+
+    summary = main(list(argv), probe=record)
+    keep = ("final_val_loss", "final_train_loss", "status")
+    return {**{k: summary.get(k) for k in keep}, "probes": probes if rank == 0 else {}}
+
+
+def compare_v(v: "torch.Tensor", v_ref: "torch.Tensor") -> dict:  # noqa: F821
+    """Median of ``v / v_ref``, over every element with ``v_ref > 0`` and over the quarter of
+    them with the smallest ``v_ref``."""
+    import torch
+
+    seen = v_ref > 0  # elements whose gradient was ever nonzero in the bf16 run
+    ratio, ref = v[seen] / v_ref[seen], v_ref[seen]
+    small = ref <= torch.quantile(ref[: 2 ** 24], SMALL_V_QUANTILE)
+    return {"v_ratio_median": float(ratio.median()), "v_ratio_median_small": float(ratio[small].median())}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    p.add_argument("--preset", default=DEFAULTS["preset"])
+    p.add_argument("--probe-every", type=int, default=50)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "ef_study"))
+    args = p.parse_args(argv)
+    if "bf16" not in args.configs:
+        args.configs = ["bf16"] + args.configs  # the reference of the v comparison
+    os.makedirs(args.out_dir, exist_ok=True)
+    runs = {label: {} for label in args.configs}
+    for seed in range(args.seed, args.seed + args.seeds):
+        for label in args.configs:
+            r = run_config(label, seed, args, args.probe_every)
+            print(f"seed {seed} {label}: val loss {r['final_val_loss']:.4f} ({r['status']}, {r['wall_s']:.0f} s)",
+                  flush=True)
+            runs[label][seed] = r
+        ref = runs["bf16"][seed]["probes"]
+        for label in args.configs:
+            if label == "bf16":
+                continue
+            for step, pr in runs[label][seed]["probes"].items():
+                v = pr.pop("_v", None)
+                if v is not None and "_v" in ref.get(step, {}):
+                    pr.update(compare_v(v, ref[step]["_v"]))
+        for pr in ref.values():
+            pr.pop("_v", None)
+    report = write_report(runs, args)
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "runs": runs, "pairs": report["pairs"]}, f, indent=1, default=str)
+    print(f"report: {os.path.join(args.out_dir, 'report.md')}")
+    return report
+
+
+def write_report(runs: dict, args) -> dict:
+    lines = [f"# Error feedback at NVFP4 under AdamW ({len(next(iter(runs.values())))} seeds, {args.steps} steps, "
+             f"{args.preset} preset, 2 ranks)", "", "| config | val loss mean | std | seeds |", "|---|---:|---:|---|"]
+    for label, by_seed in runs.items():
+        vals = [r["final_val_loss"] for r in by_seed.values() if r["status"] == "ok"]
+        std = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+        lines.append(f"| {label} | {statistics.fmean(vals):.4f} | {std:.4f} | "
+                     + ", ".join(f"{s}: {r['final_val_loss']:.4f}" for s, r in by_seed.items()) + " |")
+    lines += ["", f"Pairs (seed-paired difference of val loss, a - b; beyond {SE_THRESHOLD:g} SE or not):", ""]
+    pairs = {}
+    for a, b, what in PAIRS:
+        if a not in runs or b not in runs:
+            continue
+        v = paired_verdict({s: r["final_val_loss"] for s, r in runs[a].items()},
+                           {s: r["final_val_loss"] for s, r in runs[b].items()})
+        verdict = (v["verdict"].replace("GIFT better", f"{a} lower").replace("Euclidean better", f"{b} lower"))
+        pairs[f"{a} vs {b}"] = dict(v, differs_in=what)
+        se = f", SE {v['se']:.4f}" if v["se"] is not None else ""
+        diff = f"{v['diff']:+.4f}" if v["diff"] is not None else "-"
+        lines.append(f"- {a} vs {b} (differ in {what}): {diff}{se}: {verdict}")
+    lines += ["", "Probe (mean over seeds): residual/grad = ||EF residual|| / ||gradient fed in that step||; "
+              "v/v_bf16 = median over rank 0's partition of Adam's exp_avg_sq against the bf16 run's "
+              f"(all elements; the {SMALL_V_QUANTILE:g} with the smallest v_bf16); update RMS of "
+              "m_hat/(sqrt(v_hat)+eps).", "",
+              "| config | step | residual/grad | v/v_bf16 all | v/v_bf16 small | update RMS |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for label, by_seed in runs.items():
+        steps = sorted({int(s) for r in by_seed.values() for s in r["probes"]})
+        for step in steps:
+            cells = []
+            for key in ("residual_over_grad", "v_ratio_median", "v_ratio_median_small", "update_rms"):
+                xs = [r["probes"][step][key] for r in by_seed.values() if key in r["probes"].get(step, {})]
+                cells.append(f"{statistics.fmean(xs):.3g}" if xs else "-")
+            lines.append(f"| {label} | {step} | " + " | ".join(cells) + " |")
+    with open(os.path.join(args.out_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return {"pairs": pairs}
+
+
+if __name__ == "__main__":
+    main()
