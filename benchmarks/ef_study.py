@@ -135,11 +135,11 @@ def _rank_body(rank: int, world: int, argv: list, probe_every: int) -> dict:
         return {k: v for k, v in out.items() if not k.startswith("_")}
 
     summary = main(list(argv), probe=record)
-    keep = ("final_val_loss", "final_train_loss", "status")
+    keep = ("final_val_loss", "final_train_loss", "fidelity_rel_err", "status")
     return {**{k: summary.get(k) for k in keep}, "probes": probes if rank == 0 else {}}
 
 
-def compare_v(v: "torch.Tensor", v_ref: "torch.Tensor") -> dict:  # noqa: F821
+def compare_v(v, v_ref) -> dict:
     """Median of ``v / v_ref``, over every element with ``v_ref > 0`` and over the quarter of
     them with the smallest ``v_ref``."""
     import torch
@@ -190,12 +190,18 @@ def main(argv=None) -> dict:
 
 def write_report(runs: dict, args) -> dict:
     lines = [f"# Error feedback at NVFP4 under AdamW ({len(next(iter(runs.values())))} seeds, {args.steps} steps, "
-             f"{args.preset} preset, 2 ranks)", "", "| config | val loss mean | std | seeds |", "|---|---:|---:|---|"]
+             f"{args.preset} preset, 2 ranks)", "",
+             "fidelity err: relative L2 error of the reduced gradient against an exact fp32 reduction of the "
+             "step's gradient, mean over the sampled steps and seeds (with EF what is sent carries the previous "
+             "step's residual, so this is the error the optimizer sees).", "",
+             "| config | val loss mean | std | seeds | fidelity err |", "|---|---:|---:|---|---:|"]
     for label, by_seed in runs.items():
         vals = [r["final_val_loss"] for r in by_seed.values() if r["status"] == "ok"]
         std = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+        fid = [r["fidelity_rel_err"] for r in by_seed.values() if r.get("fidelity_rel_err") is not None]
         lines.append(f"| {label} | {statistics.fmean(vals):.4f} | {std:.4f} | "
-                     + ", ".join(f"{s}: {r['final_val_loss']:.4f}" for s, r in by_seed.items()) + " |")
+                     + ", ".join(f"{s}: {r['final_val_loss']:.4f}" for s, r in by_seed.items())
+                     + (f" | {statistics.fmean(fid):.4f} |" if fid else " | - |"))
     lines += ["", f"Pairs (seed-paired difference of val loss, a - b; beyond {SE_THRESHOLD:g} SE or not):", ""]
     pairs = {}
     for a, b, what in PAIRS:

@@ -3,7 +3,10 @@
 Runs several ds_configs on the same model, data, seed and steps; writes report.md and a
 loss-curve PNG and prints where they are. By default (``DEFAULT_SUITE``): under AdamW the
 bf16 baseline and Euclidean vs GIFT at FP8 e5m2 per-tensor (the paper's pair) and at NVFP4;
-under DeepSpeed's Muon the bf16 baseline and Euclidean vs GIFT at FP8 e5m2 per-tensor; the
+under DeepSpeed's Muon the bf16 baseline and Euclidean vs GIFT at FP8 e5m2 per-tensor. Each
+GIFT config is paired with the Euclidean config that differs from it in the geometry only
+(``matched_pairs``: same format, block, scale, rounding, error feedback, ``others`` and
+``params``), and the report opens with one verdict line per pair; the
 ``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo), 250 steps:
 about 9 minutes on 2 idle CPU cores, 15 with other jobs on the machine. Other choices:
 
@@ -58,7 +61,7 @@ DEFAULTS = dict(preset="small", steps=250, seq_len=128, micro_batch=4, lr=2e-3, 
 # Muon NVFP4 pair stay available through --all / --configs.
 DEFAULT_SUITE = (
     "bf16_baseline_zero2", "euclid_fp8_e5m2_tensor_zero2", "gift_fp8_e5m2_tensor_zero2",
-    "euclid_nvfp4_zero2", "gift_nvfp4_ef_zero2",
+    "euclid_nvfp4_zero2", "gift_nvfp4_zero2",
     "muon_bf16_baseline_zero2", "muon_euclid_fp8_e5m2_tensor_zero2", "muon_gift_fp8_e5m2_tensor_zero2",
 )
 RUN_TIMEOUT_S = 900
@@ -121,8 +124,30 @@ def describe_gift(path: str) -> dict:
     if not cfg.enabled:
         return {"wire": "native", "optimizer": optimizer}
     return {"wire": "gift", "optimizer": optimizer, "format": cfg.format, "block": cfg.effective_block_size,
-            "scale": cfg.scale, "geometry": cfg.geometry.kind, "error_feedback": cfg.error_feedback,
-            "layers": cfg.layers, "params": cfg.params.format if cfg.params is not None else None}
+            "scale": cfg.scale, "rounding": cfg.rounding, "others": cfg.others, "geometry": cfg.geometry.kind,
+            "error_feedback": cfg.error_feedback, "layers": cfg.layers,
+            "params": cfg.params.format if cfg.params is not None else None}
+
+
+# What a GIFT run and its Euclidean pair may differ in: the geometry and which layers take it.
+# Everything else describe_gift reports (optimizer, format, block, scale, rounding, error
+# feedback, others, params) must be equal, so a pair's difference is the geometry's.
+GEOMETRY_KEYS = ("geometry", "layers")
+
+
+def same_but_geometry(g: dict, e: dict) -> bool:
+    keys = (set(g) | set(e)) - set(GEOMETRY_KEYS)
+    return all(g.get(k) == e.get(k) for k in keys)
+
+
+def geometry_difference(g: dict, e: dict) -> str:
+    """How a pair differs, e.g. ``geometry kfac_input vs identity, layers measured vs all``."""
+    return ", ".join(f"{k} {_setting(g.get(k))} vs {_setting(e.get(k))}" for k in GEOMETRY_KEYS
+                     if g.get(k) != e.get(k)) or "nothing"
+
+
+def _setting(x) -> str:
+    return "+".join(map(str, x)) if isinstance(x, (list, tuple)) else str(x)
 
 
 def optimizer_name(g: dict) -> str:
@@ -388,8 +413,8 @@ def _pair_line(g: dict, e: dict) -> str:
 
 
 def matched_pairs(results: list) -> list:
-    """(run with a geometry - input whitening, Adam's, a per-layer choice -, Euclidean run) with the
-    same optimizer, format, block and scale."""
+    """(run with a geometry - input whitening, Adam's, a per-layer choice -, Euclidean run) that
+    differ in the geometry only (``same_but_geometry``)."""
     out = []
     for g in results:
         gg = g["gift"]
@@ -397,11 +422,37 @@ def matched_pairs(results: list) -> list:
             continue
         for e in results:
             ee = e["gift"]
-            if (ee.get("wire") == "gift" and ee["geometry"] == "identity"
-                    and (ee["optimizer"], ee["format"], ee["block"], ee["scale"], ee.get("params"))
-                    == (gg["optimizer"], gg["format"], gg["block"], gg["scale"], gg.get("params"))):
+            if ee.get("wire") == "gift" and ee["geometry"] == "identity" and same_but_geometry(gg, ee):
                 out.append((g, e))
     return out
+
+
+def unpaired(results: list) -> list:
+    """GIFT-wire runs that are in no pair (a comparison the report cannot make like with like)."""
+    paired = {id(r) for pair in matched_pairs(results) for r in pair}
+    return [r for r in results if r["gift"].get("wire") == "gift" and id(r) not in paired
+            and r["gift"]["geometry"] not in ("hadamard",) and r["gift"].get("params") is None]
+
+
+def verdict_lines(combined: list) -> list:
+    """One line per pair: what differs, the validation losses, and whether the difference exceeds
+    ``SE_THRESHOLD`` standard errors (paired by seed; one seed has no standard error)."""
+    lines = []
+    for g, e in matched_pairs(combined):
+        gl, el = g.get("final_val_losses", {}), e.get("final_val_losses", {})
+        paired = paired_verdict(gl, el)
+        head = (f"- {optimizer_name(g['gift'])}, `{g['label']}` vs `{e['label']}`, differ in "
+                f"{geometry_difference(g['gift'], e['gift'])}: val loss {_f(g.get('final_val_loss'))} vs "
+                f"{_f(e.get('final_val_loss'))} ({_gap(g.get('final_val_loss'), e.get('final_val_loss'))})")
+        if paired["n"] >= 2:
+            head += (f"; paired over {paired['n']} seeds {_f(paired['diff'], '+.4f')} against {SE_THRESHOLD:g} SE = "
+                     f"{_f(paired['se'] * SE_THRESHOLD)}: **{paired['verdict']}**")
+        else:
+            head += f"; one seed, no standard error: `--seeds 3` says whether it exceeds {SE_THRESHOLD:g} SE"
+        lines.append(head)
+    for r in unpaired(combined):
+        lines.append(f"- `{r['label']}` has no Euclidean config here that differs from it in the geometry only")
+    return lines
 
 
 def params_pairs(results: list) -> list:
@@ -467,10 +518,8 @@ def seed_section(runs: list, combined: list, args) -> tuple:
         verdicts.append({"gift_config": g["label"], "euclid_config": e["label"], "optimizer": g["gift"]["optimizer"],
                          **v, "paired": paired})
         gs, es = v["gift"], v["euclid"]
-        note = (" (the GIFT side also has error feedback)"
-                if g["gift"].get("error_feedback") != e["gift"].get("error_feedback") else "")
         lines.append(
-            f"- {optimizer_name(g['gift'])}, {wire_name(g['gift'])} vs {wire_name(e['gift'])}{note}: "
+            f"- {optimizer_name(g['gift'])}, {wire_name(g['gift'])} vs {wire_name(e['gift'])}: "
             f"{_f(gs['mean'])} ± {_f(gs['std'])} (n={gs['n']}) vs {_f(es['mean'])} ± {_f(es['std'])} "
             f"(n={es['n']}), difference {_f(v['diff'], '+.4f')}, {SE_THRESHOLD:g} SE = "
             f"{_f(v['se'] * SE_THRESHOLD if finite(v['se']) else None)}: **{v['verdict']}**; paired by seed "
@@ -512,7 +561,9 @@ def write_report(runs: list, combined: list, args, path: str, plot_path, plot_no
         "- 1-minute load average before / after each run (step times are wall clock: other work on the "
         "machine inflates them): " + ", ".join(f"{r['label']}{'/' + str(r['seed']) if n_seeds > 1 else ''} "
                                                f"{r['load_avg'][0]:.1f}/{r['load_avg'][1]:.1f}" for r in runs),
-        "", *report_table(runs, with_seed=n_seeds > 1), "",
+        "", "## Verdict: each GIFT config against the Euclidean one that differs in the geometry only", "",
+        *(verdict_lines(combined) or ["- no such pair among these configs"]), "",
+        "## Every run", "", *report_table(runs, with_seed=n_seeds > 1), "",
         "Columns: train loss = mean of the last 10 steps; val loss / val acc = last validation (loss and "
         "next-token accuracy on held-out text); vs bf16 = gap in % to the bf16 baseline with the same optimizer"
         + (" and seed" if n_seeds > 1 else "") + "; B/elem = bytes on the wire per "

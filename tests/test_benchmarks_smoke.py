@@ -237,3 +237,22 @@ def test_gpu_check_cpu_part(tmp_path):
     for r in out["reducer"]:  # fp8 e4m3 + whitening + error feedback, ordinary steps
         assert r["host_conversions_per_bucket"] == 0 and 0 < r["max_rel_err"] < 0.0625, r
     assert out["engine"]["world1_lossless_equals_native"] and out["engine"]["world1_fp8_trains"]
+
+
+def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):
+    # Euclidean NVFP4 without and with error feedback beside bf16, one seed, 12 tiny steps: the
+    # probe runs on the very runs the losses come from and the report pairs what differs in EF.
+    from benchmarks import ef_study
+
+    report = ef_study.main(["--seeds", "1", "--steps", "12", "--preset", "tiny", "--probe-every", "5",
+                            "--configs", "euclid_nvfp4", "euclid_nvfp4_ef", "--out-dir", str(tmp_path)])
+    assert set(report["pairs"]) == {"euclid_nvfp4_ef vs euclid_nvfp4"}
+    assert report["pairs"]["euclid_nvfp4_ef vs euclid_nvfp4"]["differs_in"] == "error feedback (Euclidean)"
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    ef_probe = runs["euclid_nvfp4_ef"]["0"]["probes"]["10"]
+    # NVFP4 leaves a few percent of the gradient out each step; EF carries exactly that
+    assert 0.01 < ef_probe["residual_over_grad"] < 0.5
+    assert "residual_over_grad" not in runs["euclid_nvfp4"]["0"]["probes"]["10"]  # no EF, no residual
+    # 10 steps in, Adam's second moment of the quantized run is near bf16's (same seed, same batches)
+    assert 0.5 < ef_probe["v_ratio_median"] < 2.0
+    assert (tmp_path / "report.md").read_text().count("| euclid_nvfp4") >= 2

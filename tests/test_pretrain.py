@@ -246,6 +246,26 @@ def test_compare_default_configs_are_stage2_format_variants():
     order = [g["optimizer"] for g in descs]
     assert order == sorted(order, key=compare.OPTIMIZER_ORDER.index)
     assert set(configs) < set(compare.stage2_configs())
+    # like with like: every GIFT config has a Euclidean one that differs from it in the geometry only
+    results = [{"label": c, "gift": g} for c, g in zip(configs, descs)]
+    assert compare.unpaired(results) == []
+    assert len(compare.matched_pairs(results)) == sum(g["wire"] == "gift" and g["geometry"] != "identity"
+                                                      for g in descs)
+
+
+def test_pairs_differ_in_the_geometry_only():
+    from launch import compare
+
+    runs = {name: {"label": name, "gift": compare.describe_gift(_config(name + ".json"))}
+            for name in ("euclid_nvfp4_zero2", "euclid_nvfp4_ef_zero2", "gift_nvfp4_zero2", "gift_nvfp4_ef_zero2")}
+    pairs = {(g["label"], e["label"]) for g, e in compare.matched_pairs(list(runs.values()))}
+    assert pairs == {("gift_nvfp4_zero2", "euclid_nvfp4_zero2"), ("gift_nvfp4_ef_zero2", "euclid_nvfp4_ef_zero2")}
+    alone = [runs["gift_nvfp4_ef_zero2"], runs["euclid_nvfp4_zero2"]]  # error feedback on one side only
+    assert compare.matched_pairs(alone) == []
+    assert [r["label"] for r in compare.unpaired(alone)] == ["gift_nvfp4_ef_zero2", "euclid_nvfp4_zero2"]
+    g, e = runs["gift_nvfp4_zero2"]["gift"], runs["euclid_nvfp4_zero2"]["gift"]
+    assert compare.geometry_difference(g, e) == "geometry kfac_input vs identity, layers measured vs all"
+    assert not compare.same_but_geometry(dict(g, rounding="stochastic"), e)
 
 
 def _quick_compare_args(out):
@@ -290,6 +310,9 @@ def test_compare_seeds_mean_std_and_verdict_from_the_per_seed_values(tmp_path):
     assert pair["paired"]["diffs"] == pytest.approx(diffs) and pair["paired"]["se"] == pytest.approx(paired_se)
     assert f"paired by seed (n=2, differences {diffs[0]:+.4f}, {diffs[1]:+.4f}): mean {sum(diffs) / 2:+.4f}" in line
     assert saved["seed_stats"]["by_config"][0]["final_val_loss"] == [per_seed[(euclid, 5)], per_seed[(euclid, 6)]]
+    verdict_line = next(x for x in report.splitlines() if x.startswith(f"- Muon, `{gift}` vs `{euclid}`, differ in "))
+    assert "differ in geometry kfac_input vs identity, layers measured vs all:" in verdict_line
+    assert f"paired over 2 seeds {sum(diffs) / 2:+.4f} against 2 SE = {2 * paired_se:.4f}" in verdict_line
 
 
 def test_seed_verdict_rules():
