@@ -1,7 +1,7 @@
 """deepspeed-gift: low-precision ZeRO-1/2 gradient communication in geometry-aware coordinates.
 
 Use ``deepspeed_gift.initialize`` where you called ``deepspeed.initialize``; the
-``"gift"`` block of ds_config.json says what to do (see README).
+``"gift"`` block of ds_config.json says what to do (every key: docs/config.md).
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """Telemetry: one record per optimizer step, built from the step's counters (``StepStats``),
 kept in ``engine.gift.records``, written to ``telemetry.jsonl`` (rank 0) and to DeepSpeed's
 monitor. ``TELEMETRY_KEYS`` is the schema: every key a record may hold, with what it means;
-a test checks records and README against it."""
+tests check records against it, and docs/telemetry.md is generated from it."""
 
 from __future__ import annotations
 

@@ -47,12 +47,13 @@ def test_undocumented_names_exactly_the_fields_without_a_docstring():
 
 
 # ---- docs/config.md --------------------------------------------------------------------
-def test_config_reference_is_up_to_date():
-    path = ROOT / "docs" / "config.md"
-    current = path.read_text(encoding="utf-8") if path.exists() else ""
-    expected = config_reference.render()
-    assert current == expected, (f"docs/config.md is stale: run {config_reference.COMMAND}\n"
-                                 + config_reference.stale_diff(current, expected))
+def test_generated_references_are_up_to_date():
+    for path, write in config_reference.GENERATED:  # docs/config.md, docs/telemetry.md
+        name = str(path.relative_to(ROOT))
+        current = path.read_text(encoding="utf-8") if path.exists() else ""
+        expected = write()
+        assert current == expected, (f"{name} is stale: run {config_reference.COMMAND}\n"
+                                     + config_reference.stale_diff(current, expected, name=name))
 
 
 # ---- links -----------------------------------------------------------------------------
@@ -164,3 +165,31 @@ def test_link_checker_finds_broken_links(tmp_path):
 def test_relative_links_resolve():
     broken = [line for doc in DOCS for line in broken_links(doc)]
     assert broken == [], "broken links:\n" + "\n".join(broken)
+
+
+# ---- the README as a product page -------------------------------------------------------
+README_MAX_LINES = 200  # the bound: a page read in two minutes
+FIRST_SCREEN_LINES = 40
+
+
+def test_readme_is_short_and_opens_with_a_gift_block_that_validates():
+    import json
+
+    from deepspeed_gift import get_gift_config
+
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, len(lines)
+    blocks, current = [], None
+    for i, line in enumerate(lines):
+        if current is None and line.strip() == "```json":
+            current = (i, [])
+        elif current is not None and line.strip() == "```":
+            blocks.append((current[0], "\n".join(current[1])))
+            current = None
+        elif current is not None:
+            current[1].append(line)
+    configs = [(start, json.loads(text)) for start, text in blocks]
+    with_gift = [(start, cfg) for start, cfg in configs if "gift" in cfg]
+    assert with_gift and with_gift[0][0] < FIRST_SCREEN_LINES
+    for _, cfg in with_gift:
+        assert get_gift_config(cfg).enabled  # a block a user pastes is a valid, enabled one
