@@ -8,7 +8,7 @@ GIFT config is paired with the Euclidean config that differs from it in the geom
 (``matched_pairs``: same format, block, scale, rounding, error feedback, ``others`` and
 ``params``), and the report opens with one verdict line per pair; the
 ``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo), 250 steps:
-about 9 minutes on 2 idle CPU cores, 15 with other jobs on the machine. Other choices:
+about 7 minutes on 2 idle CPU cores (measured 6.9), more with other jobs on the machine. Other choices:
 
     .venv/bin/python launch/compare.py --all        # every stage-2 config of ds_configs/ (~14 min idle)
     .venv/bin/python launch/compare.py --configs ds_configs/bf16_baseline_zero1.json ds_configs/gift_fp8_zero1.json
