@@ -237,7 +237,9 @@ class GiftConfig(_GiftModel):
     error_feedback: bool = False
     """Keep each rank's quantization residual (in transformed coordinates) and add it to the
     next step's gradient before quantizing, so the error does not accumulate; costs an fp32
-    residual per element this rank sends quantized (telemetry ``error_feedback_bytes``)."""
+    residual per element this rank sends quantized (telemetry ``error_feedback_bytes``). Off by
+    default: under AdamW at NVFP4 it raised the validation loss in every measured run, since
+    each step then carries the last step's error too (docs/results.md, the error-feedback study)."""
 
     start_step: int = Field(0, ge=0)
     """Steps run on DeepSpeed's native reduction before GIFT takes over."""
