@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from launch.compare import DEFAULTS, SE_THRESHOLD, paired_verdict  # noqa: E402
+from launch.compare import DEFAULTS, SE_THRESHOLD, _f, paired_verdict, pretrain_argv, seed_stats  # noqa: E402
 from launch.spawn import run_ranks  # noqa: E402
 
 CONFIGS = {  # label -> ds_config
@@ -55,12 +55,14 @@ SMALL_V_QUANTILE = 0.25
 
 
 class Probe:
-    """Measures one run (see the module docstring). Rank 0 keeps ``v`` snapshots on the host
-    for the comparison with the bf16 run of the same seed."""
+    """Measures one run on rank 0 (see the module docstring); other ranks return nothing. The
+    gradient's norm is accumulated on the device during the reductions of the steps probed only,
+    and read once per probe."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self.grad_sq = 0.0  # squared norm of the gradients fed into this step's reductions
+        self.grad_sq = None  # squared norm of the gradients fed into this step's reductions (a tensor)
+        self.measuring = False  # this step is probed: the wrapper adds to grad_sq
         self.wrapped = False
 
     def _wrap(self, engine) -> None:
@@ -68,7 +70,9 @@ class Probe:
         inner = opt.average_tensor
 
         def average_tensor(tensor, *args, **kwargs):
-            self.grad_sq += float(tensor.float().square().sum())
+            if self.measuring:
+                norm_sq = tensor.float().square().sum()
+                self.grad_sq = norm_sq if self.grad_sq is None else self.grad_sq + norm_sq
             return inner(tensor, *args, **kwargs)
 
         opt.average_tensor = average_tensor
@@ -77,19 +81,20 @@ class Probe:
     def __call__(self, engine, step: int) -> dict:
         import torch
 
+        if torch.distributed.get_rank() != 0:
+            return {}
         if not self.wrapped:  # the first step's reductions already ran: measured from the second
             self._wrap(engine)
-            self.grad_sq = 0.0
-            return {}
-        grad_sq, self.grad_sq = self.grad_sq, 0.0
+        grad_sq, self.grad_sq = self.grad_sq, None
+        self.measuring = (step + 1) % self.every == 0  # the next step is probed
         if step % self.every:
             return {}
         out = {}
         gift = getattr(engine, "gift", None)
-        if gift is not None and gift.cfg.error_feedback and grad_sq > 0:
+        if gift is not None and gift.cfg.error_feedback and grad_sq is not None and float(grad_sq) > 0:
             res_sq = sum(float(r.square().sum()) for r, _, _ in gift.reducer.feedback.sent.values())
-            res_sq += sum(float(r.square().sum()) for r in gift.reducer.feedback.relayed.values())
-            out["residual_over_grad"] = math.sqrt(res_sq / grad_sq)
+            res_sq += sum(float(r.square().sum()) for _, r in gift.reducer.feedback.relayed.values())
+            out["residual_over_grad"] = math.sqrt(res_sq / float(grad_sq))
         opt = engine.optimizer
         vs, updates = [], []
         for g, p32 in enumerate(opt.single_partition_of_fp32_groups):
@@ -103,18 +108,16 @@ class Probe:
             updates.append((state["exp_avg"].float() / (1 - b1 ** t))
                            / ((v / (1 - b2 ** t)).sqrt() + group["eps"]))
         if vs:
-            u = torch.cat(updates)
-            out["update_rms"] = float(u.square().mean().sqrt())
-            if torch.distributed.get_rank() == 0:
-                out["_v"] = torch.cat(vs)
+            out["update_rms"] = float(torch.cat(updates).square().mean().sqrt())
+            out["_v"] = torch.cat(vs)
         return out
 
 
 def run_config(label: str, seed: int, args, probe_every: int) -> dict:
-    argv = ["--ds-config", CONFIGS[label], "--preset", args.preset, "--steps", str(args.steps), "--seed", str(seed),
-            "--seq-len", str(DEFAULTS["seq_len"]), "--micro-batch", str(DEFAULTS["micro_batch"]),
-            "--lr", str(DEFAULTS["lr"]), "--eval-every", str(args.steps), "--eval-batches",
-            str(DEFAULTS["eval_batches"]), "--no-progress"]
+    # the main job's settings; one validation, at the end (a run's losses do not depend on it)
+    argv = pretrain_argv(CONFIGS[label], seed, preset=args.preset, steps=args.steps, seq_len=DEFAULTS["seq_len"],
+                         micro_batch=DEFAULTS["micro_batch"], lr=DEFAULTS["lr"], eval_every=args.steps,
+                         eval_batches=DEFAULTS["eval_batches"])
     t0 = time.time()
     results = run_ranks(_rank_body, 2, argv, probe_every, timeout=args.timeout)
     summary = results[0]
@@ -168,7 +171,7 @@ def main(argv=None) -> dict:
     for seed in range(args.seed, args.seed + args.seeds):
         for label in args.configs:
             r = run_config(label, seed, args, args.probe_every)
-            print(f"seed {seed} {label}: val loss {r['final_val_loss']:.4f} ({r['status']}, {r['wall_s']:.0f} s)",
+            print(f"seed {seed} {label}: val loss {_f(r['final_val_loss'])} ({r['status']}, {r['wall_s']:.0f} s)",
                   flush=True)
             runs[label][seed] = r
         ref = runs["bf16"][seed]["probes"]
@@ -196,24 +199,20 @@ def write_report(runs: dict, args) -> dict:
              "step's residual, so this is the error the optimizer sees).", "",
              "| config | val loss mean | std | seeds | fidelity err |", "|---|---:|---:|---|---:|"]
     for label, by_seed in runs.items():
-        vals = [r["final_val_loss"] for r in by_seed.values() if r["status"] == "ok"]
-        std = statistics.stdev(vals) if len(vals) > 1 else float("nan")
-        fid = [r["fidelity_rel_err"] for r in by_seed.values() if r.get("fidelity_rel_err") is not None]
-        lines.append(f"| {label} | {statistics.fmean(vals):.4f} | {std:.4f} | "
-                     + ", ".join(f"{s}: {r['final_val_loss']:.4f}" for s, r in by_seed.items())
-                     + (f" | {statistics.fmean(fid):.4f} |" if fid else " | - |"))
+        st = seed_stats([r["final_val_loss"] if r["status"] == "ok" else None for r in by_seed.values()])
+        fid = seed_stats([r.get("fidelity_rel_err") for r in by_seed.values()])
+        lines.append(f"| {label} | {_f(st['mean'])} | {_f(st['std'])} | "
+                     + ", ".join(f"{s}: {_f(r['final_val_loss'])}" for s, r in by_seed.items())
+                     + f" | {_f(fid['mean'])} |")
     lines += ["", f"Pairs (seed-paired difference of val loss, a - b; beyond {SE_THRESHOLD:g} SE or not):", ""]
     pairs = {}
     for a, b, what in PAIRS:
         if a not in runs or b not in runs:
             continue
         v = paired_verdict({s: r["final_val_loss"] for s, r in runs[a].items()},
-                           {s: r["final_val_loss"] for s, r in runs[b].items()})
-        verdict = (v["verdict"].replace("GIFT better", f"{a} lower").replace("Euclidean better", f"{b} lower"))
+                           {s: r["final_val_loss"] for s, r in runs[b].items()}, names=(a, b))
         pairs[f"{a} vs {b}"] = dict(v, differs_in=what)
-        se = f", SE {v['se']:.4f}" if v["se"] is not None else ""
-        diff = f"{v['diff']:+.4f}" if v["diff"] is not None else "-"
-        lines.append(f"- {a} vs {b} (differ in {what}): {diff}{se}: {verdict}")
+        lines.append(f"- {a} vs {b} (differ in {what}): {_f(v['diff'], '+.4f')}, SE {_f(v['se'])}: {v['verdict']}")
     lines += ["", "Probe (mean over seeds): residual/grad = ||EF residual|| / ||gradient fed in that step||; "
               "v/v_bf16 = median over rank 0's partition of Adam's exp_avg_sq against the bf16 run's "
               f"(all elements; the {SMALL_V_QUANTILE:g} with the smallest v_bf16); update RMS of "

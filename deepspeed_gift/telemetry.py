@@ -141,7 +141,7 @@ class TelemetryLog:
         self._file = open(jsonl, "a", buffering=1) if jsonl and rank == 0 else None
 
     def write(self, record: dict, engine) -> None:
-        unknown = set(record) - set(TELEMETRY_KEYS)
+        unknown = record.keys() - TELEMETRY_KEYS.keys()
         if unknown:  # the schema is the one list of keys: a key written ad hoc is a bug here
             raise RuntimeError(f"deepspeed_gift: telemetry keys {sorted(unknown)} are not in TELEMETRY_KEYS")
         self.records.append(record)

@@ -23,7 +23,6 @@ import torch
 
 from .core import formats
 from .core.formats import Rounding
-from .exchange.stats import ByteKind
 from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
@@ -34,7 +33,7 @@ from .exchange.param_gather import ReplicaGather
 from .exchange.plan import GEO, HIGH, MAIN, ParamSlice
 from .exchange.reducer import GiftReducer
 from .exchange.two_level import TwoLevelReducer
-from .exchange.stats import StepStats
+from .exchange.stats import ByteKind, StepStats
 from .telemetry import TelemetryLog, step_record
 
 logger = logging.getLogger("deepspeed_gift")
@@ -274,10 +273,6 @@ class GiftState:
             return (GEO, w) if w is not None else (MAIN, None)
         return (HIGH if self.high_codec is not None else MAIN), None
 
-    def update_rule(self, name: str):
-        """The optimizer's update rule for layer ``name`` with a copy of its state on this rank."""
-        return self.optimizer_state.update_rule(name)
-
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
         k = self.k
         if k < 0:
@@ -410,13 +405,12 @@ class ZeroOptimizerState:
         return (self._muon_class is not None and isinstance(self.opt.optimizer, self._muon_class)
                 and getattr(param, "use_muon", False))
 
-    def update_rule(self, name: str):
-        """The update rule of the optimizer for layer ``name`` (the first of
-        ``metrics.UPDATE_RULES`` that serves its parameter group), with a copy of its real state
-        on this rank (called during the reduction: the state before the step being run, which
-        the step then overwrites): Muon's momentum of the whole matrix, which every owner of a
-        slice holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT
-        does not model (its errors are then judged in plain L2)."""
+    def _held(self, name: str):
+        """What this rank holds of layer ``name``'s optimizer state: ``(rule, param, group, start,
+        numel, dest, state)``: the rule of ``metrics.UPDATE_RULES`` that serves its param group,
+        the first element it covers in the flattened weight, how many, its offset in the fp32
+        partition, and the partition's state. None: no rule serves the layer, or this rank holds
+        none of the state the rule needs."""
         where = self._layer_params.get(name)
         if where is None:
             return None
@@ -428,10 +422,21 @@ class ZeroOptimizerState:
         held = self._whole_matrix(param, g) if rule.whole_matrix else self._slice(param, g, param_id)
         if held is None:
             return None
-        start, numel, dest = held
         state = self.opt.optimizer.state.get(self.opt.single_partition_of_fp32_groups[g], {})
-        return rule.from_state(_narrow_state(state, dest, numel), group, shape=param.shape, start=start,
-                               numel=numel, device=param.device)
+        return (rule, param, group, *held, state)
+
+    def update_rule(self, name: str):
+        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
+        this rank (called during the reduction: the state before the step being run, which the
+        step then overwrites): Muon's momentum of the whole matrix, which every owner of a slice
+        holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT does not
+        model (its errors are then judged in plain L2)."""
+        held = self._held(name)
+        if held is None:
+            return None
+        rule, param, group, start, numel, dest, state = held
+        return rule.from_state(_narrow_state(state, rule.state_keys, dest, numel), group, shape=param.shape,
+                               start=start, numel=numel, device=param.device)
 
     def _whole_matrix(self, param, g: int):
         """``(0, numel, offset)`` of ``param`` whole in this rank's fp32 partition, where
@@ -456,30 +461,14 @@ class ZeroOptimizerState:
         dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
         return start, min(param.numel() - start, int(opt.partition_size[g]) - dest), dest
 
-    def _adam_slice(self, name: str):
-        """Where this rank's Adam state of layer ``name`` is: ``(start, numel, state, dest)``;
-        None when this rank owns none of the layer or Adam does not train it."""
-        where = self._layer_params.get(name)
-        if where is None:
-            return None
-        param, g, param_id = where
-        if metrics.rule_serving(self.opt.optimizer.param_groups[g], param) is not metrics.AdamRule:
-            return None
-        held = self._slice(param, g, param_id)
-        if held is None:
-            return None
-        start, numel, dest = held
-        return start, numel, self.opt.optimizer.state.get(self.opt.single_partition_of_fp32_groups[g], {}), dest
-
     def second_moment_sums(self, name: str):
         """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
         and how many elements it covers (``adam_factored``); None without such state here."""
-        where = self._adam_slice(name)
-        if where is None or "exp_avg_sq" not in where[2]:
+        held = self._held(name)
+        if held is None or held[0] is not metrics.AdamRule or "exp_avg_sq" not in held[-1]:
             return None
-        start, numel, state, dest = where
-        weight = self._layer_params[name][0]
-        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, weight.shape)
+        _, param, _, start, numel, dest, state = held
+        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, param.shape)
         return rows, cols, numel
 
     def copy_ranks(self, param, runs) -> tuple:
@@ -492,11 +481,11 @@ class ZeroOptimizerState:
         return ()
 
 
-def _narrow_state(state: dict, offset: int, numel: int) -> dict:
-    """An optimizer's per-partition state with every 1-D tensor narrowed to ``numel`` elements
-    from ``offset`` (what an update rule's ``from_state`` takes); scalars (``step``) as they are."""
-    return {key: value.narrow(0, offset, numel) if torch.is_tensor(value) and value.dim() == 1 else value
-            for key, value in state.items()}
+def _narrow_state(state: dict, keys, offset: int, numel: int) -> dict:
+    """An optimizer's per-partition state with the tensors named in ``keys`` narrowed to
+    ``numel`` elements from ``offset`` (what an update rule's ``from_state`` takes); the rest
+    (``step``) as it is."""
+    return {key: value.narrow(0, offset, numel) if key in keys else value for key, value in state.items()}
 
 
 def _muon_optimizer_class():

@@ -154,11 +154,20 @@ def optimizer_name(g: dict) -> str:
     return {"adamw": "AdamW", "adam": "Adam", "muon": "Muon"}.get(g["optimizer"], g["optimizer"])
 
 
+def pretrain_argv(path: str, seed: int, *, preset: str, steps: int, seq_len: int, micro_batch: int, lr: float,
+                  eval_every: int, eval_batches: int) -> list:
+    """``launch/pretrain.py``'s arguments for one run of ``path`` (what every run of a
+    comparison shares; ``benchmarks/ef_study.py`` runs the same)."""
+    return ["--ds-config", path, "--preset", preset, "--steps", str(steps), "--seed", str(seed),
+            "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--lr", str(lr),
+            "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--no-progress"]
+
+
 def run_one(path: str, args, metrics_path: str, seed: int) -> dict:
-    argv = ["--ds-config", path, "--preset", args.preset, "--steps", str(args.steps), "--seed", str(seed),
-            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--lr", str(args.lr),
-            "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
-            "--log-every", str(args.log_every), "--metrics", metrics_path, "--no-progress"]
+    argv = pretrain_argv(path, seed, preset=args.preset, steps=args.steps, seq_len=args.seq_len,
+                         micro_batch=args.micro_batch, lr=args.lr, eval_every=args.eval_every,
+                         eval_batches=args.eval_batches)
+    argv += ["--log-every", str(args.log_every), "--metrics", metrics_path]
     desc = describe_gift(path)
     if args.muon_lr is not None and desc["optimizer"] == "muon":
         argv += ["--muon-lr", str(args.muon_lr)]
@@ -259,11 +268,11 @@ def seed_verdict(gift_values: list, euclid_values: list) -> dict:
     return out
 
 
-def paired_verdict(gift_by_seed: dict, euclid_by_seed: dict) -> dict:
+def paired_verdict(gift_by_seed: dict, euclid_by_seed: dict, names=("GIFT", "Euclidean")) -> dict:
     """The same comparison over the seeds both sides finished, paired by seed: a seed fixes the
     initialization and the batches of both runs, so the per-seed differences drop the
     seed-to-seed spread that the unpaired standard error carries. ``SE_THRESHOLD`` standard
-    errors of the mean difference ``s_d / sqrt(n)``."""
+    errors of the mean difference ``s_d / sqrt(n)``. ``names``: how the verdict calls the two sides."""
     seeds = sorted(s for s in gift_by_seed if s in euclid_by_seed
                    and finite(gift_by_seed[s]) and finite(euclid_by_seed[s]))
     diffs = [gift_by_seed[s] - euclid_by_seed[s] for s in seeds]
@@ -274,7 +283,7 @@ def paired_verdict(gift_by_seed: dict, euclid_by_seed: dict) -> dict:
     out["diff"] = statistics.fmean(diffs)
     out["se"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
     if abs(out["diff"]) > SE_THRESHOLD * out["se"]:
-        out["verdict"] = "GIFT better" if out["diff"] < 0 else "Euclidean better"
+        out["verdict"] = f"{names[0]} better" if out["diff"] < 0 else f"{names[1]} better"
     else:
         out["verdict"] = f"no difference at {SE_THRESHOLD:g} SE"
     return out
@@ -505,7 +514,7 @@ def seed_section(runs: list, combined: list, args) -> tuple:
         lines.append("| " + " | ".join([
             c["label"], optimizer_name(c["gift"]), wire_name(c["gift"]), str(st["n"]), _f(st["mean"]),
             _f(st["std"]), ", ".join(f"{s}: {_f(v)}" for s, v in zip(c["seeds"], values))]) + " |")
-    lines += ["", f"GIFT vs Euclidean at the same format and optimizer: difference of mean validation loss "
+    lines += ["", f"GIFT vs the Euclidean config that differs in the geometry only: difference of mean validation loss "
                   f"(GIFT - Euclidean, negative = GIFT lower) against {SE_THRESHOLD:g} standard errors "
                   f"sqrt(s_g^2/n_g + s_e^2/n_e); then paired by seed (the same initialization and batches on "
                   f"both sides): the mean of the per-seed differences against {SE_THRESHOLD:g} s_d/sqrt(n).", ""]

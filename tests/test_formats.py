@@ -897,3 +897,15 @@ def _e2m1_nearest_reference(y: torch.Tensor) -> torch.Tensor:
 
     mags = _table_on(_FP4_VALUES_T, y.device)[_fp4_magnitude_codes(y.abs()).long()]
     return mags.copysign_(y)
+
+
+def test_nvfp4_scale_candidates_are_kept_under_stochastic_rounding():
+    # the single-rule codec stays single under stochastic rounding; "down" (which may clip) is
+    # dropped there, and a set of nothing but "down" is refused rather than silently replaced
+    from deepspeed_gift.core.formats import NvFp4Codec
+
+    assert NvFp4Codec(rounding="stochastic", scale_candidates=("up",)).scale_candidates == ("up",)
+    assert NvFp4Codec(rounding="stochastic").scale_candidates == ("up", "4/6")
+    assert NvFp4Codec().scale_candidates == ("up", "down", "4/6")
+    with pytest.raises(ValueError, match="stochastic"):
+        NvFp4Codec(rounding="stochastic", scale_candidates=("down",))

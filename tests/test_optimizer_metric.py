@@ -36,7 +36,7 @@ def _predict_body(rank, world, spec):
             engine.step()
             continue
         mine = sorted(n for n, r in gift.geometry.capture_rank.items() if r == rank)
-        rules = {n: gift.update_rule(n) for n in mine}  # state before this step
+        rules = {n: gift.optimizer_state.update_rule(n) for n in mine}  # state before this step
         before = {n: m.weight.detach().clone() for n, m in gift.geometry.modules.items()}
         avg = {}
         for name in sorted(local):
@@ -170,6 +170,7 @@ def test_the_rules_follow_one_contract():
     g = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
     for rule in metrics.UPDATE_RULES:
         assert isinstance(rule.kind, metrics.RuleKind) and isinstance(rule.whole_matrix, bool)
+        assert rule.state_keys and all(isinstance(k, str) for k in rule.state_keys)
         group = muon_group if rule is metrics.MuonRule else adam_group
         start, numel = (0, 24) if rule.whole_matrix else (8, 10)
         fresh = rule.from_state({}, group, shape=g.shape, start=start, numel=numel, device=g.device)

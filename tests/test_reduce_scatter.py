@@ -378,3 +378,22 @@ def test_transforms_run_in_full_fp32_whatever_the_users_tf32_setting():
     finally:
         torch.set_float32_matmul_precision(saved)
     assert probe.seen == {"highest"}
+
+
+def test_relayed_residuals_are_held_once_per_layout_across_refreshes():
+    # a refresh changes the plan's hash (it names the transform versions): the chunk residual of
+    # the old hash is not added to the new plan's sum, and it is replaced, not kept beside it
+    from types import SimpleNamespace
+
+    from deepspeed_gift.exchange.feedback import ErrorFeedback
+
+    fb = ErrorFeedback()
+    before, after = (SimpleNamespace(layout_key=("bucket",), hash=h) for h in (1, 2))
+    fb.keep_relayed(before, 0, torch.full((4,), 0.5))
+    assert torch.equal(fb.add_relayed(before, 0, torch.ones(4)), torch.full((4,), 1.5))
+    assert torch.equal(fb.add_relayed(after, 0, torch.ones(4)), torch.ones(4))  # afresh after a refresh
+    fb.keep_relayed(after, 0, torch.full((4,), 0.25))
+    assert len(fb.relayed) == 1 and fb.nbytes() == 16
+    restored = ErrorFeedback()
+    restored.load_state_dict(fb.state_dict(), torch.device("cpu"))
+    assert torch.equal(restored.add_relayed(after, 0, torch.zeros(4)), torch.full((4,), 0.25))

@@ -921,7 +921,11 @@ class NvFp4Codec(_ScaledCodec):
             raise ValueError(f"nvfp4 scale_candidates must be a non-empty subset of {self.SCALE_CANDIDATES}, "
                              f"got {scale_candidates!r}")
         super().__init__(**options)
-        self.scale_candidates = tuple(scale_candidates)
+        # stochastic rounding stays unbiased only with scales that clip nothing: "down" is left out
+        self.scale_candidates = tuple(c for c in scale_candidates if self.rounding == Rounding.NEAREST or c != "down")
+        if not self.scale_candidates:
+            raise ValueError(f"nvfp4 scale_candidates {tuple(scale_candidates)!r} with rounding 'stochastic': "
+                             "'down' may clip, which stochastic rounding cannot keep unbiased; add 'up' or '4/6'")
 
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
         self._check_scale(scale, ("fp32",))
@@ -942,8 +946,7 @@ class NvFp4Codec(_ScaledCodec):
         up = _e4m3_at_least(target)
         options = {"up": up, "down": torch.where(up > 0, up - 1, up),
                    "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
-        allowed = self.scale_candidates if self.rounding == Rounding.NEAREST else ("up", "4/6")
-        return [options[k] for k in allowed]
+        return [options[k] for k in self.scale_candidates]
 
     def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
         # One pass per tile: every candidate scale divides the tile and rounds it to E2M1 (by

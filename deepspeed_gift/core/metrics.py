@@ -79,6 +79,7 @@ class MuonRule:
     # DeepSpeed's Muon orthogonalizes whole matrices: every owner of a slice holds the
     # momentum of the whole matrix, and the rule needs all of it
     whole_matrix: ClassVar[bool] = True
+    state_keys: ClassVar[Tuple[str, ...]] = ("momentum_buffer",)
 
     @staticmethod
     def serves(group: dict, param) -> bool:
@@ -114,6 +115,7 @@ class AdamRule:
 
     kind: ClassVar[RuleKind] = RuleKind.ADAM
     whole_matrix: ClassVar[bool] = False  # each rank holds the moments of its own slice
+    state_keys: ClassVar[Tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
 
     @staticmethod
     def serves(group: dict, param) -> bool:
@@ -150,13 +152,15 @@ class UpdateRule(Protocol):
 
     ``serves(group, param)``: the rule models the optimizer of this parameter group (the inner
     optimizer's ``param_groups`` entry). ``from_state``: the rule with a copy of the optimizer's
-    per-parameter state, every 1-D tensor of it already narrowed by the DeepSpeed seam to the
-    elements this rank holds: the whole matrix when ``whole_matrix`` (``start`` 0), else this
-    rank's ZeRO slice, flat elements ``[start, start + numel)`` of the weight. ``direction(g)``:
+    per-parameter state, its ``state_keys`` tensors already narrowed by the DeepSpeed seam to
+    the elements this rank holds (the other entries, such as ``step``, as they are): the whole
+    matrix when ``whole_matrix`` (``start`` 0), else this rank's ZeRO slice, flat elements
+    ``[start, start + numel)`` of the weight. ``direction(g)``:
     the update the optimizer would take from gradient ``g`` (the whole ``(out, in)`` matrix)."""
 
     kind: ClassVar[RuleKind]
     whole_matrix: ClassVar[bool]
+    state_keys: ClassVar[Tuple[str, ...]]
 
     @staticmethod
     def serves(group: dict, param) -> bool: ...

@@ -5,9 +5,11 @@ Two stores, both fp32 and on the reducer's device:
 * per payload a rank sends (its main-format sections), the residual in the coordinates of the
   transforms it was made with, keyed by the plan's layout and the section; a refresh or a
   re-selection that changes some rows' transform moves it into the new coordinates;
-* per chunk sum a rank relays (the relay route's second quantization), keyed by the plan's hash
-  (which names the transform versions: a refresh starts it afresh, since a chunk holds rows cut
-  by its edges and cannot be moved) and the section.
+* per chunk sum a rank relays (the relay route's second quantization), keyed by the plan's
+  layout and the section, and kept with the plan's hash: the hash names the transform versions
+  and the selection, and a residual of another hash is dropped (a refresh starts it afresh,
+  since a chunk holds rows cut by its edges and cannot be moved), so one residual per layout
+  is held however many refreshes a run has.
 
 An overflowing step (DeepSpeed skips it) must not leak its error into the next, so a residual
 with any inf/nan is kept as zeros, decided on the device (no host read).
@@ -32,8 +34,8 @@ class ErrorFeedback:
     def __init__(self) -> None:
         # (layout key, section key) -> (residual, pieces, transforms it is expressed in)
         self.sent: Dict[Tuple[tuple, object], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
-        # (plan hash, section index) -> residual of the chunk sum this rank relays
-        self.relayed: Dict[Tuple[int, int], torch.Tensor] = {}
+        # (layout key, section index) -> (plan hash, residual of the chunk sum this rank relays)
+        self.relayed: Dict[Tuple[tuple, int], Tuple[int, torch.Tensor]] = {}
 
     def add(self, plan: BucketPlan, sec: Section, values: torch.Tensor, transforms) -> torch.Tensor:
         """``values`` plus last step's residual of this payload, first moved into this step's
@@ -52,11 +54,11 @@ class ErrorFeedback:
         self.sent[(plan.layout_key, sec.key)] = (_finite_or_zero(residual), sec.pieces, dict(transforms))
 
     def add_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor) -> torch.Tensor:
-        held = self.relayed.get((plan.hash, index))
-        return value if held is None else value.add_(held)
+        held = self.relayed.get((plan.layout_key, index))
+        return value if held is None or held[0] != plan.hash else value.add_(held[1])
 
     def keep_relayed(self, plan: BucketPlan, index: int, residual: torch.Tensor) -> None:
-        self.relayed[(plan.hash, index)] = _finite_or_zero(residual)
+        self.relayed[(plan.layout_key, index)] = (plan.hash, _finite_or_zero(residual))
 
     def state_dict(self) -> dict:
         """The residuals in gradient coordinates (the transforms they were made with are not
@@ -67,15 +69,16 @@ class ErrorFeedback:
             flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start, p.param_start)
                     for p in pieces]
             sent.append((layout_key, key, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
-        relayed = [(plan_hash, index, r.cpu()) for (plan_hash, index), r in self.relayed.items()]
+        relayed = [(layout_key, index, plan_hash, r.cpu()) for (layout_key, index), (plan_hash, r)
+                   in self.relayed.items()]
         return {"residuals": sent, "relay_residuals": relayed}
 
     def load_state_dict(self, state: dict, device) -> None:
         self.sent = {(layout_key, key): (r.to(device), [Piece(*p) for p in pieces], {})
                      for layout_key, key, r, pieces in state["residuals"]}
-        self.relayed = {(plan_hash, index): r.to(device)
-                        for plan_hash, index, r in state.get("relay_residuals", [])}
+        self.relayed = {(layout_key, index): (plan_hash, r.to(device))
+                        for layout_key, index, plan_hash, r in state.get("relay_residuals", [])}
 
     def nbytes(self) -> int:
         return (sum(r.numel() * r.element_size() for r, _, _ in self.sent.values())
-                + sum(r.numel() * r.element_size() for r in self.relayed.values()))
+                + sum(r.numel() * r.element_size() for _, r in self.relayed.values()))

@@ -7,9 +7,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .stats import ByteKind
 from .plan import BucketPlan, section_sample
-from .stats import StepStats
+from .stats import ByteKind, StepStats
 
 
 def exact_sample_reduction(comm, tensor: torch.Tensor, plan: BucketPlan, divisor: float, stats: StepStats,

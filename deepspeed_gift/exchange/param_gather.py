@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 
 from ..core.formats import Codec
-from .stats import ByteKind
-from .stats import StepStats, clock
+from .stats import ByteKind, StepStats, clock
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of
 # this many elements: a scale local enough that a small parameter next to a large one is judged

@@ -20,7 +20,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.geometry import Transform, full_fp32_matmuls
-from .stats import ByteKind
 from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
@@ -28,7 +27,7 @@ from .headers import CONTROL_HEADER_BYTES, DISAGREE, HeaderChecks, expect_codec_
 from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, gather_pieces, plan_route,
                    scatter_section, transform_pieces)
 from .relay import relay_totals
-from .stats import StepStats, clock
+from .stats import ByteKind, StepStats, clock
 
 Totals = List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]  # (section, its sum, mine to add after the inverse)
 
@@ -165,7 +164,7 @@ class GiftReducer:
             if feedback:
                 values = self.feedback.add(plan, sec, values, whiteners)
             wire, decoded = enc.encode(sec, values, stats, sample, enc.generator_for(sec, step),
-                                       decode=self.error_feedback or me in sec.dests)
+                                       decode=feedback or me in sec.dests)
             own = decoded if me in sec.dests else None
             if feedback:
                 self.feedback.keep(plan, sec, values.sub_(decoded), whiteners)
@@ -189,22 +188,22 @@ class GiftReducer:
              head: torch.Tensor, stats: StepStats) -> torch.Tensor:
         """One all-to-all of payload: to every rank in ``parts_by_dst`` the control header and its
         parts, each message checked against the plan's size (``expected[dst]``) and counted."""
-        messages, sizes = [], []
+        pieces, sizes = [], []  # every message's header and parts, copied once into the send buffer
         for dst in range(self.comm.world_size):
             if dst not in parts_by_dst:
                 sizes.append(0)
                 continue
-            msg = torch.cat([head] + parts_by_dst[dst])
-            if msg.numel() != expected[dst]:
-                raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {msg.numel()} bytes, "
+            n = CONTROL_HEADER_BYTES + sum(p.numel() for p in parts_by_dst[dst])
+            if n != expected[dst]:
+                raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {n} bytes, "
                                    f"plan expects {expected[dst]}; codec byte count is inconsistent")
             stats.bytes_header += CONTROL_HEADER_BYTES
             if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
-                stats.bytes_internode += msg.numel()
-            messages.append(msg)
-            sizes.append(msg.numel())
+                stats.bytes_internode += n
+            pieces += [head, *parts_by_dst[dst]]
+            sizes.append(n)
         t0 = self.now()
-        recv = self.comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
+        recv = self.comm.all_to_all_bytes(torch.cat(pieces) if pieces else head[:0], sizes, recv_sizes,
                                           kind=ByteKind.PAYLOAD)
         stats.comm_s += self.now() - t0
         return recv

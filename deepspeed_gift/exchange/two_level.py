@@ -12,11 +12,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.geometry import Transform
-from .stats import ByteKind
 from .headers import CONTROL_HEADER_BYTES, expect_control_header
 from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .reducer import GiftReducer
-from .stats import StepStats, clock
+from .stats import ByteKind, StepStats, clock
 
 NODE_SPLITS = ("owner_slot", "balanced")  # how a bucket is spread over a node's ranks; a tie picks the first
 
