@@ -397,3 +397,18 @@ def test_relayed_residuals_are_held_once_per_layout_across_refreshes():
     restored = ErrorFeedback()
     restored.load_state_dict(fb.state_dict(), torch.device("cpu"))
     assert torch.equal(restored.add_relayed(after, 0, torch.zeros(4)), torch.full((4,), 0.25))
+
+
+def test_relayed_residuals_of_the_earlier_format_are_dropped_with_a_warning(caplog):
+    from deepspeed_gift.exchange.feedback import ErrorFeedback
+
+    import logging
+
+    fb = ErrorFeedback()
+    log = logging.getLogger("deepspeed_gift")  # attach may have stopped it propagating to the root
+    log.addHandler(caplog.handler)
+    try:
+        fb.load_state_dict({"residuals": [], "relay_residuals": [(7, 0, torch.ones(4))]}, torch.device("cpu"))
+    finally:
+        log.removeHandler(caplog.handler)
+    assert fb.relayed == {} and "1 relayed error-feedback residuals" in caplog.text

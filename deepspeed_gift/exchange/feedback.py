@@ -17,11 +17,14 @@ with any inf/nan is kept as zeros, decided on the device (no host read).
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Tuple
 
 import torch
 
 from .plan import BucketPlan, Piece, Section, transform_pieces
+
+logger = logging.getLogger("deepspeed_gift")
 
 
 def _finite_or_zero(residual: torch.Tensor) -> torch.Tensor:
@@ -76,8 +79,15 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict, device) -> None:
         self.sent = {(layout_key, key): (r.to(device), [Piece(*p) for p in pieces], {})
                      for layout_key, key, r, pieces in state["residuals"]}
+        relayed = state.get("relay_residuals", [])
+        # entries of (hash, index, residual), as saved before residuals were held per layout: their
+        # hash cannot name a layout, so they cannot be matched; said, and the relay starts afresh
+        old = [entry for entry in relayed if len(entry) == 3]
+        if old:
+            logger.warning("gift: %d relayed error-feedback residuals in this checkpoint are of an earlier "
+                           "format and are dropped; the relay route's feedback starts afresh", len(old))
         self.relayed = {(layout_key, index): (plan_hash, r.to(device))
-                        for layout_key, index, plan_hash, r in state.get("relay_residuals", [])}
+                        for layout_key, index, plan_hash, r in (e for e in relayed if len(e) == 4)}
 
     def nbytes(self) -> int:
         return (sum(r.numel() * r.element_size() for r, _, _ in self.sent.values())
