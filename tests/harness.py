@@ -33,7 +33,7 @@ def ds_config(spec: dict) -> dict:
                               "reduce_bucket_size": spec.get("bucket", 20000),
                               "allgather_bucket_size": 10**6,
                               "overlap_comm": spec.get("overlap", False),
-                              "contiguous_gradients": True},
+                              "contiguous_gradients": True, **spec.get("zero", {})},
         "gradient_clipping": spec.get("clip", 0.0),
         "wall_clock_breakdown": False,
     }

@@ -1,0 +1,139 @@
+"""    .venv/bin/python benchmarks/native_spread.py [--cases two_level_w4_s1_muon ...] [--json out.json]
+
+Where the tolerances of the lossless-equals-native tests come from (``tests/spread.py``): for
+each case of those tests, the parameters and losses of native DeepSpeed with its two reduction
+collectives (all-reduce of the bucket, reduce to each owner) and of GIFT's lossless config,
+each run twice: once with this machine's own kernels and once with another SIMD width
+(``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, or ``default``, scalar, where the
+machine is AVX2 already). Prints, per case, native's spread across its collectives and across
+SIMD widths, GIFT's distance to native with each width, and their ratio: the tests require
+GIFT-vs-native <= SPREAD_FACTOR x native's collective spread, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.results import write_json  # noqa: E402
+
+LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
+MUON = dict(optimizer="muon", lr=2e-2, bucket=20000, muon_ns_fp32=True)
+TWO_LEVEL = dict(LOSSLESS, hierarchy="two_level", ranks_per_node=2)
+RELAY = dict(LOSSLESS, route="relay")
+# name: (world, the tests' spec, GIFT's block): the cases of tests/test_zero.py,
+# tests/test_two_level.py and tests/test_route.py that compare the lossless config with native
+CASES = {
+    "zero_w2_s1": (2, dict(stage=1, steps=3, ga=2, bucket=12000), LOSSLESS),
+    "zero_w3_s2": (3, dict(stage=2, steps=3, bucket=15000), LOSSLESS),
+    "zero_w3_s1_muon": (3, dict(stage=1, steps=5, **MUON), LOSSLESS),
+    "zero_w3_s2_muon": (3, dict(stage=2, steps=5, **MUON), LOSSLESS),
+    "two_level_w4_s1": (4, dict(stage=1, steps=10, ga=2, bucket=12000), TWO_LEVEL),
+    "two_level_w4_s2": (4, dict(stage=2, steps=10, ga=2, bucket=12000), TWO_LEVEL),
+    "two_level_w4_s1_muon": (4, dict(stage=1, steps=10, ga=2, **MUON), TWO_LEVEL),
+    "two_level_w6_s1": (6, dict(stage=1, steps=10, ga=2, bucket=12000), TWO_LEVEL),
+    "two_level_w6_s2_muon": (6, dict(stage=2, steps=10, ga=2, **MUON), TWO_LEVEL),
+    "relay_w4_s1": (4, dict(stage=1, steps=3, ga=2, bucket=12000), RELAY),
+    "relay_w4_s2": (4, dict(stage=2, steps=3, ga=2, bucket=12000), RELAY),
+    "relay_w3_s2_muon": (3, dict(stage=2, steps=3, **MUON), RELAY),
+}
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def run_cases(names: list) -> dict:
+    """Every case's three runs on this process's kernels: {case: (native, reordered, gift)} of rank 0."""
+    from launch.spawn import run_ranks
+    from tests.harness import train_many
+    from tests.spread import native_reordered
+
+    out = {}
+    for name in names:
+        world, spec, gift = CASES[name]
+        native, reordered, lossless = run_ranks(train_many, world, [spec, native_reordered(spec),
+                                                                    dict(spec, gift=gift)])[0]
+        out[name] = [{"losses": r["losses"], "params": r["params"]} for r in (native, reordered, lossless)]
+        print(f"[native_spread] {name}: done", file=sys.stderr, flush=True)
+    return out
+
+
+def other_isa() -> dict:
+    """The environment of the second run: AVX2 kernels, or scalar ones on an AVX2 machine."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
+        return {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    return dict(AVX2_ENV)
+
+
+def run_with(env: dict, names: list, path: str) -> None:
+    # a fresh interpreter: ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are read once per process,
+    # and inductor's cache does not key on the ISA (a kernel built for AVX512 is reused under avx2)
+    full = dict(os.environ, **env)
+    if env:
+        full["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-isa-")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path, "--cases", *names],
+                   env=full, cwd=ROOT, check=True)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description="Native DeepSpeed's own spread against GIFT's lossless distance.")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        with open(args.child, "wb") as f:
+            pickle.dump(run_cases(args.cases), f)
+        return {}
+    from tests.spread import SPREAD_FACTOR, max_loss_diff, max_param_diff
+
+    import torch
+
+    isas = {"own": ({}, torch.backends.cpu.get_cpu_capability()), "other": (other_isa(), "")}
+    isas["other"] = (isas["other"][0], isas["other"][0]["ATEN_CPU_CAPABILITY"].upper())
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, (env, _) in isas.items():
+            path = os.path.join(tmp, key + ".pkl")
+            run_with(env, args.cases, path)
+            with open(path, "rb") as f:
+                runs[key] = pickle.load(f)
+    own, other = isas["own"][1], isas["other"][1]
+    print(f"parameters, max |difference| (losses in brackets); SIMD widths {own} and {other}; "
+          f"the tests' bound: {SPREAD_FACTOR:g} x native's collective spread")
+    head = (f"| case | native: all-reduce vs reduce ({own}) | ({other}) | native {own} vs {other} | "
+            f"GIFT vs native ({own}) | ({other}) | ratio to collective spread |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    rows = []
+    for name in args.cases:
+        a, b = runs["own"][name], runs["other"][name]
+        row = {"case": name, "world": CASES[name][0],
+               "collective_spread": [max_param_diff(a[0], a[1]), max_param_diff(b[0], b[1])],
+               "collective_spread_loss": [max_loss_diff(a[0], a[1]), max_loss_diff(b[0], b[1])],
+               "simd_spread": max_param_diff(a[0], b[0]), "simd_spread_loss": max_loss_diff(a[0], b[0]),
+               "gift": [max_param_diff(a[0], a[2]), max_param_diff(b[0], b[2])],
+               "gift_loss": [max_loss_diff(a[0], a[2]), max_loss_diff(b[0], b[2])]}
+        row["ratio"] = [g / s if s > 0 else (0.0 if g == 0 else float("inf"))
+                        for g, s in zip(row["gift"], row["collective_spread"])]
+        rows.append(row)
+        print(f"| {name} | {row['collective_spread'][0]:.2e} [{row['collective_spread_loss'][0]:.1e}] | "
+              f"{row['collective_spread'][1]:.2e} [{row['collective_spread_loss'][1]:.1e}] | "
+              f"{row['simd_spread']:.2e} [{row['simd_spread_loss']:.1e}] | "
+              f"{row['gift'][0]:.2e} [{row['gift_loss'][0]:.1e}] | {row['gift'][1]:.2e} [{row['gift_loss'][1]:.1e}] | "
+              f"{row['ratio'][0]:.2f}, {row['ratio'][1]:.2f} |", flush=True)
+    result = {"isas": [own, other], "spread_factor": SPREAD_FACTOR, "rows": rows}
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
