@@ -74,11 +74,13 @@ def other_isa() -> dict:
 
 
 def run_with(env: dict, names: list, path: str) -> None:
-    # a fresh interpreter: ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are read once per process,
-    # and inductor's cache does not key on the ISA (a kernel built for AVX512 is reused under avx2)
+    # a fresh interpreter: ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are read once per process.
+    # Inductor (DeepSpeed compiles Muon's Newton-Schulz) keys its cache without the ISA: a kernel
+    # built under one capability and loaded under the other crashed the rank (heap corruption)
+    # or returned nan here, so each width keeps a cache of its own.
     full = dict(os.environ, **env)
-    if env:
-        full["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-isa-")
+    isa = env.get("ATEN_CPU_CAPABILITY", "own")
+    full["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-isa-{isa}")
     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path, "--cases", *names],
                    env=full, cwd=ROOT, check=True)
 

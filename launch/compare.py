@@ -51,6 +51,7 @@ if ROOT not in sys.path:
 from launch.pretrain import (PROFILE_ERRORS, finite, read_metrics, resolve_path, run_rank,  # noqa: E402
                              summarize)
 from launch.spawn import run_ranks  # noqa: E402
+from launch.compute import COMPUTE_DTYPES, bf16_path, choose_compute_dtype  # noqa: E402
 
 # lr for the small preset (the configs ship 3e-4, for 300M+ models); Muon's matrices keep the
 # configs' muon_lr 0.02, which also suits the small preset (250 steps: val loss 1.855; 0.05: 1.865)
@@ -155,18 +156,19 @@ def optimizer_name(g: dict) -> str:
 
 
 def pretrain_argv(path: str, seed: int, *, preset: str, steps: int, seq_len: int, micro_batch: int, lr: float,
-                  eval_every: int, eval_batches: int) -> list:
+                  eval_every: int, eval_batches: int, compute_dtype: str = "auto") -> list:
     """``launch/pretrain.py``'s arguments for one run of ``path`` (what every run of a
     comparison shares; ``benchmarks/ef_study.py`` runs the same)."""
     return ["--ds-config", path, "--preset", preset, "--steps", str(steps), "--seed", str(seed),
             "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--lr", str(lr),
-            "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--no-progress"]
+            "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--compute-dtype", compute_dtype,
+            "--no-progress"]
 
 
 def run_one(path: str, args, metrics_path: str, seed: int) -> dict:
     argv = pretrain_argv(path, seed, preset=args.preset, steps=args.steps, seq_len=args.seq_len,
                          micro_batch=args.micro_batch, lr=args.lr, eval_every=args.eval_every,
-                         eval_batches=args.eval_batches)
+                         eval_batches=args.eval_batches, compute_dtype=args.compute_dtype)
     argv += ["--log-every", str(args.log_every), "--metrics", metrics_path]
     desc = describe_gift(path)
     if args.muon_lr is not None and desc["optimizer"] == "muon":
@@ -199,6 +201,8 @@ def run_one(path: str, args, metrics_path: str, seed: int) -> dict:
             result["params"] = metrics["start"]["params"]
             result["tokens_per_step"] = metrics["start"]["tokens_per_step"]
             result["corpus"] = metrics["start"]["corpus"]
+            for key in ("compute_dtype", "compute_note", "bf16_path"):
+                result[key] = metrics["start"].get(key)
             opt = metrics["start"]["ds_config"].get("optimizer", {}).get("params", {})
             result["lr"], result["muon_lr"] = opt.get("lr"), opt.get("muon_lr")
     result["status"] = status_of(result, metrics, error, args.steps)
@@ -206,6 +210,26 @@ def run_one(path: str, args, metrics_path: str, seed: int) -> dict:
         result["error"] = error.strip().splitlines()[-1][:300] if error.strip() else "failed"
         result["error_full"] = error[-4000:]
     return result
+
+
+def planned_compute(configs: list, requested: str) -> str:
+    """One line before the runs: the dtype the configs will compute in on this machine."""
+    lines = set()
+    for path in configs:
+        with open(resolve_path(path)) as f:
+            dtype, note = choose_compute_dtype(requested, json.load(f))
+        lines.add(note or f"compute dtype {dtype} ({bf16_path()})")
+    return "; ".join(sorted(lines))
+
+
+def compute_line(runs: list) -> str:
+    """What the runs computed in, as their metrics recorded it (one line of the report)."""
+    seen = sorted({(r.get("compute_dtype"), r.get("compute_note") or "") for r in runs if r.get("compute_dtype")})
+    if not seen:
+        return "not recorded"
+    where = next((r["bf16_path"] for r in runs if r.get("bf16_path")), "")
+    parts = [note or f"{dtype} (the configs' own dtype; {where})" for dtype, note in seen]
+    return "; ".join(parts)
 
 
 def status_of(result: dict, metrics, error, steps: int) -> str:
@@ -236,7 +260,8 @@ def combine_seeds(runs: list) -> dict:
         values = [r[key] for r in ok if finite(r.get(key))]
         if key not in ("seed", "wall_s") and values:
             out[key] = statistics.fmean(values)
-    for key in ("update_metric", "params", "tokens_per_step", "corpus", "lr", "muon_lr"):
+    for key in ("update_metric", "params", "tokens_per_step", "corpus", "lr", "muon_lr", "compute_dtype",
+                "compute_note", "bf16_path"):
         if ok and ok[0].get(key) is not None:
             out[key] = ok[0][key]
     # a run that stopped early may still have a validation loss from before it stopped
@@ -567,6 +592,7 @@ def write_report(runs: list, combined: list, args, path: str, plot_path, plot_no
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU (gloo)'}; "
         f"torch {torch.__version__}, deepspeed {deepspeed.__version__}",
+        f"- compute: {compute_line(runs)}",
         "- 1-minute load average before / after each run (step times are wall clock: other work on the "
         "machine inflates them): " + ", ".join(f"{r['label']}{'/' + str(r['seed']) if n_seeds > 1 else ''} "
                                                f"{r['load_avg'][0]:.1f}/{r['load_avg'][1]:.1f}" for r in runs),
@@ -740,6 +766,9 @@ def main(argv=None) -> dict:
                                                         "report mean +- std and GIFT-vs-Euclidean verdicts")
     p.add_argument("--data", nargs="+", help="passed to pretrain.py (default: embedded corpus)")
     p.add_argument("--tokenizer", help="passed to pretrain.py (default: bytes)")
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="auto",
+                   help="passed to pretrain.py; auto: the configs' bf16, or fp32 with bf16 on the wire on a CPU "
+                        "without a fast bf16 matmul")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds per run before it is killed")
     args = p.parse_args(argv)
     if args.seeds < 1:
@@ -751,6 +780,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--configs: not found: {missing}")
     os.makedirs(os.path.join(args.out_dir, "runs"), exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"[compare] {planned_compute(configs, args.compute_dtype)}", flush=True)
     t0 = time.perf_counter()
     seeds = list(range(args.seed, args.seed + args.seeds))
     runs = []

@@ -52,25 +52,27 @@ def config_dtype(ds_config: dict) -> str:
     return "fp32"
 
 
-def choose_compute_dtype(requested: str, ds_config: dict) -> tuple:
+def choose_compute_dtype(requested: str, ds_config: dict, fast_bf16: bool = None) -> tuple:
     """``(dtype, why)``: the dtype to compute in for ``--compute-dtype requested``. ``auto``
     keeps the config's, except bf16 on a machine without a fast bf16 matmul (fp32, with the
     config's wire kept). ``why`` is a line for the log and the report ("" when nothing changes)."""
     if requested not in COMPUTE_DTYPES:
         raise ValueError(f"--compute-dtype: got {requested!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
     own = config_dtype(ds_config)
+    fast_bf16 = bf16_matmul_is_fast() if fast_bf16 is None else fast_bf16
     if requested == "auto":
-        if own == "bf16" and not bf16_matmul_is_fast():
-            return "fp32", (f"compute dtype fp32, bf16 on the wire: the config asks bf16, but this machine has no "
-                            f"fast bf16 matmul ({bf16_path()}); --compute-dtype bf16 forces it")
+        if own == "bf16" and not fast_bf16:
+            return "fp32", (f"compute dtype fp32 with bf16 gradients on the wire (the parameter all-gather "
+                            f"carries fp32): the config asks bf16, but this machine has no fast bf16 matmul "
+                            f"({bf16_path()}); --compute-dtype bf16 forces it")
         return own, ""
     if own == "fp16" and requested != "fp32":
         raise ValueError(f"--compute-dtype {requested}: the config trains in fp16; use fp32 or auto")
     if requested == own:
         return own, ""
     if requested == "fp32":
-        wire = "bf16 on the wire" if own == "bf16" else f"{own} on the wire"
-        return "fp32", f"compute dtype fp32 ({wire}), as --compute-dtype asks; the config trains in {own}"
+        return "fp32", (f"compute dtype fp32 with {own} gradients on the wire (the parameter all-gather carries "
+                        f"fp32), as --compute-dtype asks; the config trains in {own}")
     return "bf16", f"compute dtype bf16, as --compute-dtype asks; the config trains in {own}"
 
 
@@ -90,3 +92,18 @@ def with_compute_dtype(ds_config: dict, dtype: str) -> dict:
     else:
         raise ValueError(f"compute dtype: got {dtype!r}; allowed: bf16, fp32")
     return out
+
+
+def agreed_compute_dtype(requested: str, ds_config: dict) -> tuple:
+    """``choose_compute_dtype`` made once for every rank of the default process group: bf16
+    stays only where every rank multiplies bf16 fast (ranks on different CPUs would otherwise
+    train different models)."""
+    import torch
+    import torch.distributed as dist
+
+    fast = bf16_matmul_is_fast()
+    if not torch.cuda.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1 if fast else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fast = bool(flag.item())
+    return choose_compute_dtype(requested, ds_config, fast)

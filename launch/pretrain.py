@@ -20,6 +20,12 @@ override the config's ``train_micro_batch_size_per_gpu``, ``gradient_accumulatio
 config, the learning rate warms up linearly for ``--warmup`` steps and decays by a cosine to
 ``--min-lr-ratio`` at ``--steps``.
 
+Compute dtype: ``--compute-dtype auto`` (the default) trains in the config's dtype, except a
+bf16 config on a CPU without a fast bf16 matmul (AVX2-only x86: PyTorch's bf16 GEMM is then a
+scalar loop, ~50x slower than fp32), which computes in fp32 and keeps bf16 gradients on the
+wire; the log says so in one line and the metrics' start record keeps it (``compute_dtype``).
+On a GPU nothing changes. ``--compute-dtype bf16`` or ``fp32`` chooses (``launch/compute.py``).
+
 Logs (rank 0): train loss, learning rate, step time, tokens/s, GIFT wire bytes per
 gradient element and sampled fidelity; validation loss and next-token accuracy every
 ``--eval-every`` steps. ``--metrics run.jsonl`` keeps them (read by ``launch/compare.py``).
@@ -45,6 +51,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from launch import data as gift_data  # noqa: E402
+from launch.compute import COMPUTE_DTYPES, agreed_compute_dtype, bf16_path, with_compute_dtype  # noqa: E402
 
 PRESETS = {
     # CPU-sized: tests and smoke runs
@@ -98,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from the latest checkpoint in --save-dir (none yet: start fresh), or from the "
                         "given checkpoint directory (its latest) or tag directory (DIR/step300)")
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="auto",
+                   help="dtype of the forward and backward. auto: the config's, except a bf16 config on a CPU "
+                        "without a fast bf16 matmul (no oneDNN bf16 kernel, e.g. AVX2-only x86), which computes "
+                        "in fp32 and keeps bf16 on the wire (see launch/compute.py)")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend (auto: nccl on GPU, gloo on CPU)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -420,6 +431,8 @@ def main(argv=None, probe=None) -> dict:
     init_distributed(args.dist_backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_config = load_ds_config(args)
+    compute_dtype, compute_note = agreed_compute_dtype(args.compute_dtype, ds_config)
+    ds_config = with_compute_dtype(ds_config, compute_dtype)
     if is_muon(ds_config) and not torch.cuda.is_available():
         run_muon_update_eagerly()
     gift_cfg = deepspeed_gift.get_gift_config(ds_config)  # a bad gift block fails here, on every rank
@@ -478,11 +491,14 @@ def main(argv=None, probe=None) -> dict:
               f"{tokens_per_step} tokens/step | config {args.ds_config}, ZeRO {engine.zero_optimization_stage()}, "
               f"{wire}")
     progress.log(header + (f" | resumed at step {resumed_from}" if resumed_from else ""))
+    if compute_note:
+        progress.log(compute_note)
     metrics.write({"event": "start", "time": time.time(), "args": vars(args), "world_size": world,
                    "ds_config": ds_config, "params": n_params, "seq_len": seq, "micro_batch": micro,
                    "grad_accum": ga, "tokens_per_step": tokens_per_step,
                    "zero_stage": engine.zero_optimization_stage(),
                    "gift": gift_cfg.model_dump() if gift_cfg.enabled else None, "resumed_from": resumed_from,
+                   "compute_dtype": compute_dtype, "compute_note": compute_note, "bf16_path": bf16_path(),
                    "corpus": corpus.describe()})
 
     train_records, eval_records = [], []
@@ -537,7 +553,8 @@ def main(argv=None, probe=None) -> dict:
     if args.save_dir and step > resumed_from and not (args.save_every and step % args.save_every == 0):
         engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"seed": args.seed, "step": step})
     progress.close()
-    summary = dict(summarize(train_records, eval_records), status=status, resumed_from=resumed_from)
+    summary = dict(summarize(train_records, eval_records), status=status, resumed_from=resumed_from,
+                   compute_dtype=compute_dtype)
     gift = getattr(engine, "gift", None)
     if gift is not None:  # what layers: "measured" measured and chose (1 - err_geometry / err_euclidean)
         summary["geometry_active"] = sorted(gift.geometry.whiteners)

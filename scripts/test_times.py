@@ -1,12 +1,22 @@
 """    .venv/bin/python scripts/test_times.py --budget-min 12 fast.xml slow.xml
 
-Reads pytest's JUnit XML reports and prints each report's test time, their sum against a
-budget, and the slowest tests of all reports together (.ci/run calls it at the end)."""
+Reads pytest's JUnit XML reports and prints each report's test time and the bf16 path its run
+took (fast bf16 matmul or the scalar loop of an AVX2-only CPU: the budget is read against the
+machine), their sum against a budget, and the slowest tests of all reports together (.ci/run
+calls it at the end)."""
 
 from __future__ import annotations
 
 import argparse
 import xml.etree.ElementTree as ET
+
+
+def read_bf16_path(path: str) -> str:
+    """What ``tests/conftest.py`` recorded of the run's bf16 matmul ("" for an older report)."""
+    for prop in ET.parse(path).getroot().iter("property"):
+        if prop.get("name") == "bf16_path":
+            return prop.get("value", "")
+    return ""
 
 
 def read_cases(path: str) -> list:
@@ -28,7 +38,9 @@ def main(argv=None) -> int:
     for path in args.reports:
         cases = read_cases(path)
         every += cases
-        print(f"{path}: {len(cases)} tests, {sum(t for t, _ in cases) / 60:.1f} min")
+        where = read_bf16_path(path)
+        print(f"{path}: {len(cases)} tests, {sum(t for t, _ in cases) / 60:.1f} min"
+              + (f" ({where})" if where else ""))
     total = sum(t for t, _ in every) / 60
     verdict = "within" if total <= args.budget_min else "OVER"
     print(f"tests: {total:.1f} min in all, {verdict} the {args.budget_min:g}-minute budget")

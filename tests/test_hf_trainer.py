@@ -29,7 +29,8 @@ def test_trainer_with_a_lossless_block_matches_the_native_trainer(tmp_path):
             dict(base, gift=LOSSLESS, out=str(tmp_path / "lossless"))]
     for native, lossless in run_ranks(_many, 2, runs):
         assert not native["attached"] and lossless["attached"]
-        assert lossless["losses"] == pytest.approx(native["losses"], rel=1e-6)
+        # fp32 at two ranks: x/2 + y/2 == (x + y)/2, one addition in any order: the very same bits
+        assert lossless["losses"] == native["losses"]
 
 
 def test_trainer_checkpoint_resumes_with_gifts_state(tmp_path):
@@ -58,7 +59,7 @@ def test_accelerate_deepspeed_plugin_gets_gift_and_lossless_matches_native():
         assert fp8["attached"] and 1.0 < fp8["records"][-1]["bytes_per_elem"] < 1.1
         assert fp8["losses"][-1] < fp8["losses"][0]
         assert not native["attached"] and lossless["attached"]
-        assert lossless["losses"] == pytest.approx(native["losses"], rel=1e-6)
+        assert lossless["losses"] == native["losses"]  # as under the Trainer: the very same bits
 
 
 def test_accelerate_save_state_resumes_with_gifts_state(tmp_path):

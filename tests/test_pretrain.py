@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import deepspeed_gift
-from launch import data
+from launch import compute, data
 from launch.pretrain import read_metrics, run_rank
 from launch.spawn import free_port, run_ranks
 
@@ -51,6 +51,71 @@ def _env():
 
 
 # ---- pretrain.py on real ranks ----------------------------------------------------------
+def _gradient_bytes(engine, step):
+    """A probe: from step 1 on, the bytes DeepSpeed's gradient collectives receive, and the dtypes."""
+    from benchmarks.exchange_bytes import count_gradient_receives
+
+    if step == 1:
+        engine._test_calls = count_gradient_receives(engine.optimizer)
+        return {}
+    return {"received": sum(n for call in engine._test_calls for n, _ in call),
+            "comm_dtype": str(engine.communication_data_type),
+            "param_dtype": str(next(engine.module.parameters()).dtype)}
+
+
+def _probed_rank(rank, world_size, argv):
+    from launch.pretrain import main
+
+    return main(list(argv), probe=_gradient_bytes)
+
+
+@pytest.mark.isa
+def test_compute_dtype_fp32_keeps_bf16_gradients_on_the_wire(tmp_path):
+    # the bf16 baseline computed in bf16 and in fp32: the same bytes reach every rank (DeepSpeed casts
+    # the fp32 buckets to communication_data_type bf16); auto takes fp32 exactly where bf16 is slow
+    argvs = [["--ds-config", _config("bf16_baseline_zero2.json"), "--steps", "3", "--compute-dtype", dtype,
+              "--metrics", str(tmp_path / f"{dtype}.jsonl"), *QUICK] for dtype in ("bf16", "fp32", "auto")]
+    per_rank = run_ranks(_many_probed, 2, argvs, timeout=RUN_TIMEOUT_S)
+    assert all(s["status"] == "ok" for res in per_rank for s in res)
+    m = {dtype: read_metrics(str(tmp_path / f"{dtype}.jsonl")) for dtype in ("bf16", "fp32", "auto")}
+    fast = compute.bf16_matmul_is_fast()
+    assert m["bf16"]["start"]["compute_dtype"] == "bf16" and m["fp32"]["start"]["compute_dtype"] == "fp32"
+    assert m["auto"]["start"]["compute_dtype"] == ("bf16" if fast else "fp32")
+    assert ("no fast bf16 matmul" in m["auto"]["start"]["compute_note"]) == (not fast)
+    assert m["fp32"]["start"]["ds_config"]["communication_data_type"] == "bf16"
+    last = {dtype: m[dtype]["train"][-1] for dtype in m}
+    assert last["bf16"]["param_dtype"] == "torch.bfloat16" and last["fp32"]["param_dtype"] == "torch.float32"
+    assert last["fp32"]["comm_dtype"] == last["bf16"]["comm_dtype"] == "torch.bfloat16"
+    assert last["fp32"]["received"] == last["bf16"]["received"] > 0
+    assert last["fp32"]["bytes_per_elem"] == 2.0 and last["fp32"]["params_bytes_per_elem"] == 4.0
+    # fp32 compute trains the same model: the losses differ by bf16's rounding of the forward only
+    assert m["fp32"]["train"][-1]["loss"] == pytest.approx(m["bf16"]["train"][-1]["loss"], rel=LOSS_RTOL)
+
+
+def _many_probed(rank, world_size, argvs):
+    return [_probed_rank(rank, world_size, argv) for argv in argvs]
+
+
+def test_compute_dtype_choices():
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    assert compute.choose_compute_dtype("auto", bf16, fast_bf16=True) == ("bf16", "")
+    dtype, note = compute.choose_compute_dtype("auto", bf16, fast_bf16=False)
+    assert dtype == "fp32" and "bf16 gradients on the wire" in note and "--compute-dtype bf16" in note
+    assert compute.choose_compute_dtype("bf16", bf16, fast_bf16=False) == ("bf16", "")  # asked for: kept
+    assert compute.choose_compute_dtype("auto", {}, fast_bf16=False) == ("fp32", "")  # an fp32 config
+    assert compute.choose_compute_dtype("fp32", {}, fast_bf16=True) == ("fp32", "")
+    as_fp32 = compute.with_compute_dtype(bf16, "fp32")
+    assert as_fp32["bf16"]["enabled"] is False and as_fp32["communication_data_type"] == "bf16"
+    assert bf16["bf16"]["enabled"] is True  # a copy
+    own_wire = compute.with_compute_dtype(dict(bf16, communication_data_type="fp32"), "fp32")
+    assert own_wire["communication_data_type"] == "fp32"  # a config's own wire is kept
+    assert compute.with_compute_dtype({}, "bf16")["bf16"] == {"enabled": True}
+    with pytest.raises(ValueError, match="--compute-dtype: got 'fp8'; allowed: auto, bf16, fp32"):
+        compute.choose_compute_dtype("fp8", bf16)
+    with pytest.raises(ValueError, match="trains in fp16; use fp32 or auto"):
+        compute.choose_compute_dtype("bf16", {"fp16": {"enabled": True}})
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_pretrain_gift_and_baseline_two_ranks(stage, tmp_path):
     runs = {"gift": _config(f"gift_fp8_zero{stage}.json"), "native": _config(f"bf16_baseline_zero{stage}.json")}
