@@ -1,13 +1,15 @@
 """    .venv/bin/python benchmarks/native_spread.py [--cases two_level_w4_s1_muon ...] [--json out.json]
 
 Where the tolerances of the lossless-equals-native tests come from (``tests/spread.py``): for
-each case of those tests, the parameters and losses of native DeepSpeed with its two reduction
-collectives (all-reduce of the bucket, reduce to each owner) and of GIFT's lossless config,
-each run twice: once with this machine's own kernels and once with another SIMD width
-(``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, or ``default``, scalar, where the
-machine is AVX2 already). Prints, per case, native's spread across its collectives and across
-SIMD widths, GIFT's distance to native with each width, and their ratio: the tests require
-GIFT-vs-native <= SPREAD_FACTOR x native's collective spread, measured in the same run.
+each case of those tests, the parameters and losses after the run of native DeepSpeed, of
+native with its other reduction collective (reduce to each owner instead of all-reduce of the
+bucket: gloo's other summation order), of native with every gradient element moved by W units
+u (the tests' yardstick) and of GIFT's lossless config; each run twice, once with this
+machine's own kernels and once with another SIMD width (``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2``, or ``default``, scalar, where the machine is AVX2 already). Prints,
+per case, native's spreads (across collectives, under the perturbation, across SIMD widths),
+GIFT's distance to native, and its ratio to the perturbed spread: the tests require it to be
+at most SPREAD_FACTOR.
 """
 
 from __future__ import annotations
@@ -48,18 +50,24 @@ CASES = {
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+def native_reordered(spec: dict) -> dict:
+    """``spec`` with DeepSpeed's other collective (each owner's slices reduced to it, not one
+    all-reduce of the bucket): the same fp32 sums in another of gloo's orders."""
+    return dict(spec, zero=dict(spec.get("zero", {}), use_multi_rank_bucket_allreduce=False))
+
+
 def run_cases(names: list) -> dict:
-    """Every case's three runs on this process's kernels: {case: (native, reordered, gift)} of rank 0."""
+    """Every case's runs on this process's kernels: {case: [native, reordered, perturbed, gift]} of rank 0."""
     from launch.spawn import run_ranks
     from tests.harness import train_many
-    from tests.spread import native_reordered
+    from tests.spread import native_perturbed
 
     out = {}
     for name in names:
         world, spec, gift = CASES[name]
-        native, reordered, lossless = run_ranks(train_many, world, [spec, native_reordered(spec),
-                                                                    dict(spec, gift=gift)])[0]
-        out[name] = [{"losses": r["losses"], "params": r["params"]} for r in (native, reordered, lossless)]
+        runs = run_ranks(train_many, world, [spec, native_reordered(spec), native_perturbed(spec, world),
+                                             dict(spec, gift=gift)])[0]
+        out[name] = [{"losses": r["losses"], "params": r["params"]} for r in runs]
         print(f"[native_spread] {name}: done", file=sys.stderr, flush=True)
     return out
 
@@ -109,29 +117,34 @@ def main(argv=None) -> dict:
             with open(path, "rb") as f:
                 runs[key] = pickle.load(f)
     own, other = isas["own"][1], isas["other"][1]
-    print(f"parameters, max |difference| (losses in brackets); SIMD widths {own} and {other}; "
-          f"the tests' bound: {SPREAD_FACTOR:g} x native's collective spread")
-    head = (f"| case | native: all-reduce vs reduce ({own}) | ({other}) | native {own} vs {other} | "
-            f"GIFT vs native ({own}) | ({other}) | ratio to collective spread |")
+    print(f"parameters, max |difference| (losses in brackets), {own} kernels / {other} kernels; the tests' bound: "
+          f"GIFT vs native <= {SPREAD_FACTOR:g} x native vs native with gradients moved by W u (perturbed)")
+    head = ("| case | W | native vs reordered collective | native vs perturbed | "
+            f"native {own} vs {other} | GIFT vs native | GIFT / perturbed spread |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     rows = []
+
+    def pair(i, j, f):
+        return [f(runs[key][name][i], runs[key][name][j]) for key in ("own", "other")]
+
     for name in args.cases:
         a, b = runs["own"][name], runs["other"][name]
         row = {"case": name, "world": CASES[name][0],
-               "collective_spread": [max_param_diff(a[0], a[1]), max_param_diff(b[0], b[1])],
-               "collective_spread_loss": [max_loss_diff(a[0], a[1]), max_loss_diff(b[0], b[1])],
-               "simd_spread": max_param_diff(a[0], b[0]), "simd_spread_loss": max_loss_diff(a[0], b[0]),
-               "gift": [max_param_diff(a[0], a[2]), max_param_diff(b[0], b[2])],
-               "gift_loss": [max_loss_diff(a[0], a[2]), max_loss_diff(b[0], b[2])]}
-        row["ratio"] = [g / s if s > 0 else (0.0 if g == 0 else float("inf"))
-                        for g, s in zip(row["gift"], row["collective_spread"])]
+               "collective_spread": pair(0, 1, max_param_diff), "perturbed_spread": pair(0, 2, max_param_diff),
+               "gift": pair(0, 3, max_param_diff), "collective_spread_loss": pair(0, 1, max_loss_diff),
+               "perturbed_spread_loss": pair(0, 2, max_loss_diff), "gift_loss": pair(0, 3, max_loss_diff),
+               "simd_spread": max_param_diff(a[0], b[0]), "simd_spread_loss": max_loss_diff(a[0], b[0])}
+        row["ratio"] = [g / s if s > 0 else float("inf") for g, s in zip(row["gift"], row["perturbed_spread"])]
         rows.append(row)
-        print(f"| {name} | {row['collective_spread'][0]:.2e} [{row['collective_spread_loss'][0]:.1e}] | "
-              f"{row['collective_spread'][1]:.2e} [{row['collective_spread_loss'][1]:.1e}] | "
-              f"{row['simd_spread']:.2e} [{row['simd_spread_loss']:.1e}] | "
-              f"{row['gift'][0]:.2e} [{row['gift_loss'][0]:.1e}] | {row['gift'][1]:.2e} [{row['gift_loss'][1]:.1e}] | "
-              f"{row['ratio'][0]:.2f}, {row['ratio'][1]:.2f} |", flush=True)
+
+        def both(key):
+            return " / ".join(f"{x:.2e}" for x in row[key]) + " [" + " / ".join(
+                f"{x:.1e}" for x in row[key + "_loss"]) + "]"
+
+        print(f"| {name} | {row['world']} | {both('collective_spread')} | {both('perturbed_spread')} | "
+              f"{row['simd_spread']:.2e} [{row['simd_spread_loss']:.1e}] | {both('gift')} | "
+              f"{row['ratio'][0]:.2f} / {row['ratio'][1]:.2f} |", flush=True)
     result = {"isas": [own, other], "spread_factor": SPREAD_FACTOR, "rows": rows}
     write_json(args.json, result)
     return result

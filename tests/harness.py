@@ -93,6 +93,21 @@ def build_engine(spec: dict):
     return engine
 
 
+def perturb_gradients(module, ulps: float, rank: int) -> None:
+    """Move every element of every gradient, on every backward, by ``s * ulps * 2^-24 * |g|``
+    with a sign ``s`` of +-1 drawn once per element (seeded by rank and parameter): a change of
+    the size fp32 roundings make (2^-24 = u, half an ulp), in directions that stay put over the run."""
+    import torch
+
+    for index, (name, param) in enumerate(sorted(module.named_parameters())):
+        if not param.requires_grad:
+            continue
+        gen = torch.Generator().manual_seed(7919 * rank + index)
+        signs = torch.randint(0, 2, param.shape, generator=gen).to(param.dtype).mul_(2).sub_(1)
+        delta = signs.mul_(ulps * 2.0 ** -24)
+        param.register_hook(lambda g, delta=delta: torch.addcmul(g, g.abs(), delta))
+
+
 def param_digest(module) -> str:
     """A hash of every parameter's bytes, in name order: equal on two ranks iff their replicas are."""
     import hashlib
@@ -166,6 +181,8 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
             return g * scale if scale is not None else g + float("nan")
 
         param.register_hook(hook)
+    if spec.get("perturb_ulps"):  # tests/spread.py: every gradient element moved by +-k fp32 ulps
+        perturb_gradients(engine.module, spec["perturb_ulps"], engine.global_rank)
     losses, step_times, rss_steps, digests = [], [], {}, []
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
     done = 0

@@ -63,7 +63,7 @@ def _predict_body(rank, world, spec):
     return out
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adam"])
+@pytest.mark.parametrize("optimizer", [pytest.param("muon", marks=pytest.mark.isa), "adam"])
 def test_update_rule_predicts_the_step_deepspeed_takes(optimizer):
     spec = dict(stage=2, steps=4, bucket=20000, optimizer=optimizer, gift=LOSSLESS,
                 lr=2e-2 if optimizer == "muon" else 3e-3, muon_ns_fp32=True)
