@@ -70,7 +70,9 @@ def main(argv=None) -> dict:
         run_ranks(run_rank, args.world_size,
                   ["--ds-config", path, "--preset", args.preset, "--steps", str(args.steps), "--lr", str(args.lr),
                    "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--eval-every", "0",
-                   "--log-every", str(args.window), "--metrics", metrics, "--no-progress"], timeout=7200)
+                   "--log-every", str(args.window), "--metrics", metrics, "--no-progress",
+                   # bf16 replicas are what this measures, also where a bf16 matmul is slow
+                   "--compute-dtype", "bf16"], timeout=7200)
         train = read_metrics(metrics)["train"]
     rows = windows(train, args.window)
     print(f"\n{args.config} ({json.dumps(cfg['gift']['params'])}), preset {args.preset}, {len(train)} steps, "

@@ -16,12 +16,12 @@ BF16_ULP = 2.0**-8  # bf16's spacing relative to the top of its binade (8 signif
 FP8_GAP_BOUND = 2 * BF16_ULP
 
 
-def _partitions(world, numel, seed):
+def _partitions(world, numel, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16) for _ in range(world)]
+    return [(torch.randn(numel, generator=g) * 0.02).to(dtype) for _ in range(world)]
 
 
-def _gather_rounds(rank, world, fmt, per_node, rounds):
+def _gather_rounds(rank, world, fmt, per_node, rounds, dtype=torch.bfloat16):
     """``rounds`` steps of a random walk of every partition's target (Adam-sized steps), gathered
     flat and two-level; returns what every rank ends with, the gaps and the bytes."""
     import torch.distributed as dist
@@ -35,7 +35,7 @@ def _gather_rounds(rank, world, fmt, per_node, rounds):
     out = {}
     for name, gather in (("flat", ReplicaGather(comm, codec, ranks_per_node=per_node)),
                          ("two_level", ReplicaGather(comm, codec, node_comm=node_comm, slot_comm=slot_comm))):
-        groups = [_partitions(world, 1000, seed=1), _partitions(world, 333, seed=2)]  # the same on every rank
+        groups = [_partitions(world, 1000, seed=1, dtype=dtype), _partitions(world, 333, seed=2, dtype=dtype)]
         walk = torch.Generator().manual_seed(100 + rank)
         gaps, reference_ok, stats = [], True, None
         for _ in range(rounds):
@@ -43,9 +43,9 @@ def _gather_rounds(rank, world, fmt, per_node, rounds):
             targets = []
             for parts in groups:  # the owner's new master, in the replica's dtype
                 step = torch.randn(parts[rank].shape, generator=walk) * 1e-3
-                parts[rank].copy_((parts[rank].float() + step).to(torch.bfloat16))
+                parts[rank].copy_((parts[rank].float() + step).to(dtype))
                 targets.append(parts[rank].clone())
-            expected = [(b.float() + codec.decode(codec.encode(t.float() - b.float()))).to(torch.bfloat16)
+            expected = [(b.float() + codec.decode(codec.encode(t.float() - b.float()))).to(dtype)
                         for b, t in zip(before, targets)]  # the slow reference: one rank's view
             stats = gather.gather(groups, rank, before)
             reference_ok &= all(torch.equal(parts[rank], e) for parts, e in zip(groups, expected))
@@ -81,6 +81,20 @@ def test_replicas_are_identical_on_every_rank_and_do_not_drift(fmt):
     assert flat.params_bytes == 3 * blob and flat.params_bytes_internode == 2 * blob
     assert two.params_bytes == blob + 2 * blob and two.params_bytes_internode == blob  # half of flat's
     assert flat.params_elements == two.params_elements == 3 * numel
+
+
+def test_fp32_replicas_measure_their_gap_against_the_target():
+    # fp32 replicas (an fp32 model, or a bf16 config computed in fp32 on a CPU without fast bf16):
+    # the delta must not be taken in place in the owner's target, which the gap is measured against
+    # (before: gaps of ~5e3, the delta's size relative to itself; _gather_rounds asserts gap == drift)
+    per_rank = run_ranks(_gather_rounds, 2, "fp8_e4m3", 1, 3, torch.float32)
+    for result in per_rank:
+        for name in ("flat", "two_level"):
+            r = result[name]
+            assert r["reference_ok"] and all(t.dtype == torch.float32 for t in r["final"])
+            # fp8 e4m3 of a ~1e-3 change, relative error <= 2^-4 of it, against values ~2e-2 in a block
+            assert all(0 < g < 2.0**-4 * 1e-1 for g in r["gaps"]), r["gaps"]
+    assert torch.equal(per_rank[0]["flat"]["final"][1], per_rank[1]["flat"]["final"][1])
 
 
 def test_relative_gap_is_per_block_and_never_hides_nan():

@@ -259,6 +259,7 @@ def test_run_mpirun_script_with_mpi_backend(tmp_path):
 
 
 # ---- compare.py -------------------------------------------------------------------------
+@pytest.mark.isa
 def test_compare_writes_report_and_plot_and_keeps_failed_runs(tmp_path):
     from launch import compare
 
@@ -282,6 +283,9 @@ def test_compare_writes_report_and_plot_and_keeps_failed_runs(tmp_path):
     assert "+0.00%" in base_row and "1.00 |" in base_row
     assert "1.03" in fp8_row and "Euclidean fp8_e4m3 block 128" in fp8_row
     assert "**failed**" in broken_row and "gift.geometry.rank" in report
+    # which dtype the bf16 configs computed in, as the runs recorded it (fp32 where bf16 is slow)
+    compute_line = next(line for line in report.splitlines() if line.startswith("- compute: "))
+    assert ("no fast bf16 matmul" in compute_line) == (not compute.bf16_matmul_is_fast()), compute_line
     assert os.path.exists(out / "runs" / "euclid_fp8_e4m3_block_zero2.jsonl")
     assert json.loads((out / "results.json").read_text())["results"][2]["status"] == "failed"
     try:

@@ -94,8 +94,11 @@ class ReplicaGather:
         device, sync = replicas[0][me].device, measure_gap  # seconds that time the work: see StepStats.timed
         t0 = clock(device, sync)
         codec = self.codec
-        # in place where possible: a fresh fp32 temporary of a partition costs more than the math
-        blobs = [codec.encode_to_bytes(parts[me].float().sub_(old)) for parts, old in zip(replicas, before)]
+        # one fp32 temporary per partition, the difference computed in place in it: a copy even where
+        # the replicas are fp32 (.float() would then return the target itself, and sub_ would
+        # overwrite it before the gap below is measured against it)
+        blobs = [codec.encode_to_bytes(parts[me].to(torch.float32, copy=True).sub_(old))
+                 for parts, old in zip(replicas, before)]
         sizes = [b.numel() for b in blobs]
         blob = torch.cat(blobs) if len(blobs) > 1 else blobs[0]
         t1 = clock(device, sync)
