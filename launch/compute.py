@@ -41,7 +41,7 @@ def bf16_path() -> str:
     isa = torch.backends.cpu.get_cpu_capability()
     if bf16_matmul_is_fast():
         return f"CPU {isa}, fast bf16 matmul (oneDNN)"
-    return f"CPU {isa}, slow bf16 matmul (no oneDNN bf16 kernel: a scalar loop, ~50x fp32's time)"
+    return f"CPU {isa}, slow bf16 matmul (no oneDNN bf16 kernel: a scalar loop)"
 
 
 def config_dtype(ds_config: dict) -> str:
