@@ -8,7 +8,9 @@ GIFT config is paired with the Euclidean config that differs from it in the geom
 (``matched_pairs``: same format, block, scale, rounding, error feedback, ``others`` and
 ``params``), and the report opens with one verdict line per pair; the
 ``small`` Llama on the embedded standard-library corpus, 2 ranks on CPU (gloo), 250 steps:
-about 7 minutes on 2 idle CPU cores (measured 6.9), more with other jobs on the machine. Other choices:
+about 7 minutes on 2 idle CPU cores with fast bf16 matmuls (measured 6.9), about 11 on an
+AVX2-only CPU, where the bf16 configs compute in fp32 with bf16 on the wire (``--compute-dtype``,
+``launch/compute.py``; measured 11.1), more with other jobs on the machine. Other choices:
 
     .venv/bin/python launch/compare.py --all        # every stage-2 config of ds_configs/ (~14 min idle)
     .venv/bin/python launch/compare.py --configs ds_configs/bf16_baseline_zero1.json ds_configs/gift_fp8_zero1.json
