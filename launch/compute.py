@@ -44,12 +44,19 @@ def bf16_path() -> str:
     return f"CPU {isa}, slow bf16 matmul (no oneDNN bf16 kernel: a scalar loop)"
 
 
+# DeepSpeed's keys of the half-precision blocks ("bfloat16" is its other spelling of "bf16")
+HALF_KEYS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
+
+
+def enabled_half_key(ds_config: dict):
+    """The key of the half-precision block the config enables, or None."""
+    return next((key for key in HALF_KEYS if (ds_config.get(key) or {}).get("enabled") in (True, "true")), None)
+
+
 def config_dtype(ds_config: dict) -> str:
     """The dtype a DeepSpeed config trains in: ``bf16``, ``fp16`` or ``fp32``."""
-    for name in ("bf16", "fp16"):
-        if ds_config.get(name, {}).get("enabled") in (True, "true"):
-            return name
-    return "fp32"
+    key = enabled_half_key(ds_config)
+    return HALF_KEYS[key] if key else "fp32"
 
 
 def choose_compute_dtype(requested: str, ds_config: dict, fast_bf16: bool = None) -> tuple:
@@ -85,7 +92,8 @@ def with_compute_dtype(ds_config: dict, dtype: str) -> dict:
     if dtype == own:
         return out
     if dtype == "fp32":
-        out[own] = dict(out.get(own, {}), enabled=False)
+        key = enabled_half_key(out)
+        out[key] = dict(out[key], enabled=False)
         out.setdefault("communication_data_type", own)
     elif dtype == "bf16":
         out["bf16"] = dict(out.get("bf16", {}), enabled=True)

@@ -110,6 +110,8 @@ def test_compute_dtype_choices():
     own_wire = compute.with_compute_dtype(dict(bf16, communication_data_type="fp32"), "fp32")
     assert own_wire["communication_data_type"] == "fp32"  # a config's own wire is kept
     assert compute.with_compute_dtype({}, "bf16")["bf16"] == {"enabled": True}
+    spelled = compute.with_compute_dtype({"bfloat16": {"enabled": True}}, "fp32")  # DeepSpeed's other key
+    assert spelled["bfloat16"]["enabled"] is False and spelled["communication_data_type"] == "bf16"
     with pytest.raises(ValueError, match="--compute-dtype: got 'fp8'; allowed: auto, bf16, fp32"):
         compute.choose_compute_dtype("fp8", bf16)
     with pytest.raises(ValueError, match="trains in fp16; use fp32 or auto"):
