@@ -73,6 +73,10 @@ def build_engine(spec: dict):
     timeout = spec.get("dist_timeout_s")
     deepspeed.init_distributed(dist_backend=spec.get("dist_backend", "gloo"),  # gpu_check: "cuda:gloo"
                                **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
+    if spec.get("optimizer") == "muon" and not torch.cuda.is_available():
+        from launch.pretrain import run_muon_update_eagerly
+
+        run_muon_update_eagerly()  # as launch/pretrain.py runs it on a CPU: no inductor C++ build per test
     if spec.get("muon_ns_fp32"):  # tests: Muon's Newton-Schulz in fp32, not its half-precision default
         from deepspeed.runtime.zero.muon import original_muon
 
