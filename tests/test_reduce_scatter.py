@@ -1,6 +1,9 @@
 """The bucket reduction on real gloo ranks, without DeepSpeed: row splitting at partition
 boundaries, whitened rows, owner-side sums, compact outputs, error feedback."""
 
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -378,6 +381,48 @@ def test_transforms_run_in_full_fp32_whatever_the_users_tf32_setting():
     finally:
         torch.set_float32_matmul_precision(saved)
     assert probe.seen == {"highest"}
+
+
+# In a fresh interpreter: the new API leaves the process unable to answer the legacy getter.
+NEW_TF32_API_SCRIPT = """
+import torch
+from deepspeed_gift.core import formats
+from deepspeed_gift.exchange.comm import run_local
+from deepspeed_gift.exchange.plan import GEO, ParamSlice
+from deepspeed_gift.exchange.reducer import GiftReducer
+
+torch.backends.fp32_precision = "tf32"  # what transformers 5 sets for tf32=True
+seen = set()
+
+
+class Probe:
+    version, run_unit = 0, 1
+
+    def apply_run(self, flat, start):
+        seen.add((torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision))
+        return flat.clone()
+
+    invert_run = apply_run
+
+
+def body(comm):
+    slices = [ParamSlice(d, d * 64, 64, d * 64, 0, 1, GEO) for d in range(comm.world_size)]
+    reducer = GiftReducer(comm, formats.get_format("fp32"))
+    reducer.reduce(torch.randn(64 * comm.world_size), slices, {0: Probe()}, divisor=comm.world_size, step=0)
+
+
+run_local(2, body)
+print(sorted(seen), torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+"""
+
+
+def test_transforms_run_in_full_fp32_under_the_new_tf32_api():
+    # torch.backends.fp32_precision = "tf32" makes torch.get_float32_matmul_precision() raise; the
+    # guard read it and the first bucket's reduction died (HF Trainer with tf32=True on transformers 5)
+    proc = subprocess.run([sys.executable, "-c", NEW_TF32_API_SCRIPT], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[('ieee', 'ieee')] tf32 tf32"  # full fp32 inside, restored
 
 
 def test_relayed_residuals_are_held_once_per_layout_across_refreshes():

@@ -959,19 +959,36 @@ class full_fp32_matmuls:
     """Matrix products in full fp32 inside: a user's TF32 setting (HF ``tf32=True``) would
     round whitening and its inverse to 10 mantissa bits, ~1e-3 on the round trip, above the
     codec's own error at bf16/fp32. The setting is the process's: with ranks as threads
-    (``comm.LocalComm``) the first to enter sets it and the last to leave restores it."""
+    (``comm.LocalComm``) the first to enter sets it and the last to leave restores it.
+
+    PyTorch has two APIs for it, and reading the legacy one after the new one was used raises
+    (transformers 5 sets ``torch.backends.fp32_precision = "tf32"`` for ``tf32=True``). So the
+    guard speaks the API the process already speaks: the legacy one where its getter answers,
+    else the new one's matmul backends (CUDA's and oneDNN's), set to "ieee" and put back as
+    they were."""
 
     _lock = threading.Lock()
     _inside = 0
-    _saved = "highest"
+    _saved: object = "highest"
+    NEW_API_BACKENDS = ("cuda", "mkldnn")
+
+    @classmethod
+    def _new_api(cls):
+        backends = (getattr(torch.backends, name, None) for name in cls.NEW_API_BACKENDS)
+        return [b.matmul for b in backends if hasattr(getattr(b, "matmul", None), "fp32_precision")]
 
     def __enter__(self):
         cls = type(self)
         with cls._lock:
             if cls._inside == 0:
-                cls._saved = torch.get_float32_matmul_precision()
-                if cls._saved != "highest":
-                    torch.set_float32_matmul_precision("highest")
+                try:
+                    cls._saved = torch.get_float32_matmul_precision()
+                    if cls._saved != "highest":
+                        torch.set_float32_matmul_precision("highest")
+                except RuntimeError:  # the new API is in use: the legacy getter refuses to answer
+                    cls._saved = [m.fp32_precision for m in cls._new_api()]
+                    for m in cls._new_api():
+                        m.fp32_precision = "ieee"
             cls._inside += 1
         return self
 
@@ -979,6 +996,10 @@ class full_fp32_matmuls:
         cls = type(self)
         with cls._lock:
             cls._inside -= 1
-            if cls._inside == 0 and cls._saved != "highest":
-                torch.set_float32_matmul_precision(cls._saved)
+            if cls._inside == 0:
+                if isinstance(cls._saved, list):
+                    for m, value in zip(cls._new_api(), cls._saved):
+                        m.fp32_precision = value
+                elif cls._saved != "highest":
+                    torch.set_float32_matmul_precision(cls._saved)
         return False
