@@ -9,6 +9,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from .core.geometry import full_fp32_matmuls
+
 
 class InputMoments:
     """Forward pre-hooks that sum ``x^T x`` of the input of each module while attached (in
@@ -50,7 +52,9 @@ class InputMoments:
                 self.key_of.setdefault(name, self._last[1])
             key = self.key_of.setdefault(name, name)
             if key == name:
-                with torch.no_grad():
+                # fp32 whatever the run computes in: autocast would make this product bf16 (and
+                # accumulate it there), a TF32 setting would round it to 10 mantissa bits
+                with torch.no_grad(), torch.autocast(x.device.type, enabled=False), full_fp32_matmuls():
                     flat = subsample_tokens(x.detach().reshape(-1, x.shape[-1]), self.tokens).float()
                     moment = flat.T @ flat
                 prev = self.sums.get(key)

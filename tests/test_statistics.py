@@ -40,6 +40,28 @@ def test_moments_of_a_strided_token_subsample_with_shared_inputs():
     assert subsample_tokens(x.reshape(-1, 6), 5).shape[0] == 4  # stride ceil(12 / 5) = 3 never exceeds the cap
 
 
+# an fp32 x^T x over 256 tokens: each entry a sum of 256 products, whose rounding stays within
+# 256 u of the sum of |products| at worst and ~log2(256) u in BLAS's blocked order; the largest
+# entry is a sum of squares, so 2^-18 = 64 u of it is a bound of fp32's sums (measured 2.3e-7,
+# ~4 u), far below the 2^-9 or so of bf16 autocast, which the hook computed in before
+FP32_MOMENT_RTOL = 2.0**-18
+
+
+def test_moments_are_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 8)
+    x = torch.randn(256, 64)
+    moments = InputMoments({"l": layer})
+    moments.attach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x.clone().requires_grad_())
+    got = moments.take()["l"]
+    exact = (x.double().T @ x.double() / x.shape[0])
+    assert got.dtype == torch.float32
+    err = float((got.double() - exact).abs().max() / exact.abs().max())
+    assert err < FP32_MOMENT_RTOL, err
+
+
 def _hooks_per_step(rank, world, spec):
     from tests.harness import batches, build_engine
 
