@@ -274,7 +274,8 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
     metrics = os.path.join(workdir, f"metrics_{port}.jsonl")
     cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), "--ds-config", config_file(config, workdir),
            "--preset", args.preset, "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1",
-           "--no-progress", "--log-every", str(10 ** 9), "--metrics", metrics, "--dist-backend", "gloo"]
+           "--no-progress", "--log-every", str(10 ** 9), "--metrics", metrics, "--dist-backend", "gloo",
+           "--compute-dtype", args.compute_dtype]
     if args.seq_len:
         cmd += ["--seq-len", str(args.seq_len)]
     procs, logs = [], []
@@ -426,6 +427,10 @@ def main(argv=None) -> dict:
     p.add_argument("--preset", default="small", help="launch/pretrain.py --preset")
     p.add_argument("--seq-len", type=int, help="launch/pretrain.py --seq-len")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--compute-dtype", default="bf16", choices=("auto", "bf16", "fp32"),
+                   help="launch/pretrain.py --compute-dtype. bf16: the links carry what the configs send on a GPU "
+                        "(bf16 replicas in the parameter all-gather), also on a CPU whose bf16 matmul is slow; "
+                        "auto there computes in fp32 and all-gathers fp32 replicas, 1.5x native's bytes")
     p.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the timing and the bytes")
     p.add_argument("--repeats", type=int, default=2, help="runs of each config per bandwidth (interleaved); "
                                                           "the timed steps of all are pooled")
