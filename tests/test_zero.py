@@ -6,17 +6,13 @@ import torch
 
 from launch.spawn import run_ranks
 from tests.harness import train_many
-from tests.spread import assert_within_native_spread, native_perturbed
+from tests.spread import assert_within_native_spread, max_param_diff, native_perturbed
 
 # bf16 model: native sums in bf16, GIFT in fp32 then rounds once: losses agree to bf16 noise.
 BF16_LOSS_RTOL = 2e-2
 # fp32 lossless against native at 3 ranks and more: tests/spread.py (native's own spread).
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
-
-
-def _max_param_diff(a, b):
-    return max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -35,8 +31,8 @@ def test_lossless_config_matches_deepspeed_w2(stage):
     native, gift, native_ar, gift_ar = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS), all_reduce,
                                                                  dict(all_reduce, gift=LOSSLESS)])[0]
     # W=2: x/2 + y/2 == (x + y)/2 in fp32, one addition in any order: the very same bits
-    assert gift_ar["losses"] == native_ar["losses"] and _max_param_diff(native_ar, gift_ar) == 0.0
-    assert gift["losses"] == native["losses"] and _max_param_diff(native, gift) == 0.0
+    assert gift_ar["losses"] == native_ar["losses"] and max_param_diff(native_ar, gift_ar) == 0.0
+    assert gift["losses"] == native["losses"] and max_param_diff(native, gift) == 0.0
     assert len(gift["records"]) == 3  # GIFT reduced every step
     assert all(r["fidelity_rel_err"] == 0.0 for r in gift["records"])
     assert all(r["bytes_per_elem"] > 4.0 for r in gift["records"])  # fp32 payload + headers
@@ -71,7 +67,7 @@ def test_lossless_config_under_muon_matches_deepspeed_with_split_matrices(stage)
             assert len(gift["records"]) == 5
             if world == 2:  # x/2 + y/2 == (x + y)/2 in fp32: the very same bits
                 assert native["losses"] == gift["losses"]
-                assert _max_param_diff(native, gift) == 0.0
+                assert max_param_diff(native, gift) == 0.0
             else:
                 assert_within_native_spread(native, perturbed[0], gift)
 
@@ -171,7 +167,7 @@ def test_detach_restores_deepspeed_exactly():
         assert detached["hooks"] == native["hooks"]  # DeepSpeed's own hooks only
         assert "records" not in detached or detached["records"] == []
         assert detached["losses"] == native["losses"] and detached["digests"] == native["digests"]
-        assert _max_param_diff(native, detached) == 0.0
+        assert max_param_diff(native, detached) == 0.0
 
 
 def _missing_internal_body(rank, world, name):
@@ -301,7 +297,7 @@ def test_frozen_unused_and_zero_gradients_match_deepspeed():
     hadamard = dict(LOSSLESS, geometry={"kind": "hadamard"})
     native, euclid, rotated = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS), dict(base, gift=hadamard)])[0]
     # two ranks: x/2 + y/2 == (x + y)/2 in fp32, so the Euclidean lossless run is native's, bit for bit
-    assert euclid["losses"] == native["losses"] and _max_param_diff(native, euclid) == 0.0
+    assert euclid["losses"] == native["losses"] and max_param_diff(native, euclid) == 0.0
     # rotated: each step's reduced gradient within the round trip's ulps (what Adam then makes of
     # them is the Euclidean case's business); frozen and all-zero layers untouched by it, exactly
     assert len(rotated["records"]) == 3
