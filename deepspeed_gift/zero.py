@@ -106,6 +106,16 @@ def _probe_params_internals(opt) -> None:
                          "against DeepSpeed 0.19.8); remove gift.params or install a DeepSpeed in setup.py's range")
 
 
+def _allgather_bucket_size(engine) -> int:
+    """DeepSpeed's ``allgather_bucket_size`` (validated by its zero config): the elements one
+    all-gather of the compressed parameters may deliver, as in DeepSpeed's own."""
+    size = int(engine._config.zero_config.allgather_bucket_size)
+    _require(size > 0, f"gift.params: zero_optimization.allgather_bucket_size is {size}, and the compressed "
+             "parameter all-gather moves at most that many elements per all-gather, as DeepSpeed's own does "
+             "(allowed: a positive number of elements; DeepSpeed's default is 5e8)")
+    return size
+
+
 def _params_codec(cfg: GiftConfig, replica_dtype: torch.dtype):
     """The codec of the replicas' deltas; None when ``gift.params.format`` is the replicas' own
     dtype (then DeepSpeed's exact all-gather runs)."""
@@ -210,7 +220,8 @@ class GiftState:
             _probe_params_internals(opt)
             self.params_codec = _params_codec(cfg, self.replica_dtype)
             self.params = ReplicaGather(self.comm, self.params_codec or formats.get_format("fp32"),
-                                        node_comm=node_comm, slot_comm=slot_comm, ranks_per_node=self.ranks_per_node)
+                                        node_comm=node_comm, slot_comm=slot_comm, ranks_per_node=self.ranks_per_node,
+                                        bucket_elements=_allgather_bucket_size(engine))
             import torch.distributed as dist
 
             for g, parts in enumerate(opt.parallel_partitioned_bit16_groups):
@@ -244,6 +255,8 @@ class GiftState:
         return self.engine.global_steps - self.cfg.start_step
 
     def on_forward(self) -> None:
+        if self.params is not None:  # the last gather's headers: read with this step's reduction's
+            self.params.hand_over_checks(self._header_checks())
         self.geometry.begin_step(self.k)
 
     def close(self) -> None:
@@ -311,6 +324,10 @@ class GiftState:
     def params_exact_now(self, k: int) -> bool:
         every = self.cfg.params.resync_interval
         return self.params_codec is None or (every is not None and (k + 1) % every == 0)
+
+    def _header_checks(self):
+        """The reducer's header checks, read once a step before the optimizer uses what came."""
+        return self.reducer.inner.checks if isinstance(self.reducer, TwoLevelReducer) else self.reducer.checks
 
     def optimizer_step(self, native_step, *args, **kwargs):
         """DeepSpeed's optimizer step, with what its all-gather needs set aside: this rank's

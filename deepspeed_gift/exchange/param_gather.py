@@ -11,17 +11,27 @@ touched. The next delta is taken against the replica, so this step's quantizatio
 carried into the next delta instead of piling up: the replica stays within one quantization
 step of the delta of its target.
 
+The gather moves at most DeepSpeed's ``allgather_bucket_size`` elements per all-gather, as
+DeepSpeed's own ``all_gather_dp_groups`` does: each rank's partitions are cut into aligned pieces
+(:func:`chunk_plan`), and one all-gather's pieces are encoded, gathered, decoded and applied before
+the next is encoded, so what the gather holds beyond the replicas grows with that bucket, not with
+the partition times the ranks (:func:`gather_peak_bytes`). The codec headers that arrive are
+compared on the device; the results are read with the reduction's at the next step's one host read
+(or at once on telemetry's sampled steps, which read the gap anyway), never on an ordinary step.
+
 Pure of DeepSpeed: it works on lists of partition tensors and a :class:`~deepspeed_gift.exchange.comm.Comm`.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import math
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..core.formats import Codec
+from ..core.formats import HEADER_BYTES, Codec
+from .headers import HeaderChecks
 from .stats import ByteKind, StepStats, clock
 
 # The telemetry's replica-target gap is taken relative to the largest target of each run of
@@ -33,37 +43,148 @@ GAP_BLOCK = 128
 def relative_gap(replica: Tensor, target: Tensor, block: int = GAP_BLOCK) -> float:
     """max over blocks of ``block`` elements of ``max|replica - target| / max|target|`` (0 for an
     all-zero block that the replica matches; nan when the target is not finite)."""
+    return float(_gap_on_device(replica, target, block))
+
+
+def _gap_on_device(replica: Tensor, target: Tensor, block: int = GAP_BLOCK) -> Tensor:
+    """:func:`relative_gap` as a 0-dim fp32 tensor on the target's device (no host read)."""
     n = target.numel()
     if n == 0:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32, device=target.device)
     pad = -n % block
     diff = torch.nn.functional.pad((replica.float() - target.float()).abs().reshape(-1), (0, pad))
     scale = torch.nn.functional.pad(target.float().abs().reshape(-1), (0, pad))
     d, s = diff.view(-1, block).amax(1), scale.view(-1, block).amax(1)
     ratio = torch.where(d == 0, torch.zeros_like(d), d / s)  # 0/0 (an untouched zero block) is no gap
-    return float(ratio.max())
+    return ratio.max()
+
+
+class Piece(NamedTuple):
+    """Elements ``start:start + numel`` of every rank's partition of ZeRO group ``group``."""
+
+    group: int
+    start: int
+    numel: int
+
+
+def piece_alignment(codec: Codec) -> int:
+    """Where a piece that does not end its partition must end: on a whole codec block (a piece
+    then quantizes to the bits of the whole partition, block scales computed alone), on a whole
+    byte of a packed 4-bit format, and on a whole :data:`GAP_BLOCK` (so the gap telemetry reads
+    is the same number, taken piece by piece)."""
+    return math.lcm(codec.block_size or 1, codec.elements_per_byte, GAP_BLOCK)
+
+
+def chunk_elements(bucket_elements: Optional[int], world: int, align: int) -> Optional[int]:
+    """Elements of its own partition each rank sends in one all-gather: DeepSpeed's
+    ``allgather_bucket_size`` counts what one all-gather delivers (``world`` shards), as its
+    ``all_gather_dp_groups`` does; at least one aligned piece. ``None``: no bound."""
+    if bucket_elements is None:
+        return None
+    return max(bucket_elements // world // align * align, align)
+
+
+def chunk_plan(sizes: Sequence[int], cap: Optional[int], align: int) -> List[List[Piece]]:
+    """The all-gathers of one step: each a list of pieces holding at most ``cap`` elements of a
+    rank's partitions (``sizes[g]``: partition elements of group g, the same on every rank, as
+    DeepSpeed pads them), in group order. Small groups share an all-gather; a large one is cut
+    at multiples of ``align``. ``cap=None``: one all-gather holding every partition whole."""
+    if cap is None:
+        return [[Piece(g, 0, n) for g, n in enumerate(sizes) if n > 0]]
+    chunks: List[List[Piece]] = []
+    current: List[Piece] = []
+    room = cap
+    for g, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            left = size - start
+            take = left if left <= room else room // align * align
+            if take == 0:  # too little room for an aligned piece: the next all-gather takes it
+                chunks.append(current)
+                current, room = [], cap
+                continue
+            current.append(Piece(g, start, take))
+            start, room = start + take, room - take
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# What the gather holds per element of the largest piece beside the exchanged bytes: its fp32
+# delta while it is encoded, its fp32 decode while it is applied.
+FP32_BYTES = 4
+
+
+def gather_peak_bytes(codec: Codec, sizes: Sequence[int], world: int, *, bucket_elements: Optional[int],
+                      replica_itemsize: int, ranks_per_node: int = 1, two_level: bool = False) -> Dict[str, int]:
+    """Peak bytes one rank's compressed gather allocates beyond DeepSpeed's own step, by part,
+    from the real plan: ``sizes[g]`` the partition elements of ZeRO group g (the same on every
+    rank), ``bucket_elements`` DeepSpeed's ``allgather_bucket_size``.
+
+    - ``before``: the owner's replicas before the step, the base of the deltas (grows with N/W);
+    - ``exchange``: one all-gather's buffers when they are largest: flat, the blob, the comm's
+      copy of it and the world's blobs ((world + 2) x blob); two-level, also the slot stage's
+      gathered blobs, their concatenation and the node comm's copy (3 x nodes x blob more);
+    - ``fp32``: the fp32 delta being encoded, or the fp32 decode being applied, of the largest
+      piece (with the world's blobs still held while decoding);
+    - ``total``: ``before`` plus the largest of the three moments of a chunk.
+
+    The codec's own work on a piece (its tiles, at most the largest piece) is counted with the
+    codecs'. A comm whose device is not the tensors' (gloo beside CUDA) holds the gathered bytes
+    twice, once on each device: counted once here, on the tensors' device."""
+    align = piece_alignment(codec)
+    nodes = world // ranks_per_node
+    exchange = fp32 = peak = 0
+    for pieces in chunk_plan(sizes, chunk_elements(bucket_elements, world, align), align):
+        blob = sum(codec.nbytes(p.numel) for p in pieces)
+        largest = FP32_BYTES * max(p.numel for p in pieces)
+        held = (world + 2 + (3 * nodes if two_level else 0)) * blob
+        decoding = (world + 1) * blob + largest
+        encoding = 2 * blob + largest  # the pieces' blobs and their concatenation beside the delta
+        exchange, fp32 = max(exchange, held), max(fp32, largest)
+        peak = max(peak, held, decoding, encoding)
+    before = sum(sizes) * replica_itemsize
+    return {"before": before, "exchange": exchange, "fp32": fp32, "total": before + peak}
 
 
 class ReplicaGather:
     """Sends each rank's quantized replica deltas to every rank and applies them.
 
-    Flat: one all-gather over ``comm``. Two-level (``node_comm`` and ``slot_comm`` given, ranks
-    numbered node by node with ``ranks_per_node`` each): the deltas cross the network once per
-    node, among the ranks of the same local slot, and are then shared inside each node, still
+    Flat: one all-gather over ``comm`` per chunk. Two-level (``node_comm`` and ``slot_comm`` given,
+    ranks numbered node by node with ``ranks_per_node`` each): the deltas cross the network once
+    per node, among the ranks of the same local slot, and are then shared inside each node, still
     quantized; every rank decodes every partition itself.
+
+    ``bucket_elements``: DeepSpeed's ``allgather_bucket_size``, the elements one all-gather may
+    deliver (``None``: every partition in one all-gather).
     """
 
-    def __init__(self, comm, codec: Codec, *, node_comm=None, slot_comm=None, ranks_per_node: int = 1) -> None:
+    def __init__(self, comm, codec: Codec, *, node_comm=None, slot_comm=None, ranks_per_node: int = 1,
+                 bucket_elements: Optional[int] = None) -> None:
         if (node_comm is None) != (slot_comm is None):
             raise ValueError("ReplicaGather: give both node_comm and slot_comm, or neither")
+        if bucket_elements is not None and bucket_elements <= 0:
+            raise ValueError(f"ReplicaGather: bucket_elements must be positive or None, got {bucket_elements}")
         self.comm = comm
         self.codec = codec
         self.node_comm, self.slot_comm = node_comm, slot_comm
         self.ranks_per_node = ranks_per_node if node_comm is None else node_comm.world_size
+        self.align = piece_alignment(codec)
+        self.cap = chunk_elements(bucket_elements, comm.world_size, self.align)
+        self._plans: Dict[Tuple[int, ...], List[List[Piece]]] = {}
+        self._wanted: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> every rank's expected header
+        self._unchecked: list = []  # (received headers, expected, explain): compared on the device, not yet read
 
     @property
     def two_level(self) -> bool:
         return self.node_comm is not None
+
+    def plan(self, sizes: Sequence[int]) -> List[List[Piece]]:
+        key = tuple(sizes)
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = chunk_plan(sizes, self.cap, self.align)
+        return got
 
     def exchange(self, blob: Tensor) -> List[Tensor]:
         """Every rank's ``blob`` (all of one length), in rank order."""
@@ -90,37 +211,109 @@ class ReplicaGather:
         in the replica's dtype); ``before[g]`` is what that partition held before the step. On
         return ``replicas[g][r] = dtype(replica + decode(encode(target - replica)))`` for every r,
         bit-identical on every rank. Returns this rank's counters; ``params_gap_rel`` (the owner's
-        :func:`relative_gap`, one more pass over its partition) only with ``measure_gap``."""
+        :func:`relative_gap`, one more pass over its partition) only with ``measure_gap``, and
+        then the headers received are checked at once; otherwise they wait for
+        :meth:`hand_over_checks`."""
         device, sync = replicas[0][me].device, measure_gap  # seconds that time the work: see StepStats.timed
-        t0 = clock(device, sync)
-        codec = self.codec
-        # one fp32 temporary per partition, the difference computed in place in it: a copy even where
-        # the replicas are fp32 (.float() would then return the target itself, and sub_ would
-        # overwrite it before the gap below is measured against it)
-        blobs = [codec.encode_to_bytes(parts[me].to(torch.float32, copy=True).sub_(old))
-                 for parts, old in zip(replicas, before)]
-        sizes = [b.numel() for b in blobs]
-        blob = torch.cat(blobs) if len(blobs) > 1 else blobs[0]
-        t1 = clock(device, sync)
-        everyone = self.exchange(blob)
-        t2 = clock(device, sync)
-        gap = 0.0
+        codec_s = comm_s = 0.0
+        sent = internode = 0
+        gaps: List[Tensor] = []
+        for pieces in self.plan([parts[me].numel() for parts in replicas]):
+            t0 = clock(device, sync)
+            blob = self._encode(replicas, me, before, pieces)
+            t1 = clock(device, sync)
+            everyone = self.exchange(blob)
+            t2 = clock(device, sync)
+            self._expect_headers(everyone, pieces)
+            gaps += self._apply(replicas, me, before, pieces, everyone, measure_gap)
+            codec_s += (t1 - t0) + (clock(device, sync) - t2)
+            comm_s += t2 - t1
+            chunk_sent, chunk_internode = self.sent_bytes(blob.numel())
+            sent, internode = sent + chunk_sent, internode + chunk_internode
+            del blob, everyone  # this chunk's buffers go before the next chunk's are made
+        gap = None
+        if measure_gap:  # a sampled step reads values back anyway: its headers are read with them
+            self.verify_checks()
+            gap = float(torch.stack(gaps).amax()) if gaps else 0.0  # nan, if any, wins: it is no gap to hide
+        numel = sum(parts[me].numel() for parts in replicas)
+        return StepStats(params_elements=numel * (self.comm.world_size - 1), params_bytes=sent,
+                         params_bytes_internode=internode, params_codec_s=codec_s, params_comm_s=comm_s,
+                         params_gap_rel=gap, timed=sync or device.type == "cpu")
+
+    def _encode(self, replicas, me: int, before: Sequence[Tensor], pieces: Sequence[Piece]) -> Tensor:
+        """This rank's blob of one all-gather: each piece's delta, encoded alone, in order."""
+        blobs = []
+        for g, start, n in pieces:
+            # one fp32 temporary per piece, the difference computed in place in it: a copy even where
+            # the replicas are fp32 (.float() would then return the target itself, and sub_ would
+            # overwrite it before the gap is measured against it)
+            delta = replicas[g][me].narrow(0, start, n).to(torch.float32, copy=True).sub_(before[g].narrow(0, start, n))
+            blobs.append(self.codec.encode_to_bytes(delta))
+            del delta
+        return torch.cat(blobs) if len(blobs) > 1 else blobs[0]
+
+    def _apply(self, replicas, me: int, before: Sequence[Tensor], pieces: Sequence[Piece], everyone: Sequence[Tensor],
+               measure_gap: bool) -> List[Tensor]:
+        """Decode every rank's pieces of one all-gather into its replicas; the owner's gaps (on the
+        device) when ``measure_gap``."""
+        gaps = []
         for r, buf in enumerate(everyone):
             offset = 0
-            for g, parts in enumerate(replicas):
-                piece = buf[offset:offset + sizes[g]]
-                offset += sizes[g]
-                new = codec.decode_from_bytes(piece, (parts[r].numel(),), check_header=(r == 0))
-                new.add_(before[g] if r == me else parts[r])  # fp32 sum, rounded once by the copy
+            for g, start, n in pieces:
+                size = self.codec.nbytes(n)
+                new = self.codec.decode_from_bytes(buf.narrow(0, offset, size), (n,), check_header=False)
+                offset += size
+                part = replicas[g][r].narrow(0, start, n)
+                new.add_(before[g].narrow(0, start, n) if r == me else part)  # fp32 sum, rounded once by the copy
                 if r == me and measure_gap:
-                    gap = max(gap, relative_gap(new.to(parts[r].dtype), parts[r]))
-                parts[r].copy_(new)
-        numel = sum(parts[me].numel() for parts in replicas)
-        sent, internode = self.sent_bytes(blob.numel())
-        return StepStats(params_elements=numel * (self.comm.world_size - 1), params_bytes=sent,
-                         params_bytes_internode=internode, params_codec_s=(t1 - t0) + (clock(device, sync) - t2),
-                         params_comm_s=t2 - t1, params_gap_rel=gap if measure_gap else None,
-                         timed=sync or device.type == "cpu")
+                    gaps.append(_gap_on_device(new.to(part.dtype), part))
+                part.copy_(new)
+        return gaps
+
+    # ---- codec headers: compared on the device, read with others ----------------------
+    def _expect_headers(self, everyone: Sequence[Tensor], pieces: Sequence[Piece]) -> None:
+        """Compare the codec header of every rank's every piece with this codec's, on the device:
+        one comparison per piece, over all ranks' copies of it (stacked: one small copy)."""
+        offset = 0
+        for _, _, n in pieces:
+            got = torch.stack([buf.narrow(0, offset, HEADER_BYTES) for buf in everyone]).view(-1)
+            self._unchecked.append((got, self._wanted_headers(n, got.device, len(everyone)), self._explainer(n)))
+            offset += self.codec.nbytes(n)
+
+    def _wanted_headers(self, numel: int, device, world: int) -> Tensor:
+        key = (numel, str(device))
+        got = self._wanted.get(key)
+        if got is None:
+            if len(self._wanted) >= 1024:  # the sizes of earlier partitionings
+                self._wanted.clear()
+            got = self._wanted[key] = self.codec.header_on(numel, device).repeat(world)
+        return got
+
+    def _explainer(self, numel: int):
+        codec = self.codec
+
+        def explain(raw: bytes) -> str:
+            for r in range(len(raw) // HEADER_BYTES):
+                try:
+                    codec.check_header_bytes(raw[r * HEADER_BYTES:(r + 1) * HEADER_BYTES], numel)
+                except ValueError as exc:
+                    return f"deepspeed_gift: parameter deltas from rank {r}: {exc}"
+            return "deepspeed_gift: parameter deltas arrived with an unexpected header"
+
+        return explain
+
+    def hand_over_checks(self, checks: HeaderChecks) -> None:
+        """Add the header comparisons not yet read to ``checks``, to be read with its own at its
+        :meth:`~HeaderChecks.verify` (the reducer's one host read of a step)."""
+        unchecked, self._unchecked = self._unchecked, []
+        for got, want, explain in unchecked:
+            checks.expect(got, want, explain)
+
+    def verify_checks(self) -> None:
+        """Read the header comparisons not yet read now; raise if a header differed."""
+        checks = HeaderChecks()
+        self.hand_over_checks(checks)
+        checks.verify()
 
     def exact_stats(self, numel: int, itemsize: int, seconds: float) -> StepStats:
         """Counters of an exact all-gather (DeepSpeed's own, flat) of ``numel`` elements per rank
