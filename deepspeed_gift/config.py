@@ -16,7 +16,7 @@ from typing import List, Literal, Optional, Union, get_args
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from .core.formats import FORMAT_NAMES, ROUNDING_MODES, format_class
+from .core.formats import DEFAULT_TILE_ELEMENTS, FORMAT_NAMES, ROUNDING_MODES, format_class
 from .core.geometry import SOLVERS, GeometryKind
 from .core.metrics import METRICS
 from .exchange.comm import Backend
@@ -248,6 +248,16 @@ class GiftConfig(_GiftModel):
     """Seconds a GIFT exchange may wait for the other ranks before failing with an error
     (a dead or hung rank). ``null``: the data-parallel group's own timeout for ``torch``
     (``deepspeed.init_distributed(timeout=...)`` or torch's 30 min), 1800 s for ``mpi``."""
+
+    tile_elements: int = Field(DEFAULT_TILE_ELEMENTS, ge=1)
+    """Elements per tile of the reduction's element-wise work: staging, whitening and its
+    inverse, encode, and the owner's decode and fp32 sum run over tiles of at most this many
+    elements (whole blocks and whole rows; a longer one is a tile of its own), so their
+    temporaries stay bounded whatever a section's size. The default (2^24) keeps them near
+    0.7 GB on an accelerator at ~40 B per tile element (NVFP4 encode ~20, staging and
+    whitening ~16, the sum's decode 4; fp8 needs less); the CPU cuts tiles further to 2^20,
+    which stays in cache. The reduced values do not depend on it, except that stochastic
+    rounding on an accelerator draws its random numbers per tile."""
 
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""

@@ -79,6 +79,9 @@ __all__ = [
     "Payload",
     "get_format",
     "quantization_stats",
+    "DEFAULT_TILE_ELEMENTS",
+    "TensorSource",
+    "SampleRecorder",
 ]
 
 FORMAT_NAMES: Tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32")
@@ -138,10 +141,27 @@ class Payload:
 
 # ----------------------------------------------------------------------------- helpers
 
-# On CPU the element-wise work runs over tiles of this many elements (4 MB of fp32), so
-# temporaries stay in cache instead of being fresh multi-100 MB allocations (each one
-# page-faulted in). On other devices one tile covers the whole tensor.
+# Every element-wise step of encode and decode runs over a tile of whole blocks, so what a
+# codec allocates besides its input and payload is bounded by the tile, not by the tensor:
+# about 4 B per tile element for fp8/int (13 with stochastic rounding), ~20 for NVFP4 (its
+# three candidate scales; ``tests/test_tiles.py`` measures them). ``gift.tile_elements`` sets
+# the tile; the default keeps an NVFP4 tile with its staging and whitening (~40 B/elem in
+# all) near 0.7 GB on an accelerator. A block larger than the tile is a tile of its own.
+DEFAULT_TILE_ELEMENTS = 1 << 24
+# On the CPU the tile is further cut to 4 MB of fp32, so temporaries stay in cache instead of
+# being fresh multi-100 MB allocations (each one page-faulted in): faster, and never larger.
 _CPU_TILE = 1 << 20
+
+
+def check_tile_elements(tile_elements: int, key: str = "tile_elements") -> int:
+    if isinstance(tile_elements, bool) or not isinstance(tile_elements, int) or tile_elements < 1:
+        raise ValueError(f"{key} must be an int >= 1 (elements per tile), got {tile_elements!r}")
+    return tile_elements
+
+
+def _device_tile(tile_elements: int, device: torch.device) -> int:
+    """The tile the element-wise work uses on ``device``: the configured one, cache-sized on CPU."""
+    return min(tile_elements, _CPU_TILE) if device.type == "cpu" else tile_elements
 
 
 def _as_size(shape: Shape) -> torch.Size:
@@ -158,29 +178,49 @@ def _flat_input(x: Tensor) -> Tensor:
     return x.reshape(-1)
 
 
-def _tile_rows(n_rows: int, row_len: int, device: torch.device) -> int:
-    if device.type != "cpu":
-        return max(n_rows, 1)
-    step = max(1, _CPU_TILE // row_len)
-    if step % 2 and row_len % 2:
+def _tile_rows(n_rows: int, row_len: int, tile: int) -> int:
+    """Rows per tile: whole rows of at most ``tile`` elements (one row when a row is longer)."""
+    step = max(1, tile // row_len)
+    if step % 2 and row_len % 2 and step < n_rows:
         step += 1  # every tile but the last holds an even count (4-bit packing)
     return step
 
 
-def _load_rows(flat: Tensor, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
-    """Rows r0:r1 of ``flat`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
+class TensorSource:
+    """The values a codec encodes, read tile by tile: here a flat tensor (any float dtype).
 
-    Full fp32 rows come back as a view of the input (read only); otherwise they are
+    ``read(e0, e1, work)`` gives elements ``e0:e1`` as float32: a view of the input when it
+    is float32, else converted into ``work`` (float32, at least ``e1 - e0`` long). Other
+    sources (the reducer's sections, made tile by tile) implement the same three members."""
+
+    def __init__(self, flat: Tensor) -> None:
+        self.flat = flat
+        self.numel = flat.numel()
+        self.device = flat.device
+
+    def read(self, e0: int, e1: int, work: Tensor) -> Tensor:
+        part = self.flat[e0:e1]
+        if part.dtype == torch.float32:
+            return part
+        return work[: e1 - e0].copy_(part)
+
+
+def _load_rows(src, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
+    """Rows r0:r1 of ``src`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
+
+    Full rows read without a copy come back as a view (read only); otherwise they are
     copied (converted, padded) into the work tile and both results are that tile.
     """
-    n = flat.numel()
+    n = src.numel
     k = r1 - r0
     e0, e1 = r0 * row_len, min(r1 * row_len, n)
     tile = work[: k * row_len].view(k, row_len)
-    if e1 - e0 == k * row_len and flat.dtype == torch.float32:
-        return flat[e0:e1].view(k, row_len), tile
     flat_tile = tile.view(-1)
-    flat_tile[: e1 - e0].copy_(flat[e0:e1])
+    values = src.read(e0, e1, flat_tile)
+    if e1 - e0 == k * row_len and values.data_ptr() != flat_tile.data_ptr():
+        return values.view(k, row_len), tile
+    if values.data_ptr() != flat_tile.data_ptr():
+        flat_tile[: e1 - e0].copy_(values)
     flat_tile[e1 - e0 :].zero_()
     return tile, tile
 
@@ -196,18 +236,31 @@ def _block_amax(blocks: Tensor) -> Tensor:
     return torch.maximum(a[:, : row // 2], a[:, row // 2 :]).amax(dim=1).float()
 
 
-def _rows_amax(flat: Tensor, row_len: int) -> Tensor:
-    """_block_amax of ``flat`` cut into rows of ``row_len`` (last row short), without a padded copy."""
-    n = flat.numel()
+def _tile_amax(values: Tensor, row_len: int) -> Tensor:
+    """_block_amax of flat ``values`` cut into rows of ``row_len`` (last row short), unpadded."""
+    n = values.numel()
     full = n // row_len
-    step = _tile_rows(full, row_len, flat.device)
-    parts = [
-        _block_amax(flat[r0 * row_len : min(r0 + step, full) * row_len].view(-1, row_len))
-        for r0 in range(0, full, step)
-    ]
+    parts = [_block_amax(values[: full * row_len].view(full, row_len))] if full else []
     if n % row_len:
-        parts.append(_block_amax(flat[full * row_len :].view(1, -1)))
+        parts.append(_block_amax(values[full * row_len :].view(1, -1)))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _source_amax(src, row_len: int, tile: int, *, finite_blocks_only: bool = False) -> Tensor:
+    """max |x| over ``src`` (1 element), read tile by tile; nan/inf propagate, or with
+    ``finite_blocks_only`` every row of ``row_len`` holding a nan/inf is left out."""
+    numel = src.numel
+    step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
+    work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
+    best = None
+    for e0 in range(0, numel, step):
+        e1 = min(e0 + step, numel)
+        amax = _tile_amax(src.read(e0, e1, work), row_len)
+        if finite_blocks_only:
+            amax = torch.where(torch.isfinite(amax), amax, 0.0)
+        top = amax.amax().reshape(1)
+        best = top if best is None else torch.maximum(best, top)
+    return best
 
 
 def _div_scalar(a: Tensor, value: float) -> Tensor:
@@ -322,7 +375,7 @@ class Codec:
     """Base class: header, byte layout and (de)serialization; subclasses do the math.
 
     Subclasses set the class attributes below and implement ``_check_options``,
-    ``_encode_into``, ``_decode_flat`` and ``_at_max``.
+    ``_encode_into``, ``_decode_range`` and ``_at_max``.
     """
 
     name: ClassVar[str] = ""
@@ -339,6 +392,7 @@ class Codec:
         scale: str = "fp32",
         rounding: str = "nearest",
         seed: int = 0,
+        tile_elements: int = DEFAULT_TILE_ELEMENTS,
     ) -> None:
         if rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding must be one of {list(ROUNDING_MODES)}, got {rounding!r}")
@@ -346,6 +400,7 @@ class Codec:
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.rounding = rounding
         self.seed = seed
+        self.tile_elements = check_tile_elements(tile_elements)
         self.block_size, self.scale_kind = self._check_options(block_size, scale)
         self._generators: Dict[torch.device, torch.Generator] = {}
         self._headers: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> header bytes there
@@ -450,28 +505,65 @@ class Codec:
 
     # -- public API --------------------------------------------------------------
 
-    def encode(self, x: Tensor, *, generator: Optional[torch.Generator] = None) -> Payload:
+    def _tile(self, device: torch.device, tile_elements: Optional[int]) -> int:
+        tile = self.tile_elements if tile_elements is None else check_tile_elements(tile_elements)
+        return _device_tile(tile, device)
+
+    def encode(self, x: Tensor, *, generator: Optional[torch.Generator] = None,
+               tile_elements: Optional[int] = None) -> Payload:
         """Quantize ``x`` (any float dtype, any shape) into a payload backed by its wire bytes.
 
         Stochastic rounding draws from ``generator`` if given, else from a generator
         owned by the codec, seeded with ``seed`` once per device (same run -> same bytes).
+        ``tile_elements`` (default: the codec's) bounds the work's temporaries; the bytes do
+        not depend on it, except that stochastic rounding on an accelerator draws per tile.
         """
-        flat = _flat_input(x)
-        numel = flat.numel()
-        buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=x.device)
+        return self.encode_source(TensorSource(_flat_input(x)), x.shape, generator=generator,
+                                  tile_elements=tile_elements)
+
+    def encode_source(self, src, shape: Optional[Shape] = None, *, generator: Optional[torch.Generator] = None,
+                      tile_elements: Optional[int] = None) -> Payload:
+        """:meth:`encode` of values read tile by tile from ``src`` (see :class:`TensorSource`),
+        which is read in order, once or (per-tensor and NVFP4 global scales) twice."""
+        numel = src.numel
+        shape = _as_size(numel if shape is None else shape)
+        buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=src.device)
         buf[:HEADER_BYTES].copy_(self.header_on(numel, buf.device))
-        p = self._views(buf, numel, x.shape)
-        gen = self._generator(x.device, generator) if self.rounding == Rounding.STOCHASTIC and numel else None
-        self._encode_into(flat, p, gen)
+        p = self._views(buf, numel, shape)
+        gen = self._generator(src.device, generator) if self.rounding == Rounding.STOCHASTIC and numel else None
+        self._encode_into(src, p, gen, self._tile(src.device, tile_elements))
         return p
 
-    def decode(self, p: Payload) -> Tensor:
+    def decode(self, p: Payload, *, tile_elements: Optional[int] = None) -> Tensor:
         """Dequantize to a new float32 tensor of shape ``p.shape`` on ``p``'s device."""
+        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        self.decode_into(p, out.view(-1), tile_elements=tile_elements)
+        return out
+
+    def decode_into(self, p: Payload, out: Tensor, *, add: bool = False, tile_elements: Optional[int] = None) -> Tensor:
+        """Dequantize ``p`` into the flat float32 ``out`` (``add``: added to it), tile by tile:
+        the only temporaries are a tile's. Returns ``out``."""
         self._check_payload(p)
         numel = p.numel
+        if out.numel() != numel or out.dtype != torch.float32:
+            raise ValueError(f"decode_into needs a float32 output of {numel} elements, got {out.dtype} "
+                             f"of {out.numel()}")
         if numel == 0:
-            return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return self._decode_flat(p, numel).view(p.shape)
+            return out
+        tile = self._tile(p.device, tile_elements)
+        row_len = self._row_len(numel, tile)
+        step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
+        work = torch.empty(min(step, numel), dtype=torch.float32, device=p.device) if add else None
+        for e0 in range(0, numel, step):
+            e1 = min(e0 + step, numel)
+            dst = out[e0:e1]
+            if add:
+                part = work[: e1 - e0]
+                self._decode_range(p, part, e0, e1, row_len)
+                dst.add_(part)  # the same fp32 sum as adding a whole decoded tensor
+            else:
+                self._decode_range(p, dst, e0, e1, row_len)
+        return out
 
     def payload_to_bytes(self, p: Payload) -> Tensor:
         """The 1-D uint8 wire buffer (header + scales + data) of ``p`` (no copy after encode)."""
@@ -550,11 +642,16 @@ class Codec:
 
     # -- subclass hooks ----------------------------------------------------------
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
+    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _encode_into")
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must implement _decode_flat")
+    def _row_len(self, numel: int, tile: int) -> int:
+        """Decode tiles are whole rows of this many elements (a block; 1 without blocks)."""
+        return 1
+
+    def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
+        """Decode elements e0:e1 (e0 at a row start) into ``out``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _decode_range")
 
     def _at_max(self, p: Payload) -> Tensor:
         """bool per element: its code has the format's largest magnitude."""
@@ -582,50 +679,40 @@ class _ScaledCodec(Codec):
     ``_row_scales`` and ``_fill`` (decode).
     """
 
-    def _row_len(self, numel: int) -> int:
+    def _row_len(self, numel: int, tile: int) -> int:
         # one scale per tensor: rows are only a tiling unit, all share the one scale
-        return self.block_size or min(numel, _CPU_TILE)
+        return self.block_size or min(numel, tile)
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        numel = flat.numel()
+    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+        numel = src.numel
         if numel == 0:
             if p.global_scale is not None:
                 p.global_scale.zero_()
             return
-        row_len = self._row_len(numel)
+        row_len = self._row_len(numel, tile)
         n_rows = -(-numel // row_len)
-        row_divisor = self._prepare(flat, row_len, n_rows, p)
-        step = _tile_rows(n_rows, row_len, flat.device)
-        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
+        row_divisor = self._prepare(src, row_len, n_rows, p, tile)
+        step = _tile_rows(n_rows, row_len, tile)
+        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
-            x, y = _load_rows(flat, row_len, r0, r1, work)
+            x, y = _load_rows(src, row_len, r0, r1, work)
             div = row_divisor[r0:r1] if row_divisor is not None else self._tile_divisor(x, p, r0, r1)
             torch.div(x, div[:, None], out=y)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             self._store(y.view(-1)[: e1 - e0], p, e0, e1, gen)
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
-        row_len = self._row_len(numel)
-        n_rows = -(-numel // row_len)
-        row_scale = self._row_scales(p, n_rows)
-        step = _tile_rows(n_rows, row_len, p.device)
-        out = torch.empty(numel, dtype=torch.float32, device=p.device)
-        for r0 in range(0, n_rows, step):
-            r1 = min(r0 + step, n_rows)
-            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            tile = out[e0:e1]
-            self._fill(tile, p, e0, e1)
-            _mul_rows_(tile, row_scale[r0:r1], row_len)
-        return out
+    def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
+        r0, r1 = e0 // row_len, -(-e1 // row_len)
+        self._fill(out, p, e0, e1)
+        _mul_rows_(out, self._row_scales(p, r0, r1), row_len)
 
-    def _per_tensor_divisor(self, flat: Tensor, row_len: int, n_rows: int, p: Payload, qmax: float) -> Tensor:
-        amax = _rows_amax(flat, row_len).max().reshape(1)
-        scale = _fp32_scales(amax, qmax)
+    def _per_tensor_divisor(self, src, row_len: int, n_rows: int, p: Payload, qmax: float, tile: int) -> Tensor:
+        scale = _fp32_scales(_source_amax(src, row_len, tile), qmax)
         p.scales.copy_(scale)
         return _safe_divisor(scale).expand(n_rows)
 
-    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
+    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement _prepare")
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
@@ -634,7 +721,8 @@ class _ScaledCodec(Codec):
     def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _store")
 
-    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
+    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
+        """The fp32 scale of rows r0:r1."""
         raise NotImplementedError(f"{type(self).__name__} must implement _row_scales")
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
@@ -668,10 +756,10 @@ class _Fp8Codec(_ScaledCodec):
         codes = (e + 127).to(torch.uint8)
         return codes.masked_fill_(~torch.isfinite(amax), 255)
 
-    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
+    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
         if self.block_size:
             return None
-        return self._per_tensor_divisor(flat, row_len, n_rows, p, self.fmax)
+        return self._per_tensor_divisor(src, row_len, n_rows, p, self.fmax, tile)
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         amax = _block_amax(x)
@@ -689,11 +777,12 @@ class _Fp8Codec(_ScaledCodec):
         # |y| <= fmax by construction of the scale, so the cast never overflows
         p.data[e0:e1].copy_(y)
 
-    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
+    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
         if self.scale_kind == "e8m0":
-            return _e8m0_to_fp32(p.scales)
-        scale = p.scales * self.fill_factor  # exact (power of two), cannot overflow: scale <= fp32 max / fmax
-        return scale.expand(n_rows) if self.block_size == 0 else scale
+            return _e8m0_to_fp32(p.scales[r0:r1])
+        if self.block_size == 0:
+            return (p.scales * self.fill_factor).expand(r1 - r0)
+        return p.scales[r0:r1] * self.fill_factor  # exact (power of two), cannot overflow: scale <= fp32 max / fmax
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         out.copy_(p.data[e0:e1])
@@ -756,10 +845,10 @@ class _IntCodec(_ScaledCodec):
         self._check_scale(scale, ("fp32",))
         return _check_block(self.name, block_size, self.default_block_size), "fp32"
 
-    def _prepare(self, flat: Tensor, row_len: int, n_rows: int, p: Payload) -> Optional[Tensor]:
+    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
         if self.block_size:
             return None
-        return self._per_tensor_divisor(flat, row_len, n_rows, p, float(self.qmax))
+        return self._per_tensor_divisor(src, row_len, n_rows, p, float(self.qmax), tile)
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         scale = _fp32_scales(_block_amax(x), float(self.qmax))
@@ -775,8 +864,8 @@ class _IntCodec(_ScaledCodec):
         draw = torch.randint(0, 1 << 24, y.shape, dtype=torch.int32, device=y.device, generator=gen)
         return lower.add_(draw < y)
 
-    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
-        return p.scales.expand(n_rows) if self.block_size == 0 else p.scales
+    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
+        return p.scales.expand(r1 - r0) if self.block_size == 0 else p.scales[r0:r1]
 
 
 @_register
@@ -933,8 +1022,8 @@ class NvFp4Codec(_ScaledCodec):
             raise ValueError(f"nvfp4 needs block_size 16, got {block_size}")
         return 16, "e4m3"
 
-    def _row_scales(self, p: Payload, n_rows: int) -> Tensor:
-        return p.scales.float().mul_(p.global_scale)
+    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
+        return p.scales[r0:r1].float().mul_(p.global_scale)
 
     def _candidate_codes(self, amax: Tensor, g: Tensor) -> List[Tensor]:
         """The E4M3 block scale codes tried per block, in tie-break order: "up", the smallest
@@ -948,31 +1037,33 @@ class NvFp4Codec(_ScaledCodec):
                    "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
         return [options[k] for k in self.scale_candidates]
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        # One pass per tile: every candidate scale divides the tile and rounds it to E2M1 (by
-        # the fp32-bit keys), each block keeps the candidate whose decoded block errs least
-        # (the first wins a tie), and the winner's keys (nearest) or scaled values (stochastic,
-        # rounded here) are stored: no tile is divided or looked up again for the store.
-        numel = flat.numel()
+    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+        # Two passes over the tiles: the first finds the global scale (the finite blocks' amax);
+        # the second, per tile, its blocks' amax and candidate scales: every candidate divides
+        # the tile and rounds it to E2M1 (by the fp32-bit keys), each block keeps the candidate
+        # whose decoded block errs least (the first wins a tie), and the winner's keys (nearest)
+        # or scaled values (stochastic, rounded here) are stored: no tile is divided or looked
+        # up again for the store, and nothing but the scales outlives a tile.
+        numel = src.numel
         if numel == 0:
             p.global_scale.zero_()
             return
         row_len = self.block_size
         n_rows = -(-numel // row_len)
-        amax = _rows_amax(flat, row_len)
-        finite = torch.isfinite(amax)
-        g = _fp32_scales(torch.where(finite, amax, 0.0).amax().reshape(1), _FP4_MAX * _E4M3_MAX)
+        g = _fp32_scales(_source_amax(src, row_len, tile, finite_blocks_only=True), _FP4_MAX * _E4M3_MAX)
         p.global_scale.copy_(g)
-        candidates = self._candidate_codes(amax, g)
-        codes = candidates[0].clone()
-        step = _tile_rows(n_rows, row_len, flat.device)
-        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=flat.device)
+        step = _tile_rows(n_rows, row_len, tile)
+        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
-            x, _ = _load_rows(flat, row_len, r0, r1, work)
+            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+            x, _ = _load_rows(src, row_len, r0, r1, work)
+            amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
+            candidates = self._candidate_codes(amax, g)
+            codes = candidates[0].clone()
             best = best_err = None
             for cand in candidates:
-                scale = cand[r0:r1].view(torch.float8_e4m3fn).float().mul_(g)
+                scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
                 y = torch.div(x, _safe_divisor(scale)[:, None])
                 key = _fp4_keys(y)
                 err = _e2m1_of_keys(key).mul_(scale[:, None]).sub_(x).square_().sum(1)
@@ -981,17 +1072,16 @@ class NvFp4Codec(_ScaledCodec):
                     best, best_err = keep, err
                     continue
                 better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
-                codes[r0:r1] = torch.where(better, cand[r0:r1], codes[r0:r1])
+                codes = torch.where(better, cand, codes)
                 best_err = torch.where(better, err, best_err)
                 torch.where(better[:, None], keep, best, out=best)
-            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             best = best.view(-1)[: e1 - e0]
             if gen is not None:
                 best.clamp_(-_FP4_MAX, _FP4_MAX)
                 best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, gen))
             self._pack_keys(best, p, e0, e1)
-        codes.masked_fill_(~finite, 0x7F)  # nan scale marks a non-finite block
-        p.scales.view(torch.uint8).copy_(codes)
+            codes.masked_fill_(~torch.isfinite(amax), 0x7F)  # nan scale marks a non-finite block
+            p.scales.view(torch.uint8)[r0:r1].copy_(codes)
 
     @staticmethod
     def _pack_keys(key: Tensor, p: Payload, e0: int, e1: int) -> None:
@@ -1019,11 +1109,18 @@ class _PassthroughCodec(Codec):
             raise ValueError(f"format {self.name!r} has no blocks: block_size must be None or 0, got {block_size}")
         return 0, "none"
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
-        p.data.copy_(flat)
+    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+        if isinstance(src, TensorSource):  # a cast, with no temporary to bound
+            p.data.copy_(src.flat)
+            return
+        step = tile
+        work = torch.empty(min(step, src.numel), dtype=torch.float32, device=src.device)
+        for e0 in range(0, src.numel, step):
+            e1 = min(e0 + step, src.numel)
+            p.data[e0:e1].copy_(src.read(e0, e1, work))
 
-    def _decode_flat(self, p: Payload, numel: int) -> Tensor:
-        return p.data.to(torch.float32, copy=True)
+    def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
+        out.copy_(p.data[e0:e1])
 
     def _at_max(self, p: Payload) -> Tensor:
         return torch.isinf(p.data)
@@ -1037,14 +1134,19 @@ class Bf16Codec(_PassthroughCodec):
     data_dtype = torch.bfloat16
     bytes_per_element = 2
 
-    def _encode_into(self, flat: Tensor, p: Payload, gen: Optional[torch.Generator]) -> None:
+    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
         if gen is None:
-            p.data.copy_(flat)
+            super()._encode_into(src, p, gen, tile)
             return
-        numel = flat.numel()
-        step = _tile_rows(numel, 1, flat.device)
+        numel = src.numel
+        step = tile
+        work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
         for e0 in range(0, numel, step):
-            y = flat[e0 : e0 + step].to(torch.float32, copy=True)
+            e1 = min(e0 + step, numel)
+            y = work[: e1 - e0]
+            values = src.read(e0, e1, y)
+            if values.data_ptr() != y.data_ptr():
+                y.copy_(values)
             # inf (low bits 0) truncates back to itself; nan keeps an all-ones exponent
             # (stays nan, or inf if its payload sat in the low 16 bits); the largest finite
             # values may carry into inf, as round-to-nearest can
@@ -1085,21 +1187,108 @@ def get_format(
     scale: str = "fp32",
     rounding: str = "nearest",
     seed: int = 0,
+    tile_elements: int = DEFAULT_TILE_ELEMENTS,
 ) -> Codec:
     """Codec for ``name`` (one of FORMAT_NAMES); ValueError for invalid options."""
-    return format_class(name)(block_size=block_size, scale=scale, rounding=rounding, seed=seed)
+    return format_class(name)(block_size=block_size, scale=scale, rounding=rounding, seed=seed,
+                              tile_elements=tile_elements)
 
 
-def quantization_stats(x: Tensor, payload: Payload, codec: Codec) -> Dict[str, float]:
+def sample_rows(codec: Codec, numel: int, limit: int) -> Tuple[int, Optional[Tensor]]:
+    """An evenly strided sample of whole rows of at most ``limit`` elements in all: (row length,
+    row indices), or (row length, None) when the tensor is small enough to take whole.
+
+    A row is whole blocks (whole bytes of 4-bit data), at least 256 elements, so every sampled
+    element is encoded exactly as in the whole tensor and decoded from its own block's scale."""
+    block = max(codec.block_size, 1)
+    unit = block * max(1, 256 // block)
+    if codec.elements_per_byte == 2 and unit % 2:
+        unit *= 2
+    rows = numel // unit
+    keep = max(1, limit // unit)
+    if rows <= keep:
+        return unit, None
+    stride = -(-rows // keep)
+    return unit, torch.arange(0, rows, stride)
+
+
+def payload_rows(codec: Codec, p: Payload, rows: Tensor, unit: int) -> Payload:
+    """The payload of rows ``rows`` (of ``unit`` elements, whole blocks) of ``p``: what encoding
+    only those elements would give (the global and per-tensor scales stay the whole tensor's)."""
+    def pick(t: Tensor, per_row: int) -> Tensor:
+        index = rows.to(t.device)
+        return t.reshape(-1)[: (p.numel // unit) * per_row].view(-1, per_row)[index].reshape(-1)
+
+    data = pick(p.data, unit // codec.elements_per_byte)
+    scales = p.scales
+    if scales is not None and codec.block_size:
+        scales = pick(scales, unit // codec.block_size)
+    return Payload(format=p.format, shape=torch.Size((rows.numel() * unit,)), data=data, scales=scales,
+                   global_scale=p.global_scale, block_size=p.block_size, scale_kind=p.scale_kind)
+
+
+class SampleRecorder:
+    """A source that passes ``src`` through to an encode and keeps the values of the rows
+    :func:`sample_rows` picks as they are read (all of them when the source is small), so the
+    quantization can be measured on a sample without reading the source again (a reducer's
+    section is made tile by tile)."""
+
+    def __init__(self, src, codec: Codec, limit: int) -> None:
+        self.src, self.numel, self.device = src, src.numel, src.device
+        self.unit, self.rows = sample_rows(codec, src.numel, limit)
+        count = self.rows.numel() if self.rows is not None else 0
+        self.stride = int(self.rows[1] - self.rows[0]) * self.unit if count > 1 else self.unit
+        size = count * self.unit if self.rows is not None else src.numel
+        self.values = torch.empty(size, dtype=torch.float32, device=src.device)
+
+    def read(self, e0: int, e1: int, work: Tensor) -> Tensor:
+        values = self.src.read(e0, e1, work)
+        if self.rows is None:
+            self.values[e0:e1].copy_(values)
+            return values
+        unit, stride, count = self.unit, self.stride, self.rows.numel()
+        kept = self.values.view(count, unit)
+        i = max(0, -(-(e0 - unit + 1) // stride))  # the first sampled row ending after e0
+        last = min(count, -(-e1 // stride))  # past the last one starting before e1
+        while i < last:
+            start = i * stride
+            if start >= e0 and start + unit <= e1:  # whole rows from i on, one strided copy
+                n = min(last - i, (e1 - unit - start) // stride + 1)
+                kept[i : i + n].copy_(values[start - e0 :].as_strided((n, unit), (stride, 1)))
+                i += n
+                continue
+            lo, hi = max(start, e0), min(start + unit, e1)  # a row cut by the read's edge
+            kept[i, lo - start : hi - start].copy_(values[lo - e0 : hi - e0])
+            i += 1
+        return values
+
+    def stats(self, payload: Payload, codec: Codec) -> Dict[str, float]:
+        """:func:`quantization_stats` of what was recorded."""
+        if self.rows is not None:
+            payload = payload_rows(codec, payload, self.rows, self.unit)
+        return quantization_stats(self.values, payload, codec)
+
+
+def quantization_stats(x: Tensor, payload: Payload, codec: Codec, *, limit: Optional[int] = None) -> Dict[str, float]:
     """Telemetry for one encode (not computed by ``encode``; costs a decode).
 
-    Keys: ``numel``; ``nonfinite`` (inputs that are inf/nan); ``underflow`` (finite
-    nonzero inputs that decode to 0); ``saturated`` (elements whose code has the format's
-    largest magnitude: with per-block amax scales every nonzero block has at least one;
-    for bf16/fp32 the elements that are inf); ``nonfinite_out`` (decoded inf/nan,
-    including finite neighbours in a non-finite block); ``rel_l2_error`` (over
-    positions where input and output are finite).
+    Keys: ``numel`` (the elements measured); ``nonfinite`` (inputs that are inf/nan);
+    ``underflow`` (finite nonzero inputs that decode to 0); ``saturated`` (elements whose code
+    has the format's largest magnitude: with per-block amax scales every nonzero block has at
+    least one; for bf16/fp32 the elements that are inf); ``nonfinite_out`` (decoded inf/nan,
+    including finite neighbours in a non-finite block); ``rel_l2_error`` (over positions where
+    input and output are finite).
+
+    ``limit``: measured on an evenly strided sample of whole blocks of at most about
+    ``limit`` elements (:func:`sample_rows`), so its temporaries (a decode, masks, a float64
+    square: ~30 B per element) stay bounded; counts are the sample's.
     """
+    if limit is not None:
+        unit, rows = sample_rows(codec, payload.numel, limit)
+        if rows is not None:
+            flat = x.reshape(-1)
+            x = flat[: (flat.numel() // unit) * unit].view(-1, unit)[rows.to(flat.device)].reshape(-1)
+            payload = payload_rows(codec, payload, rows, unit)
     y = codec.decode(payload).reshape(-1)
     xf = x.reshape(-1).float()
     finite_in = torch.isfinite(xf)
