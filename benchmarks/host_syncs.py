@@ -7,8 +7,9 @@ of ``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a tensor, ``cpu
 made while GIFT's ``average_tensor`` runs. On a GPU each one waits for DeepSpeed's reduction
 stream, which runs behind the backward. Steps are split into *ordinary* ones (no telemetry
 sample, no geometry refresh, no statistics collection: these must make none) and the others,
-which may sync and are printed beside them. Configs: fp8 + kfac + error feedback, nvfp4; flat
-and two-level (nodes of 2 ranks).
+which may sync and are printed beside them. Configs: fp8 + kfac + error feedback, nvfp4, and fp8
+with ``gift.params`` (whose parameter all-gathers, in ``allgather_bucket_size`` chunks, are counted
+too: ordinary steps are those without a telemetry sample); flat and two-level (nodes of 2 ranks).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def _has_bool_tensor(index) -> bool:
 def count_bucket_syncs(gift) -> list:
     """Wrap the optimizer's ``average_tensor`` (GIFT's, once ``gift``, a ``GiftState``, is
     attached) so every bucket's reduction runs under a :class:`HostSyncCounter`; returns the
-    list it appends ``{"step", "ordinary", "counts"}`` to."""
+    list it appends ``{"step", "ordinary", "counts"}`` to. With ``gift.params``, each step's
+    parameter all-gather is counted too, its entries marked ``"where": "params"`` (ordinary: not a
+    telemetry sample, which reads the replica-target gap)."""
     seen: list = []
     native = gift.opt.average_tensor
 
@@ -79,6 +82,17 @@ def count_bucket_syncs(gift) -> list:
         seen.append({"step": k, "ordinary": ordinary, "counts": dict(counter.counts)})
 
     gift.opt.average_tensor = counted
+    if gift.params is not None:  # gift.params: the step's parameter all-gather too, as "where": "params"
+        native_gather = gift.gather_params
+
+        def counted_gather(native_all_gather):
+            k = gift.k
+            with HostSyncCounter() as counter:
+                native_gather(native_all_gather)
+            seen.append({"step": k, "ordinary": not gift.sampled(k), "counts": dict(counter.counts),
+                         "where": "params"})
+
+        gift.gather_params = counted_gather
     return seen
 
 
@@ -86,7 +100,16 @@ FP8_KFAC_EF = {"format": "fp8_e4m3", "layers": "all", "error_feedback": True,
                "geometry": {"rank": 8, "refresh_interval": 3, "collect_interval": 3}, "telemetry": {"every": 3}}
 NVFP4 = {"format": "nvfp4", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 3, "collect_interval": 3},
          "telemetry": {"every": 3}}
-CONFIGS = {"fp8+kfac+ef": FP8_KFAC_EF, "nvfp4": NVFP4}
+# fp8 deltas of the parameters (gift.params), gathered in chunks: the harness's allgather_bucket_size
+# of 1e6 holds a 2-rank partition of its Llama whole, so the runs below cut it (ZERO_CHUNKED)
+FP8_PARAMS = dict(FP8_KFAC_EF, params={})
+ZERO_CHUNKED = {"allgather_bucket_size": 8192}
+CONFIGS = {"fp8+kfac+ef": FP8_KFAC_EF, "nvfp4": NVFP4, "fp8+params": FP8_PARAMS}
+
+
+def split_entries(entries: list) -> tuple:
+    """(the buckets' entries, the parameter all-gathers')."""
+    return ([e for e in entries if e.get("where") != "params"], [e for e in entries if e.get("where") == "params"])
 
 
 def per_bucket(buckets: list, ordinary: bool) -> float:
@@ -107,20 +130,26 @@ def measure(world: int, steps: int) -> list:
     for name, gift in CONFIGS.items():
         for hierarchy in (("flat", "two_level") if world >= 4 else ("flat",)):
             block = dict(gift, hierarchy=hierarchy, **({"ranks_per_node": 2} if hierarchy == "two_level" else {}))
-            specs.append(dict(stage=2, steps=steps, bucket=20000, gift=block, count_syncs=True))
+            specs.append(dict(stage=2, steps=steps, bucket=20000, gift=block, count_syncs=True,
+                              **({"zero": ZERO_CHUNKED} if "params" in gift else {})))
             names.append((name, hierarchy))
     per_rank = run_ranks(_rank_body, world, specs, timeout=600)
     rows = []
     for i, (name, hierarchy) in enumerate(names):
-        buckets = [b for rank in per_rank for b in rank[i]]
+        buckets, gathers = split_entries([b for rank in per_rank for b in rank[i]])
         kinds = collections.Counter()
-        for b in buckets:
+        for b in buckets + gathers:
             if b["ordinary"]:
                 kinds.update(b["counts"])
         rows.append({"world": world, "config": name, "hierarchy": hierarchy,
                      "buckets": len(buckets) // world, "ordinary_per_bucket": per_bucket(buckets, True),
-                     "other_per_bucket": per_bucket(buckets, False), "ordinary_kinds": dict(kinds)})
+                     "other_per_bucket": per_bucket(buckets, False), "ordinary_kinds": dict(kinds),
+                     "ordinary_per_gather": per_bucket(gathers, True), "other_per_gather": per_bucket(gathers, False)})
     return rows
+
+
+def _num(x: float) -> str:
+    return "-" if x != x else f"{x:.2f}"  # nan: no parameter all-gather in that config
 
 
 def main(argv=None) -> list:
@@ -130,11 +159,13 @@ def main(argv=None) -> list:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = [row for world in args.worlds for row in measure(world, args.steps)]
-    print("| W | config | hierarchy | buckets/rank | syncs per bucket, ordinary steps | other steps | ordinary by kind |")
-    print("|---|---|---|---:|---:|---:|---|")
+    print("| W | config | hierarchy | buckets/rank | syncs per bucket, ordinary steps | other steps | "
+          "per parameter all-gather, ordinary | other | ordinary by kind |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['world']} | {r['config']} | {r['hierarchy']} | {r['buckets']} | {r['ordinary_per_bucket']:.2f} | "
-              f"{r['other_per_bucket']:.2f} | {r['ordinary_kinds'] or '-'} |")
+              f"{r['other_per_bucket']:.2f} | {_num(r['ordinary_per_gather'])} | {_num(r['other_per_gather'])} | "
+              f"{r['ordinary_kinds'] or '-'} |")
     write_json(args.json, rows)
     return rows
 

@@ -5,7 +5,7 @@ sync, and do (the counter sees them, so it is not blind)."""
 
 import pytest
 
-from benchmarks.host_syncs import FP8_KFAC_EF, NVFP4, per_bucket
+from benchmarks.host_syncs import FP8_KFAC_EF, FP8_PARAMS, NVFP4, ZERO_CHUNKED, per_bucket, split_entries
 from launch.spawn import run_ranks
 from tests.harness import train_many
 
@@ -31,6 +31,24 @@ def test_ordinary_steps_make_no_host_conversion_in_a_bucket(world):
             assert per_bucket(buckets, True) == 0.0, [b["counts"] for b in ordinary if b["counts"]]
             assert per_bucket(buckets, False) > 0, gift  # sampled/refresh steps read values back
             assert r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.parametrize("world, hierarchy", [(2, "flat"), (4, "two_level")])
+def test_ordinary_steps_make_no_host_read_in_the_parameter_all_gather(world, hierarchy):
+    # gift.params with fp8 deltas, the partitions cut into several all-gathers (ZERO_CHUNKED): the
+    # codec headers are compared on the device and read with the reduction's at the next step; only
+    # telemetry's sampled steps (0 and 3) read, the gap and the headers with it
+    gift = dict(FP8_PARAMS, hierarchy=hierarchy, **({"ranks_per_node": 2} if hierarchy == "two_level" else {}))
+    spec = dict(stage=2, steps=4, bucket=20000, gift=gift, count_syncs=True, zero=ZERO_CHUNKED)
+    for (r,) in run_ranks(train_many, world, [spec]):
+        buckets, gathers = split_entries(r["host_syncs"])
+        assert [g["step"] for g in gathers] == [0, 1, 2, 3]
+        assert [g["ordinary"] for g in gathers] == [False, True, True, False]
+        assert per_bucket(gathers, True) == 0.0, [g["counts"] for g in gathers]
+        assert per_bucket(gathers, False) > 0  # the counter sees the gather's reads where it makes them
+        assert per_bucket(buckets, True) == 0.0
+        assert all(rec["params_bytes_per_elem"] > 1 for rec in r["records"])  # the compressed gather ran
+        assert r["losses"][-1] < r["losses"][0]
 
 
 def _mismatch_body(rank, world):

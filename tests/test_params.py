@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deepspeed_gift.core import formats
-from deepspeed_gift.exchange.param_gather import GAP_BLOCK, ReplicaGather, relative_gap
+from deepspeed_gift.exchange.param_gather import (GAP_BLOCK, ReplicaGather, chunk_plan, gather_peak_bytes,
+                                                  piece_alignment, relative_gap)
 from tests.harness import initialize_error, train_many
 from launch.spawn import run_ranks
 
@@ -168,3 +169,147 @@ def test_resume_with_compressed_params_is_bit_exact(tmp_path):
 def test_params_config_the_replicas_cannot_use_fails_at_initialize():
     errors = run_ranks(initialize_error, 2, dict(stage=2, dtype="bf16", gift=dict(FP8, params={"format": "fp32"})))
     assert "gift.params.format: got 'fp32', but the parameter replicas are torch.bfloat16" in errors[0]
+
+
+# ---- the gather in DeepSpeed's allgather_bucket_size chunks ---------------------------------
+
+def _chunked_rounds(rank, world, fmt, per_node, bucket, rounds):
+    """The same random walk gathered whole and in chunks of ``bucket`` elements per all-gather,
+    flat and two-level; every all-gather's delivered bytes are recorded."""
+    import torch.distributed as dist
+
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+
+    dist.init_process_group("gloo")
+    comm = TorchComm()
+    codec = formats.get_format(fmt)
+    node_comm, slot_comm = split_by_node(comm, per_node)
+    delivered = []
+    for c in (comm, node_comm, slot_comm):
+        native = c.all_gather_bytes
+
+        def counted(blob, *args, _native=native, _world=c.world_size, **kwargs):
+            delivered.append(blob.numel() * _world)  # what the all-gather's output holds
+            return _native(blob, *args, **kwargs)
+
+        c.all_gather_bytes = counted
+    out = {}
+    for name in ("flat", "two_level"):
+        for chunked in (None, bucket):
+            levels = dict(node_comm=node_comm, slot_comm=slot_comm) if name == "two_level" else {}
+            gather = ReplicaGather(comm, codec, ranks_per_node=per_node, bucket_elements=chunked, **levels)
+            groups = [_partitions(world, 1000, seed=1), _partitions(world, 333, seed=2), _partitions(world, 5, seed=3)]
+            walk = torch.Generator().manual_seed(100 + rank)
+            delivered.clear()
+            gaps = []
+            for k in range(rounds):
+                before = [parts[rank].clone() for parts in groups]
+                for parts in groups:
+                    step = torch.randn(parts[rank].shape, generator=walk) * 1e-3
+                    parts[rank].copy_((parts[rank].float() + step).to(torch.bfloat16))
+                gaps.append(gather.gather(groups, rank, before, measure_gap=k % 2 == 0).params_gap_rel)
+            gather.verify_checks()
+            out[(name, chunked)] = {"final": [torch.cat([parts[r] for parts in groups]) for r in range(world)],
+                                    "gaps": gaps, "largest": max(delivered), "calls": len(delivered)}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int4"])
+def test_a_chunked_gather_is_the_whole_one_bit_for_bit(fmt):
+    # 4 ranks (two-level as 2 x 2), partitions of 1000, 333 and 5 elements, a bucket of 1024
+    # elements: 256 a rank per all-gather, so the 1000 are cut at 256, 512, 768 (whole blocks of 128)
+    # and the 333 at 256, its last 77 sharing the last all-gather with the 5. Blocks are quantized
+    # alone, so the replicas are the whole gather's bits, every round, flat and two-level.
+    world, per_node, bucket, rounds = 4, 2, 1024, 6
+    results = run_ranks(_chunked_rounds, world, fmt, per_node, bucket, rounds)
+    codec = formats.get_format(fmt)
+    cap = bucket // world
+    assert [len(c) for c in chunk_plan([1000, 333, 5], cap, piece_alignment(codec))] == [1, 1, 1, 1, 1, 2]
+    for res in results:
+        for name in ("flat", "two_level"):
+            whole, chunked = res[(name, None)], res[(name, bucket)]
+            assert all(torch.equal(a, b) for a, b in zip(whole["final"], chunked["final"]))
+            assert all(torch.equal(a, b) for a, b in zip(chunked["final"], results[0][(name, bucket)]["final"]))
+            assert whole["gaps"] == chunked["gaps"]  # the gap, taken piece by piece, is the same number
+            # no all-gather delivers more than the bucket's elements (as bytes, with a header per piece)
+            per_piece = codec.nbytes(cap) + 2 * 16  # a chunk of the 333 and the 5 holds two headers
+            assert chunked["largest"] <= world * per_piece < whole["largest"]
+    assert results[0][("flat", bucket)]["calls"] == 6 * rounds  # one all-gather per chunk
+
+
+def test_a_chunked_nvfp4_gather_keeps_the_replicas_identical():
+    # nvfp4's global scale covers what is encoded at once: a piece when the partition is cut, so
+    # the bits differ from the whole gather's, but every rank still holds the same replicas and
+    # each stays within nvfp4's step of its target
+    world, per_node, bucket, rounds = 4, 2, 1024, 6
+    results = run_ranks(_chunked_rounds, world, "nvfp4", per_node, bucket, rounds)
+    for name in ("flat", "two_level"):
+        for res in results:
+            assert all(torch.equal(a, b) for a, b in zip(res[(name, bucket)]["final"],
+                                                          results[0][(name, bucket)]["final"]))
+            assert 0 < max(g for g in res[(name, bucket)]["gaps"] if g is not None) <= 8 * BF16_ULP
+
+
+def _mismatched_header(rank, world):
+    import torch.distributed as dist
+
+    from benchmarks.host_syncs import HostSyncCounter
+    from deepspeed_gift.exchange.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    # rank 1 sends fp8_e5m2 where rank 0 expects fp8_e4m3: payloads of the same size, other codes
+    codec = formats.get_format("fp8_e4m3" if rank == 0 else "fp8_e5m2")
+    gather = ReplicaGather(TorchComm(), codec, bucket_elements=2 * 512)
+    groups = [_partitions(world, 1000, seed=1)]
+    before = [groups[0][rank].clone()]
+    groups[0][rank].add_(0.01)
+    with HostSyncCounter() as counter:  # an ordinary step: nothing read back
+        gather.gather(groups, rank, before, measure_gap=False)
+    try:
+        gather.verify_checks()
+    except RuntimeError as exc:
+        return counter.total, str(exc)
+    return counter.total, ""
+
+
+def test_a_header_mismatch_in_the_gather_is_read_later_and_named():
+    for rank, (syncs, message) in enumerate(run_ranks(_mismatched_header, 2)):
+        assert syncs == 0
+        other = 1 - rank
+        assert f"parameter deltas from rank {other}:" in message
+        assert "format is 'fp8_e5m2', expected 'fp8_e4m3'" in message or \
+            "format is 'fp8_e4m3', expected 'fp8_e5m2'" in message
+
+
+def test_gather_peak_bytes_follows_the_bucket_not_the_world_times_the_partition():
+    # Llama-2-7B's 6.74e9 parameters over 64 ranks in bf16, fp8 deltas, DeepSpeed's 5e8 bucket
+    codec = formats.get_format("fp8_e4m3")
+    part = 6_740_000_000 // 64
+    whole = gather_peak_bytes(codec, [part], 64, bucket_elements=None, replica_itemsize=2)
+    chunked = gather_peak_bytes(codec, [part], 64, bucket_elements=500_000_000, replica_itemsize=2)
+    blob = codec.nbytes(500_000_000 // 64 // 128 * 128)  # one rank's piece of one all-gather
+    assert chunked["exchange"] == 66 * blob  # the world's pieces, the piece and the comm's copy of it
+    assert chunked["before"] == whole["before"] == 2 * part  # the base of the deltas: N/W
+    assert chunked["total"] < 0.8e9 < 7e9 < whole["total"]
+    # twice the ranks, the same bucket: the gather's exchange stays the bucket's
+    wider = gather_peak_bytes(codec, [part // 2], 128, bucket_elements=500_000_000, replica_itemsize=2)
+    assert wider["exchange"] <= chunked["exchange"] * 1.01
+    two = gather_peak_bytes(codec, [part], 64, bucket_elements=500_000_000, replica_itemsize=2, ranks_per_node=8,
+                            two_level=True)
+    assert two["exchange"] == (64 + 2 + 3 * 8) * blob
+
+
+def test_engines_gather_in_chunks_as_they_would_whole():
+    # bf16 model, fp8 gradients, fp8 parameter deltas: an allgather_bucket_size of 4096 cuts each
+    # rank's partition into pieces of 2048 elements; the harness's 1e6 gathers it whole. Telemetry
+    # every 2nd step: the odd steps are ordinary, their headers read at the next step
+    gift = dict(FP8, telemetry={"every": 2}, params={})
+    whole = dict(stage=2, steps=4, bucket=20000, dtype="bf16", gift=gift)
+    chunked = dict(whole, zero={"allgather_bucket_size": 4096})
+    for a, b in run_ranks(train_many, 2, [whole, chunked]):
+        assert b["losses"] == a["losses"] and b["digests"] == a["digests"]
+        assert len(b["records"]) == len(a["records"]) == 4
+        for ra, rb in zip(a["records"], b["records"]):  # a header per piece: a little more than whole
+            assert ra["params_bytes_per_elem"] < rb["params_bytes_per_elem"] < 1.06
+            assert rb.get("params_gap_rel") == ra.get("params_gap_rel")  # on sampled steps only
