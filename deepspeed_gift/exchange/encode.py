@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..core.formats import quantization_stats
+from ..core.formats import DEFAULT_TILE_ELEMENTS, SampleRecorder, TensorSource
 from .plan import Section
 from .stats import StepStats
 
@@ -28,11 +28,13 @@ class SectionEncoder:
     ``generator`` drives stochastic rounding. With ``shared_seed`` (two-level, stochastic
     rounding) a shared section is rounded with a generator seeded from (that seed, this rank =
     the node, step, parameters), so the same node partial encoded by the node's ranks of
-    different slot groups gives the same bytes."""
+    different slot groups gives the same bytes. ``tile_elements`` bounds the codec's
+    temporaries and the sample that sampled steps measure."""
 
     def __init__(self, rank: int, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
-                 shared_seed: Optional[int] = None) -> None:
+                 shared_seed: Optional[int] = None, tile_elements: int = DEFAULT_TILE_ELEMENTS) -> None:
         self.rank = rank
+        self.tile_elements = tile_elements
         self.main_codec = main_codec
         self.high_codec = high_codec
         self.generator = generator
@@ -50,22 +52,26 @@ class SectionEncoder:
         gen.manual_seed(int.from_bytes(digest, "little"))
         return gen
 
-    def encode(self, sec: Section, values: torch.Tensor, stats: StepStats, sample: bool, generator, *,
+    def encode(self, sec: Section, values, stats: StepStats, sample: bool, generator, *,
                decode: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The wire bytes of ``values`` in the section's codec and, with ``decode``, what the
-        receiver will decode from them (sampled steps count the quantization)."""
-        codec = self.codec_of(sec)
+        """The wire bytes of ``values`` (a tensor, or a source read tile by tile: see
+        ``plan.SectionSource``) in the section's codec and, with ``decode``, what the receiver
+        will decode from them. Sampled steps count the quantization on an evenly strided sample
+        of whole blocks of at most a tile (``quantized`` counts the sample)."""
+        codec, tile = self.codec_of(sec), self.tile_elements
+        src = TensorSource(values.reshape(-1)) if isinstance(values, torch.Tensor) else values
         if sec.high:
-            wire = codec.encode_to_bytes(values)
-            return wire, codec.decode_from_bytes(wire, (values.numel(),), check_header=False) if decode else None
-        payload = codec.encode(values, generator=generator)
-        if sample:
-            q = quantization_stats(values, payload, codec)
-            stats.underflow += q["underflow"]
-            stats.saturated += q["saturated"]
-            stats.nonfinite += q["nonfinite"]
-            stats.quantized += q["numel"]
-        return codec.payload_to_bytes(payload), codec.decode(payload) if decode else None
+            payload = codec.encode_source(src, tile_elements=tile)
+        else:
+            recorder = SampleRecorder(src, codec, tile) if sample else None
+            payload = codec.encode_source(recorder or src, generator=generator, tile_elements=tile)
+            if recorder is not None:
+                q = recorder.stats(payload, codec)
+                stats.underflow += q["underflow"]
+                stats.saturated += q["saturated"]
+                stats.nonfinite += q["nonfinite"]
+                stats.quantized += q["numel"]
+        return codec.payload_to_bytes(payload), codec.decode(payload, tile_elements=tile) if decode else None
 
     def count_sent(self, sec: Section, wire: torch.Tensor, numel: int, copies: int, stats: StepStats) -> None:
         stats.elements_sent += copies * numel

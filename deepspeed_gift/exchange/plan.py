@@ -19,6 +19,7 @@ Wire layout of the message from rank ``src`` to rank ``dst`` for one bucket::
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, get
 
 import torch
 
+from ..core.formats import DEFAULT_TILE_ELEMENTS
 from ..core.geometry import Transform, row_runs
 from .headers import CONTROL_HEADER_BYTES, hash_bytes
 
@@ -268,39 +270,88 @@ def message_nbytes(plan: "BucketPlan", dst: int, codec_of) -> int:
 
 
 # ---- pieces in and out of a packed buffer ----------------------------------------------
+class SectionSource:
+    """The fp32 values of a section (its ``pieces`` packed in order, transformed pieces moved
+    into their coordinates; ``transforms`` None: all in gradient coordinates), made one chunk at
+    a time: whole run units (a whitener's rows) of about ``tile`` elements, at fixed places in
+    each piece. A codec reads it tile by tile (see ``core.formats.TensorSource``), so neither the
+    section nor its transform is ever staged whole. ``start``/``numel``: a part of the section
+    (a relay's chunk). Read in order; a read behind the last chunk starts again there."""
+
+    def __init__(self, tensor: torch.Tensor, pieces: List[Piece], transforms: Optional[Dict[int, Transform]],
+                 tile: int = DEFAULT_TILE_ELEMENTS, start: int = 0, numel: Optional[int] = None) -> None:
+        self.tensor, self.pieces, self.transforms, self.tile = tensor, pieces, transforms, tile
+        self.starts: List[int] = []
+        pos = 0
+        for p in pieces:
+            self.starts.append(pos)
+            pos += p.numel
+        self.start = start
+        self.numel = pos - start if numel is None else numel
+        self.device = tensor.device
+        self._chunk: Optional[Tuple[int, int, torch.Tensor]] = None  # (first, end, values) in the section
+
+    def _make_chunk(self, at: int) -> Tuple[int, int, torch.Tensor]:
+        i = bisect.bisect_right(self.starts, at) - 1
+        p, first = self.pieces[i], self.starts[i]
+        w = self.transforms[p.param_key] if p.rows and self.transforms is not None else None
+        unit = w.run_unit if w is not None else 1
+        per = max(1, self.tile // unit) * unit
+        off = (at - first) // per * per
+        n = min(per, p.numel - off)
+        raw = self.tensor.narrow(0, p.bucket_offset + off, n)
+        values = w.apply_run(raw, p.param_start + off) if w is not None else raw
+        self._chunk = (first + off, first + off + n, values)
+        return self._chunk
+
+    def read(self, e0: int, e1: int, work: torch.Tensor) -> torch.Tensor:
+        a, b = self.start + e0, self.start + e1
+        chunk = self._chunk
+        if chunk is not None and chunk[0] <= a and b <= chunk[1] and chunk[2].dtype == torch.float32:
+            return chunk[2][a - chunk[0] : b - chunk[0]]  # inside one chunk: no copy
+        out, at = work[: b - a], a
+        while at < b:
+            if chunk is None or not chunk[0] <= at < chunk[1]:
+                chunk = self._make_chunk(at)
+            n = min(b, chunk[1]) - at
+            out[at - a : at - a + n].copy_(chunk[2][at - chunk[0] : at - chunk[0] + n])
+            at += n
+        return out
+
+    def gather(self) -> torch.Tensor:
+        """All of it in one fp32 buffer of its own (what error feedback and an owner's own
+        contribution need whole)."""
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        at = 0
+        while at < self.numel:
+            first, end, values = self._make_chunk(self.start + at)
+            n = min(end - self.start, self.numel) - at
+            out[at : at + n].copy_(values[self.start + at - first : self.start + at - first + n])
+            at += n
+        return out
+
+
 def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int,
-                  transforms: Optional[Dict[int, Transform]]) -> torch.Tensor:
+                  transforms: Optional[Dict[int, Transform]], tile: int = DEFAULT_TILE_ELEMENTS) -> torch.Tensor:
     """fp32 staging buffer of ``pieces`` (transformed pieces moved into their coordinates;
-    ``transforms`` None: all in gradient coordinates), always a buffer of its own."""
-    if len(pieces) == 1 and pieces[0].rows and transforms is not None:  # the transform's own output
-        src = tensor.narrow(0, pieces[0].bucket_offset, pieces[0].numel)
-        return transform_pieces(src, pieces, transforms, inverse=False)
-    out = torch.empty(numel, dtype=torch.float32, device=tensor.device)
-    pos = 0
-    for p in pieces:
-        src = tensor.narrow(0, p.bucket_offset, p.numel)
-        dst = out.narrow(0, pos, p.numel)
-        if p.rows and transforms is not None:
-            dst.copy_(transforms[p.param_key].apply_run(src, p.param_start))
-        else:
-            dst.copy_(src)
-        pos += p.numel
-    return out
+    ``transforms`` None: all in gradient coordinates), always a buffer of its own; the
+    transform's temporaries are a ``tile``'s."""
+    return SectionSource(tensor, pieces, transforms, tile, 0, numel).gather()
 
 
 def transform_pieces(buf: torch.Tensor, pieces: List[Piece], transforms: Dict[int, Transform], *,
-                     inverse: bool) -> torch.Tensor:
-    """A packed buffer with its transformed pieces moved into (or back from) their coordinates:
-    the transform's own output when one piece fills it, else ``buf`` changed in place."""
-    if len(pieces) == 1 and pieces[0].rows:
-        p, w = pieces[0], transforms[pieces[0].param_key]
-        return w.invert_run(buf, p.param_start) if inverse else w.apply_run(buf, p.param_start)
+                     inverse: bool, tile: int = DEFAULT_TILE_ELEMENTS) -> torch.Tensor:
+    """A packed fp32 buffer with its transformed pieces moved into (or back from) their
+    coordinates, in place, whole run units of about ``tile`` elements at a time (its temporaries
+    are a tile's, not a section's). Returns ``buf``."""
     pos = 0
     for p in pieces:
         if p.rows:
-            view = buf.narrow(0, pos, p.numel)
             w = transforms[p.param_key]
-            view.copy_(w.invert_run(view, p.param_start) if inverse else w.apply_run(view, p.param_start))
+            per = max(1, tile // w.run_unit) * w.run_unit
+            for off in range(0, p.numel, per):
+                view = buf.narrow(0, pos + off, min(per, p.numel - off))
+                view.copy_(w.invert_run(view, p.param_start + off) if inverse else w.apply_run(view, p.param_start + off))
         pos += p.numel
     return buf
 

@@ -24,8 +24,9 @@ from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
 from .headers import CONTROL_HEADER_BYTES, DISAGREE, HeaderChecks, expect_codec_header, expect_control_header
-from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, gather_pieces, plan_route,
-                   scatter_section, transform_pieces)
+from ..core.formats import DEFAULT_TILE_ELEMENTS, check_tile_elements
+from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, SectionSource, gather_pieces,
+                   plan_route, scatter_section, transform_pieces)
 from .relay import relay_totals
 from .stats import ByteKind, StepStats, clock
 
@@ -37,21 +38,26 @@ class GiftReducer:
 
     ``defer_checks``: headers are compared on the device and read once per step by the owner's
     :meth:`verify_checks` instead of at the end of every reduce (a host wait per bucket).
-    ``ranks_per_node`` is for accounting only (which messages leave the node)."""
+    ``ranks_per_node`` is for accounting only (which messages leave the node).
+    ``tile_elements`` (``gift.tile_elements``): staging, transforms, codecs and the owner's sum
+    work in tiles of at most about this many elements, so their temporaries never grow with a
+    section; the results do not depend on it."""
 
     def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
                  error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False,
-                 fidelity_elements: int = 65536, route: str = "direct", shared_seed: Optional[int] = None) -> None:
+                 fidelity_elements: int = 65536, route: str = "direct", shared_seed: Optional[int] = None,
+                 tile_elements: int = DEFAULT_TILE_ELEMENTS) -> None:
         if route not in ROUTES:
             raise ValueError(f"gift.route: got {route!r}; allowed: {', '.join(ROUTES)}")
         self.route = route
+        self.tile_elements = check_tile_elements(tile_elements, "gift.tile_elements")
         self.comm = comm
         self.fidelity_elements = fidelity_elements  # the sampled fidelity check: elements per owner and bucket
         self.checks = HeaderChecks()
         self.defer_checks = defer_checks
         self.ranks_per_node = ranks_per_node
         self.encoder = SectionEncoder(comm.rank, main_codec, high_codec, generator=generator,
-                                      shared_seed=shared_seed)
+                                      shared_seed=shared_seed, tile_elements=self.tile_elements)
         self.error_feedback = error_feedback
         self.feedback = ErrorFeedback()
         self._plans: Dict[tuple, BucketPlan] = {}
@@ -113,7 +119,7 @@ class GiftReducer:
         results = []  # the inverse may hand back a new tensor: keep what was scattered
         with full_fp32_matmuls():
             for sec, total, mine in totals:
-                total = transform_pieces(total, sec.pieces, whiteners, inverse=True)
+                total = transform_pieces(total, sec.pieces, whiteners, inverse=True, tile=self.tile_elements)
                 if mine is not None:
                     total.add_(mine)
                 total.div_(divisor)
@@ -151,7 +157,14 @@ class GiftReducer:
             # My own section is exact and never on the wire; it stays in gradient coordinates and
             # joins the sum after the inverse (S^-1 (sum of the others) + mine: the same by
             # linearity, with no transform of 1/W of the gradient and no round trip of mine).
-            values = gather_pieces(tensor, sec.pieces, sec.numel, None if own_section else whiteners)
+            # It is staged whole (the sum starts from it), as is a section with error feedback
+            # (its residual is whole); any other is made tile by tile as the codec reads it.
+            feedback = not own_section and not sec.high and self.error_feedback
+            if own_section or feedback:
+                values = gather_pieces(tensor, sec.pieces, sec.numel, None if own_section else whiteners,
+                                       self.tile_elements)
+            else:
+                values = SectionSource(tensor, sec.pieces, whiteners, self.tile_elements)
             stats.transform_s += self.now() - t0
             stats.elements += sec.numel
             if own_section:
@@ -160,7 +173,6 @@ class GiftReducer:
                 packed.append(Packed(own=values))  # never shared: not reached with only_shared
                 continue
             t0 = self.now()
-            feedback = not sec.high and self.error_feedback
             if feedback:
                 values = self.feedback.add(plan, sec, values, whiteners)
             wire, decoded = enc.encode(sec, values, stats, sample, enc.generator_for(sec, step),
@@ -208,14 +220,19 @@ class GiftReducer:
         stats.comm_s += self.now() - t0
         return recv
 
-    def decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int) -> torch.Tensor:
+    def decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int,
+                  into: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
         """Decode the next payload of ``numel`` elements in ``src``'s message (its header checked
-        with the step's other headers)."""
+        with the step's other headers): into ``into`` (``add``: added to it) tile by tile, or a
+        new tensor."""
         n = codec.nbytes(numel)
         buf = msg.narrow(0, offsets[src], n)
         offsets[src] += n
         expect_codec_header(self.checks, codec, buf, numel, f"rank {src}")
-        return codec.decode_from_bytes(buf, (numel,), check_header=False)
+        payload = codec.bytes_to_payload(buf, (numel,), check_header=False)
+        if into is None:
+            into = torch.empty(numel, dtype=torch.float32, device=msg.device)
+        return codec.decode_into(payload, into, add=add, tile_elements=self.tile_elements)
 
     def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> Dict[int, torch.Tensor]:
         """The message of every other rank (``size`` bytes each, in rank order), headers expected."""
@@ -247,12 +264,14 @@ class GiftReducer:
             codec = self.encoder.codec_of(sec)
             own = packed[i].own
             after = not sec.shared and any(p.rows for p in sec.pieces)
-            total = own.clone() if not sec.shared and not after else None
-            for src in range(world):
+            total = own if not sec.shared and not after else None  # my staging is the sum's start
+            for src in range(world):  # rank order; each source decoded into the sum tile by tile
                 if src == me and not sec.shared:
                     continue
-                part = own if src == me else self.decode_at(codec, messages[src], offsets, src, sec.numel)
-                total = part.clone() if total is None else total.add_(part)
+                if src == me:
+                    total = own if total is None else total.add_(own)  # decoded for this sum only
+                else:
+                    total = self.decode_at(codec, messages[src], offsets, src, sec.numel, total, total is not None)
             if total is None:  # a world of one: nobody else contributed
                 total = torch.zeros_like(own)
             totals.append((sec, total, own if after else None))

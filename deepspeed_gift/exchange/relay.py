@@ -10,7 +10,7 @@ import torch
 from ..core.geometry import full_fp32_matmuls
 from .encode import Packed
 from .headers import CONTROL_HEADER_BYTES, DISAGREE, expect_control_header
-from .plan import BucketPlan, Section, gather_pieces
+from .plan import BucketPlan, Section, SectionSource, gather_pieces
 from .stats import StepStats
 
 
@@ -26,7 +26,9 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
        (its own chunk exact) into the section's sum.
 
     The busiest link then carries about twice its share of one quantized copy, whatever the
-    bucket's owners; the sum is quantized a second time on the way to its owner."""
+    bucket's owners; the sum is quantized a second time on the way to its owner. Chunks are made
+    and encoded tile by tile (whole with error feedback, whose residual is whole), and decoded
+    into the sums tile by tile."""
     me, world, device = r.comm.rank, r.comm.world_size, tensor.device
     head = r.checks.control_header(plan, step, device)
     # 1. chunks to the relays
@@ -38,20 +40,22 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             if sec.shared:
                 continue
             t0 = r.now()
-            values = gather_pieces(tensor, sec.pieces, sec.numel, transforms)
+            feedback = not sec.high and r.error_feedback
+            values = gather_pieces(tensor, sec.pieces, sec.numel, transforms, r.tile_elements) if feedback else None
             stats.transform_s += r.now() - t0
             stats.elements += sec.numel
             t0 = r.now()
-            if not sec.high and r.error_feedback:
+            if feedback:
                 values = r.feedback.add(plan, sec, values, transforms)
             wires: List[Optional[torch.Tensor]] = [None] * world
             for j, (start, n) in enumerate(plan.chunks[i]):
-                part = values.narrow(0, start, n)
+                part = (values.narrow(0, start, n) if feedback
+                        else SectionSource(tensor, sec.pieces, transforms, r.tile_elements, start, n))
                 if j == me:
-                    own_chunks[i] = part.clone()
+                    own_chunks[i] = part.clone() if feedback else part.gather()
                     if sample:  # it skips the codec; count its non-finite inputs here
-                        stats.nonfinite += int((~torch.isfinite(part)).sum())
-                    if not sec.high and r.error_feedback:
+                        stats.nonfinite += int((~torch.isfinite(own_chunks[i])).sum())
+                    if feedback:
                         part.zero_()  # exact: no residual
                     continue
                 if n == 0:
@@ -88,19 +92,19 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             if not n:
                 continue
             total = None
-            for src in range(world):  # rank order
+            for src in range(world):  # rank order, each decoded into the sum tile by tile
                 if src == me:
-                    part = own_chunks[i]
+                    total = own_chunks[i] if total is None else total.add_(own_chunks[i])
                 else:
-                    part = r.decode_at(codec, incoming[src], offsets, src, n)
-                total = part.clone() if total is None else total.add_(part)
+                    total = r.decode_at(codec, incoming[src], offsets, src, n, total, total is not None)
             sums[i] = total
         elif me in sec.dests:
             total = None
             for src in range(world):  # every contribution decoded, mine too: copies agree bit for bit
-                part = packed[i].own if src == me else r.decode_at(codec, incoming[src], offsets, src,
-                                                                       sec.numel)
-                total = part.clone() if total is None else total.add_(part)
+                if src == me:
+                    total = packed[i].own if total is None else total.add_(packed[i].own)
+                else:
+                    total = r.decode_at(codec, incoming[src], offsets, src, sec.numel, total, total is not None)
             shared_totals[i] = total
     stats.codec_s += r.now() - t0
     # the sums on to the owners, encoded once
@@ -143,8 +147,10 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
         for j, (start, n) in enumerate(plan.chunks[i]):
             if not n:
                 continue
-            part = sums[i] if j == me else r.decode_at(r.encoder.codec_of(sec), sums_from[j], offsets, j, n)
-            total.narrow(0, start, n).copy_(part)
+            if j == me:
+                total.narrow(0, start, n).copy_(sums[i])
+            else:
+                r.decode_at(r.encoder.codec_of(sec), sums_from[j], offsets, j, n, total.narrow(0, start, n))
         totals.append((sec, total, None))
     stats.codec_s += r.now() - t0
     return totals
