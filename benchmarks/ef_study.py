@@ -10,6 +10,11 @@ come from, a probe (``launch.pretrain.main(probe=...)``) measures every ``--prob
   next step) against the gradient this rank fed into the reduction that step,
   ``||r|| / ||g||`` over every bucket. For GIFT the residual of a whitened layer is in its
   whitened coordinates, so the ratio is exact for the Euclidean runs only.
+* ``residual round-off``: EF keeps its residual at about 1 byte an element (int8 codes, an
+  fp32 scale per 128: ``deepspeed_gift.exchange.feedback``); the relative L2 error of what is
+  stored against the exact fp32 residual of the same step, ``||stored - r|| / ||r||``, over
+  every residual rank 0 keeps that step (sent and relayed); and the same error against the
+  gradient, ``||stored - r|| / ||g||`` (what each step loses that EF does not carry on).
 * Adam's second moment ``v`` (``exp_avg_sq``) of rank 0's partition, against the bf16 run of
   the same seed at the same step, element by element: the median of ``v / v_bf16`` over all
   elements, and over the quarter with the smallest ``v_bf16`` (where a gradient is small
@@ -62,7 +67,8 @@ class Probe:
     def __init__(self, every: int) -> None:
         self.every = every
         self.grad_sq = None  # squared norm of the gradients fed into this step's reductions (a tensor)
-        self.measuring = False  # this step is probed: the wrapper adds to grad_sq
+        self.roundoff_sq = None  # (||stored - exact||^2, ||exact||^2) of this step's residuals (tensors)
+        self.measuring = False  # this step is probed: the wrappers add to grad_sq and roundoff_sq
         self.wrapped = False
 
     def _wrap(self, engine) -> None:
@@ -76,7 +82,33 @@ class Probe:
             return inner(tensor, *args, **kwargs)
 
         opt.average_tensor = average_tensor
+        gift = getattr(engine, "gift", None)
+        if gift is not None and gift.cfg.error_feedback:
+            self._wrap_feedback(_feedback(gift))
         self.wrapped = True
+
+    def _wrap_feedback(self, fb) -> None:
+        keep, keep_relayed = fb.keep, fb.keep_relayed
+
+        def measure(stored, exact) -> None:
+            err = (stored.decode() - exact.reshape(-1)).square().sum()
+            ref = exact.float().square().sum()
+            if self.roundoff_sq is None:
+                self.roundoff_sq = (err, ref)
+            else:
+                self.roundoff_sq = (self.roundoff_sq[0] + err, self.roundoff_sq[1] + ref)
+
+        def keep_measured(plan, sec, residual, transforms):
+            keep(plan, sec, residual, transforms)
+            if self.measuring:  # ``residual`` is what was stored, exact (keep leaves it as it is)
+                measure(fb.sent[(plan.layout_key, sec.key)][0], residual)
+
+        def keep_relayed_measured(plan, index, residual):
+            keep_relayed(plan, index, residual)
+            if self.measuring:
+                measure(fb.relayed[(plan.layout_key, index)][1], residual)
+
+        fb.keep, fb.keep_relayed = keep_measured, keep_relayed_measured
 
     def __call__(self, engine, step: int) -> dict:
         import torch
@@ -86,15 +118,20 @@ class Probe:
         if not self.wrapped:  # the first step's reductions already ran: measured from the second
             self._wrap(engine)
         grad_sq, self.grad_sq = self.grad_sq, None
+        roundoff_sq, self.roundoff_sq = self.roundoff_sq, None
         self.measuring = (step + 1) % self.every == 0  # the next step is probed
         if step % self.every:
             return {}
         out = {}
         gift = getattr(engine, "gift", None)
         if gift is not None and gift.cfg.error_feedback and grad_sq is not None and float(grad_sq) > 0:
-            res_sq = sum(float(r.square().sum()) for r, _, _ in gift.reducer.feedback.sent.values())
-            res_sq += sum(float(r.square().sum()) for _, r in gift.reducer.feedback.relayed.values())
+            fb = _feedback(gift)
+            res_sq = sum(float(held.decode().square().sum()) for held, _, _ in fb.sent.values())
+            res_sq += sum(float(held.decode().square().sum()) for _, held in fb.relayed.values())
             out["residual_over_grad"] = math.sqrt(res_sq / float(grad_sq))
+            if roundoff_sq is not None and float(roundoff_sq[1]) > 0:
+                out["residual_roundoff"] = math.sqrt(float(roundoff_sq[0]) / float(roundoff_sq[1]))
+                out["roundoff_over_grad"] = math.sqrt(float(roundoff_sq[0]) / float(grad_sq))
         opt = engine.optimizer
         vs, updates = [], []
         for g, p32 in enumerate(opt.single_partition_of_fp32_groups):
@@ -111,6 +148,11 @@ class Probe:
             out["update_rms"] = float(torch.cat(updates).square().mean().sqrt())
             out["_v"] = torch.cat(vs)
         return out
+
+
+def _feedback(gift):
+    """The reducer's error feedback (two-level: its cross-node reducer's)."""
+    return getattr(gift.reducer, "inner", gift.reducer).feedback
 
 
 def run_config(label: str, seed: int, args, probe_every: int) -> dict:
@@ -214,16 +256,19 @@ def write_report(runs: dict, args) -> dict:
         pairs[f"{a} vs {b}"] = dict(v, differs_in=what)
         lines.append(f"- {a} vs {b} (differ in {what}): {_f(v['diff'], '+.4f')}, SE {_f(v['se'])}: {v['verdict']}")
     lines += ["", "Probe (mean over seeds): residual/grad = ||EF residual|| / ||gradient fed in that step||; "
+              "round-off = ||stored residual - exact fp32 residual|| / ||exact||, and the same over ||gradient||; "
               "v/v_bf16 = median over rank 0's partition of Adam's exp_avg_sq against the bf16 run's "
               f"(all elements; the {SMALL_V_QUANTILE:g} with the smallest v_bf16); update RMS of "
               "m_hat/(sqrt(v_hat)+eps).", "",
-              "| config | step | residual/grad | v/v_bf16 all | v/v_bf16 small | update RMS |",
-              "|---|---:|---:|---:|---:|---:|"]
+              "| config | step | residual/grad | round-off | round-off/grad | v/v_bf16 all | v/v_bf16 small "
+              "| update RMS |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, by_seed in runs.items():
         steps = sorted({int(s) for r in by_seed.values() for s in r["probes"]})
         for step in steps:
             cells = []
-            for key in ("residual_over_grad", "v_ratio_median", "v_ratio_median_small", "update_rms"):
+            for key in ("residual_over_grad", "residual_roundoff", "roundoff_over_grad", "v_ratio_median",
+                        "v_ratio_median_small", "update_rms"):
                 xs = [r["probes"][step][key] for r in by_seed.values() if key in r["probes"].get(step, {})]
                 cells.append(f"{statistics.fmean(xs):.3g}" if xs else "-")
             lines.append(f"| {label} | {step} | " + " | ".join(cells) + " |")

@@ -1,6 +1,10 @@
 """GIFT's part of a DeepSpeed checkpoint: one ``gift_rank<r>.pt`` per rank beside DeepSpeed's
-files in the tag folder, holding the geometry (statistics, factors, selection), error-feedback
-residuals and counters of that rank. Loaded as plain data only (``weights_only``)."""
+files in the tag folder, holding the geometry (statistics, factors, selection) and counters of
+that rank and the index of its error-feedback residuals, whose bytes are in
+``gift_rank<r>_residuals.bin``: written one tensor at a time as each is copied off the device
+(a residual's tile, at most 4M elements), never one host copy of them all. Loaded as plain data
+only (``weights_only``); the residuals' bytes are read back one tensor at a time, those saved in
+gradient coordinates at the first step that adds them (``feedback.DeferredResidual``)."""
 
 from __future__ import annotations
 
@@ -13,22 +17,90 @@ import torch
 from .config import Hierarchy, first_difference
 
 logger = logging.getLogger("deepspeed_gift")
-CHECKPOINT_FORMAT = "deepspeed_gift/1"
+CHECKPOINT_FORMAT = "deepspeed_gift/2"
+# deepspeed_gift/1 held fp32 residuals inside the .pt; still read (they are then stored at int8)
+READABLE_FORMATS = ("deepspeed_gift/1", CHECKPOINT_FORMAT)
 
 
-def gift_state(state) -> dict:
-    """Everything GIFT keeps for an engine (a ``GiftState``), as plain data."""
+class _TensorWriter:
+    """A sink for ``ErrorFeedback.state_dict``: appends each tensor's bytes to one file, opened at
+    the first, and returns where they are: ``[offset, dtype, numel]``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file = None
+        self.offset = 0
+
+    def __call__(self, tensor: torch.Tensor) -> list:
+        if self.file is None:
+            self.file = open(self.path, "wb")
+        host = tensor.detach().contiguous().cpu()
+        raw = host.reshape(-1).view(torch.uint8).numpy()
+        self.file.write(memoryview(raw))
+        token = [self.offset, str(host.dtype).removeprefix("torch."), host.numel()]
+        self.offset += raw.nbytes
+        return token
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class _TensorReader:
+    """A source for ``ErrorFeedback.load_state_dict``: a token of :class:`_TensorWriter` back
+    into a host tensor, read from the file when asked (for some residuals, a step after the load)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, token) -> torch.Tensor:
+        offset, dtype, numel = token
+        out = torch.empty(int(numel), dtype=getattr(torch, dtype))
+        raw = out.view(torch.uint8).numpy()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(int(offset))
+                got = f.readinto(memoryview(raw))
+        except OSError as exc:
+            raise ValueError(f"gift: cannot read error-feedback residuals from {self.path} (a residual saved in "
+                             f"gradient coordinates is read at the first step after resuming, so the checkpoint "
+                             f"must stay until then): {exc}") from None
+        if got != raw.nbytes:
+            raise ValueError(f"gift: {self.path} ends before byte {int(offset) + raw.nbytes} (it has "
+                             f"{int(offset) + got}): the residuals file is truncated or from another save")
+        return out
+
+
+def _residuals_file(rank: int) -> str:
+    return f"gift_rank{rank}_residuals.bin"
+
+
+def _current_transforms(state):
+    """The transform each parameter's gradient goes through now (None: none), by parameter key:
+    a residual made in another is saved moved out of it."""
+    return lambda param_key: state.mode_of(param_key)[1]
+
+
+def gift_state(state, sink=None) -> dict:
+    """Everything GIFT keeps for an engine (a ``GiftState``), as plain data; each residual tensor
+    goes through ``sink`` (default: a host copy, all of them in the dict)."""
     return {"format": CHECKPOINT_FORMAT, "world_size": state.comm.world_size, "rank": state.comm.rank,
             "exchange": state.exchange, "fingerprint": state.cfg.fingerprint(),
             "geometry": state.geometry.state_dict(),
-            "reducer": state.reducer.state_dict(), "run_totals": dict(state.run_totals)}
+            "reducer": state.reducer.state_dict(current=_current_transforms(state), sink=sink),
+            "run_totals": dict(state.run_totals)}
 
 
-def load_gift_state(state, saved: dict) -> None:
-    """Load what :func:`gift_state` gave: geometry always; error-feedback residuals only where the
-    world size and exchange they were laid out for are this run's."""
-    if saved.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"gift checkpoint format {saved.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+def _residual_numel(reducer_state: dict) -> int:
+    return sum(e["numel"] if isinstance(e, dict) else e[2].numel() for e in reducer_state["residuals"])
+
+
+def load_gift_state(state, saved: dict, source=None) -> None:
+    """Load what :func:`gift_state` gave (``source``: its sink's tokens back into tensors):
+    geometry always; error-feedback residuals only where the world size and exchange they were
+    laid out for are this run's."""
+    if saved.get("format") not in READABLE_FORMATS:
+        raise ValueError(f"gift checkpoint format {saved.get('format')!r} is not one of {list(READABLE_FORMATS)}")
     if saved["fingerprint"] != state.cfg.fingerprint():
         diff = first_difference(json.loads(saved["fingerprint"]), json.loads(state.cfg.fingerprint()), "gift")
         logger.warning("gift: resuming with %s = %r (the checkpoint was written with %r)", diff[0], diff[2],
@@ -38,22 +110,32 @@ def load_gift_state(state, saved: dict) -> None:
     state.run_totals.update(saved["run_totals"])
     saved_exchange = list(saved.get("exchange", [Hierarchy.FLAT.value]))
     if saved["world_size"] == state.comm.world_size and saved_exchange == state.exchange:
-        state.reducer.load_state_dict(saved["reducer"], state.engine.device)
+        state.reducer.load_state_dict(saved["reducer"], state.engine.device, source=source)
     elif saved["reducer"]["residuals"]:
         # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
-        dropped = sum(r.numel() for _, _, r, _ in saved["reducer"]["residuals"])
+        dropped = _residual_numel(saved["reducer"])
         logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
                        "error-feedback residual elements of rank %d (statistics, factors and selection are "
                        "kept)", saved["world_size"], saved_exchange, state.comm.world_size, state.exchange, dropped,
                        saved["rank"])
     else:
-        state.reducer.load_state_dict(dict(saved["reducer"], residuals=[]), state.engine.device)
+        state.reducer.load_state_dict(dict(saved["reducer"], residuals=[]), state.engine.device, source=source)
 
 
 def save_files(state, save_dir: str, tag: str) -> None:
-    path = os.path.join(save_dir, str(tag), f"gift_rank{state.comm.rank}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(gift_state(state), path)
+    folder = os.path.join(save_dir, str(tag))
+    os.makedirs(folder, exist_ok=True)
+    name = _residuals_file(state.comm.rank)
+    writer = _TensorWriter(os.path.join(folder, name))
+    try:
+        saved = gift_state(state, sink=writer)
+    finally:
+        writer.close()
+    if writer.file is not None:
+        saved["reducer"]["residuals_file"] = name
+    elif os.path.exists(writer.path):  # an earlier save of this tag had residuals; this one has none
+        os.remove(writer.path)
+    torch.save(saved, os.path.join(folder, f"gift_rank{state.comm.rank}.pt"))
 
 
 def load_files(state, load_dir: str, tag: str) -> None:
@@ -76,4 +158,5 @@ def load_files(state, load_dir: str, tag: str) -> None:
                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"gift: {path} holds a {type(loaded).__name__}, not GIFT's state dict")
-    load_gift_state(state, loaded)
+    name = loaded.get("reducer", {}).get("residuals_file")
+    load_gift_state(state, loaded, _TensorReader(os.path.join(folder, name)) if name else None)

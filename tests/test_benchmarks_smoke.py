@@ -252,6 +252,9 @@ def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):
     ef_probe = runs["euclid_nvfp4_ef"]["0"]["probes"]["10"]
     # NVFP4 leaves a few percent of the gradient out each step; EF carries exactly that
     assert 0.01 < ef_probe["residual_over_grad"] < 0.5
+    # the residual is stored at int8 with a scale per 128: off by at most half a step of its
+    # block's scale, so by sqrt(128) / 254 of its norm at worst (measured 0.0075 here)
+    assert 0 < ef_probe["residual_roundoff"] < (128 ** 0.5) / 254
     assert "residual_over_grad" not in runs["euclid_nvfp4"]["0"]["probes"]["10"]  # no EF, no residual
     # 10 steps in, Adam's second moment of the quantized run is near bf16's (same seed, same batches)
     assert 0.5 < ef_probe["v_ratio_median"] < 2.0

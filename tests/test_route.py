@@ -169,7 +169,7 @@ def test_relay_with_stochastic_rounding_and_error_feedback_resumes_exactly(tmp_p
     (resumed,) = run_ranks(train_many, 3, [dict(base, resume=save_dir)])[0]
     assert all(r["relay_buckets"] > 0 for r in full["records"])
     assert first["losses"] == full["losses"][:3]
-    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
+    assert resumed["losses"] == full["losses"][3:]  # residuals saved right after a refresh: moved, read at step 3
     assert full["losses"][-1] < full["losses"][0]
 
 

@@ -1,6 +1,7 @@
 """Error feedback: what quantization left out of this step's payloads, added to the next.
 
-Two stores, both fp32 and on the reducer's device:
+Two stores, both on the reducer's device at :data:`RESIDUAL_BYTES_PER_ELEMENT` (an int8 code
+per element and an fp32 scale per block of 128, the ``int8`` codec of ``core.formats``):
 
 * per payload a rank sends (its main-format sections), the residual in the coordinates of the
   transforms it was made with, keyed by the plan's layout and the section; a refresh or a
@@ -11,84 +12,252 @@ Two stores, both fp32 and on the reducer's device:
   since a chunk holds rows cut by its edges and cannot be moved), so one residual per layout
   is held however many refreshes a run has.
 
+A residual is what the wire format rounded away, so it is small beside the gradient (6-8% of
+it at NVFP4, docs/results.md); storing it at int8 with a scale per 128 elements loses at most
+half a step of that block's scale per element, a round-off ``benchmarks/ef_study.py`` measures.
+That loss is not fed back (it would need a residual of the residual): EF then tracks the true
+sum up to the sum of these round-offs, not exactly.
+
 An overflowing step (DeepSpeed skips it) must not leak its error into the next, so a residual
 with any inf/nan is kept as zeros, decided on the device (no host read).
+
+Checkpoints (:meth:`ErrorFeedback.state_dict`) hand the residuals one tensor at a time to a
+sink (the checkpoint streams each to disk): the stored bytes as they are, with the transform
+fits (class and version) they were made in, where those are the geometry's current ones; a
+residual made in transforms a refresh has since replaced is saved moved back into gradient
+coordinates in fp32 (the move the next step would make), and read back from the checkpoint at
+that step, so a resumed run adds what the uninterrupted one would, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..core import formats
 from .plan import BucketPlan, Piece, Section, transform_pieces
 
 logger = logging.getLogger("deepspeed_gift")
+
+RESIDUAL_FORMAT = "int8"
+RESIDUAL_BLOCK = 128
+# Bytes a residual holds per element: an int8 code plus an fp32 scale per 128 elements
+# (4 / 128), i.e. 1.03125, and a 16-byte header per residual (one per section and bucket).
+# A memory model multiplies the elements a rank sends (and relays) by it.
+RESIDUAL_BYTES_PER_ELEMENT = 1 + 4 / RESIDUAL_BLOCK
+# The codec encodes and decodes in its tiles (gift.tile_elements' default): a store or an add
+# has a tile's fp32 transients, not a section's.
+_CODEC = formats.get_format(RESIDUAL_FORMAT, block_size=RESIDUAL_BLOCK)
+
+# how a saved residual's values are laid out
+TRANSFORMED, GRADIENT = "transformed", "gradient"
+
+Fit = Tuple[str, int]  # a transform's class and version: names the fit across a checkpoint
+
+
+def fit_of(transform) -> Optional[Fit]:
+    return None if transform is None else (type(transform).__name__, int(transform.version))
+
+
+def _fit_named(transform_or_fit) -> Fit:
+    return transform_or_fit if isinstance(transform_or_fit, tuple) else fit_of(transform_or_fit)
 
 
 def _finite_or_zero(residual: torch.Tensor) -> torch.Tensor:
     return residual.masked_fill_(~torch.isfinite(residual).all(), 0.0)
 
 
+class StoredResidual:
+    """One residual at :data:`RESIDUAL_BYTES_PER_ELEMENT`: the int8 codec's wire bytes (header,
+    block scales, codes)."""
+
+    def __init__(self, wire: torch.Tensor, numel: int) -> None:
+        self.wire = wire
+        self.numel = numel
+
+    @classmethod
+    def encode(cls, residual: torch.Tensor) -> "StoredResidual":
+        return cls(_CODEC.encode(residual.reshape(-1)).wire, residual.numel())
+
+    def _payload(self) -> formats.Payload:
+        return _CODEC.bytes_to_payload(self.wire, self.numel, check_header=False)
+
+    def add_to(self, values: torch.Tensor) -> torch.Tensor:
+        return _CODEC.decode_into(self._payload(), values, add=True)
+
+    def decode(self) -> torch.Tensor:
+        return _CODEC.decode(self._payload())
+
+    def nbytes(self) -> int:
+        return self.wire.numel()
+
+
+class DeferredResidual:
+    """An fp32 residual read from a checkpoint at its first use (``read()`` gives it on the
+    device): between the load and that step it holds no memory."""
+
+    def __init__(self, read: Callable[[], torch.Tensor], numel: int) -> None:
+        self.read = read
+        self.numel = numel
+
+    def add_to(self, values: torch.Tensor) -> torch.Tensor:
+        return values.add_(self.read())
+
+    def decode(self) -> torch.Tensor:
+        return self.read()
+
+    def nbytes(self) -> int:
+        return 0
+
+
+Held = Union[StoredResidual, DeferredResidual]
+Sink = Callable[[torch.Tensor], object]  # a tensor to save -> what the state dict holds for it
+Source = Callable[[object], torch.Tensor]  # what the state dict holds -> the tensor (host or device)
+
+
+def _flat(pieces: List[Piece]) -> List[Piece]:
+    """The pieces of a residual in gradient coordinates: the same runs, none transformed."""
+    return [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start, p.param_start)
+            for p in pieces]
+
+
+def _resolve(used: Dict[int, object], pieces: List[Piece], transforms) -> Optional[Dict[int, object]]:
+    """The transforms a residual was made with, as objects: a loaded residual names them by fit,
+    which this step's transform of the same fit stands for (the same factors, rebuilt from the
+    checkpoint). None if one is no longer this step's: it cannot be moved."""
+    if not any(isinstance(t, tuple) for t in used.values()):
+        return used
+    out = {}
+    for p in pieces:
+        if p.rows:
+            now = transforms.get(p.param_key)
+            if fit_of(now) != used.get(p.param_key):
+                return None
+            out[p.param_key] = now
+    return out
+
+
 class ErrorFeedback:
     """The residuals of one reducer (see the module docstring)."""
 
     def __init__(self) -> None:
-        # (layout key, section key) -> (residual, pieces, transforms it is expressed in)
-        self.sent: Dict[Tuple[tuple, object], Tuple[torch.Tensor, List[Piece], Dict[int, object]]] = {}
+        # (layout key, section key) -> (residual, pieces, transforms it is expressed in: objects,
+        # or fits for one loaded from a checkpoint)
+        self.sent: Dict[Tuple[tuple, object], Tuple[Held, List[Piece], Dict[int, object]]] = {}
         # (layout key, section index) -> (plan hash, residual of the chunk sum this rank relays)
-        self.relayed: Dict[Tuple[tuple, int], Tuple[int, torch.Tensor]] = {}
+        self.relayed: Dict[Tuple[tuple, int], Tuple[int, StoredResidual]] = {}
 
     def add(self, plan: BucketPlan, sec: Section, values: torch.Tensor, transforms) -> torch.Tensor:
         """``values`` plus last step's residual of this payload, first moved into this step's
         coordinates when a refresh or re-selection changed the transforms of some rows."""
-        entry = self.sent.get((plan.layout_key, sec.key))
+        key = (plan.layout_key, sec.key)
+        entry = self.sent.get(key)
         if entry is None:
             return values
-        residual, pieces, used = entry
+        held, pieces, used = entry
+        used = _resolve(used, pieces, transforms)
+        if used is None:  # a checkpoint's state_dict without the geometry's transforms (see there)
+            logger.warning("gift: an error-feedback residual was saved in transforms this run no longer has; "
+                           "it is dropped")
+            del self.sent[key]
+            return values
         if pieces != sec.pieces or any(used.get(p.param_key) is not transforms.get(p.param_key)
                                        for p in sec.pieces + pieces if p.rows):
-            residual = transform_pieces(residual, pieces, used, inverse=True)
+            residual = transform_pieces(held.decode(), pieces, used, inverse=True)
             residual = transform_pieces(residual, sec.pieces, transforms, inverse=False)
-        return values.add_(residual)
+            return values.add_(residual)
+        return held.add_to(values)
 
     def keep(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, transforms) -> None:
-        self.sent[(plan.layout_key, sec.key)] = (_finite_or_zero(residual), sec.pieces, dict(transforms))
+        stored = StoredResidual.encode(_finite_or_zero(residual))
+        self.sent[(plan.layout_key, sec.key)] = (stored, sec.pieces, dict(transforms))
 
     def add_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor) -> torch.Tensor:
         held = self.relayed.get((plan.layout_key, index))
-        return value if held is None or held[0] != plan.hash else value.add_(held[1])
+        return value if held is None or held[0] != plan.hash else held[1].add_to(value)
 
     def keep_relayed(self, plan: BucketPlan, index: int, residual: torch.Tensor) -> None:
-        self.relayed[(plan.layout_key, index)] = (plan.hash, _finite_or_zero(residual))
+        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.encode(_finite_or_zero(residual)))
 
-    def state_dict(self) -> dict:
-        """The residuals in gradient coordinates (the transforms they were made with are not
-        saved; the next step maps them into its own)."""
+    # ---- checkpoints ----------------------------------------------------------------
+    def state_dict(self, current: Optional[Callable[[int], object]] = None, sink: Optional[Sink] = None) -> dict:
+        """The residuals as plain data, each tensor handed to ``sink`` as it is made (default: a
+        host copy) and replaced by what it returns.
+
+        ``current(param_key)`` is the transform the geometry holds for a parameter now (None:
+        none). A residual made in those is saved as stored, with their fits; one made in a
+        transform since replaced, in gradient coordinates (fp32). Without ``current`` every
+        residual is saved as stored, and one whose fits a resumed run lacks is dropped there."""
+        sink = sink or (lambda t: t.cpu())
         sent = []
-        for (layout_key, key), (residual, pieces, used) in self.sent.items():
-            grad_coords = transform_pieces(residual.clone(), pieces, used, inverse=True)
-            flat = [Piece(p.bucket_offset, p.numel, p.param_key, 0, p.slice_index, p.slice_start, p.param_start)
-                    for p in pieces]
-            sent.append((layout_key, key, grad_coords.cpu(), [tuple(vars(p).values()) for p in flat]))
-        relayed = [(layout_key, index, plan_hash, r.cpu()) for (layout_key, index), (plan_hash, r)
-                   in self.relayed.items()]
-        return {"residuals": sent, "relay_residuals": relayed}
+        for (layout_key, key), (held, pieces, used) in self.sent.items():
+            fits = {p.param_key: _fit_named(used[p.param_key]) for p in pieces if p.rows}
+            entry = {"layout": layout_key, "key": key, "numel": held.numel}
+            stale = current is not None and any(fit_of(current(k)) != fit for k, fit in fits.items())
+            if isinstance(held, StoredResidual) and not stale:
+                entry.update(coords=TRANSFORMED, pieces=[tuple(vars(p).values()) for p in pieces], fits=fits,
+                             wire=sink(held.wire))
+            else:  # the move the next step would make, its first half: out of the old transforms
+                old = _resolve(used, pieces, {k: current(k) for k in fits} if current else {})
+                if old is None:
+                    continue  # made in fits neither this run nor the one saved from has: never added
+                grad = transform_pieces(held.decode(), pieces, old, inverse=True)
+                entry.update(coords=GRADIENT, pieces=[tuple(vars(p).values()) for p in _flat(pieces)], fits={},
+                             values=sink(grad))
+            sent.append(entry)
+        relayed = [{"layout": layout_key, "index": index, "hash": plan_hash, "numel": held.numel,
+                    "wire": sink(held.wire)}
+                   for (layout_key, index), (plan_hash, held) in self.relayed.items()]
+        return {"residual_codec": [RESIDUAL_FORMAT, RESIDUAL_BLOCK],
+                "residuals": sent, "relay_residuals": relayed}
 
-    def load_state_dict(self, state: dict, device) -> None:
-        self.sent = {(layout_key, key): (r.to(device), [Piece(*p) for p in pieces], {})
-                     for layout_key, key, r, pieces in state["residuals"]}
-        relayed = state.get("relay_residuals", [])
+    def load_state_dict(self, state: dict, device, source: Optional[Source] = None) -> None:
+        """What :meth:`state_dict` gave (``source`` turns what its sink returned back into
+        tensors; default: they are tensors), or the fp32 residuals of checkpoints written before
+        residuals were stored at int8 (held from now on as these are)."""
+        source = source or (lambda t: t)
+        codec = state.get("residual_codec")
+        if codec is not None and list(codec) != [RESIDUAL_FORMAT, RESIDUAL_BLOCK]:
+            raise ValueError(f"gift: this checkpoint's error-feedback residuals are stored as {list(codec)} "
+                             f"(format, block); this version reads [{RESIDUAL_FORMAT!r}, {RESIDUAL_BLOCK}]")
+        self.sent = {}
+        for entry in state["residuals"]:
+            if isinstance(entry, dict):
+                self.sent[(entry["layout"], entry["key"])] = _load_sent(entry, device, source)
+            else:  # (layout key, section key, fp32 residual in gradient coordinates, pieces)
+                layout_key, key, residual, pieces = entry
+                self.sent[(layout_key, key)] = (StoredResidual.encode(source(residual).to(device)),
+                                                [Piece(*p) for p in pieces], {})
+        self.relayed = {}
+        old = 0
+        for entry in state.get("relay_residuals", []):
+            if isinstance(entry, dict):
+                held = StoredResidual(source(entry["wire"]).to(device), entry["numel"])
+                self.relayed[(entry["layout"], entry["index"])] = (entry["hash"], held)
+            elif len(entry) == 4:  # (layout key, index, hash, fp32 residual)
+                layout_key, index, plan_hash, residual = entry
+                self.relayed[(layout_key, index)] = (plan_hash, StoredResidual.encode(source(residual).to(device)))
+            else:
+                old += 1
         # entries of (hash, index, residual), as saved before residuals were held per layout: their
         # hash cannot name a layout, so they cannot be matched; said, and the relay starts afresh
-        old = [entry for entry in relayed if len(entry) == 3]
         if old:
             logger.warning("gift: %d relayed error-feedback residuals in this checkpoint are of an earlier "
-                           "format and are dropped; the relay route's feedback starts afresh", len(old))
-        self.relayed = {(layout_key, index): (plan_hash, r.to(device))
-                        for layout_key, index, plan_hash, r in (e for e in relayed if len(e) == 4)}
+                           "format and are dropped; the relay route's feedback starts afresh", old)
 
     def nbytes(self) -> int:
-        return (sum(r.numel() * r.element_size() for r, _, _ in self.sent.values())
-                + sum(r.numel() * r.element_size() for _, r in self.relayed.values()))
+        """Device bytes the residuals hold: codes, block scales and tile headers (a residual
+        waiting in a checkpoint for its first step holds none)."""
+        return (sum(held.nbytes() for held, _, _ in self.sent.values())
+                + sum(held.nbytes() for _, held in self.relayed.values()))
+
+
+def _load_sent(entry: dict, device, source: Source) -> Tuple[Held, List[Piece], Dict[int, object]]:
+    pieces = [Piece(*p) for p in entry["pieces"]]
+    if entry["coords"] == TRANSFORMED:
+        held: Held = StoredResidual(source(entry["wire"]).to(device), entry["numel"])
+        return held, pieces, {int(k): tuple(fit) for k, fit in entry["fits"].items()}
+    token = entry["values"]
+    return DeferredResidual(lambda: source(token).to(device), entry["numel"]), pieces, {}

@@ -279,16 +279,17 @@ class GiftReducer:
         return totals
 
     # ---- state ------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Error-feedback residuals in gradient coordinates and the stochastic rounding generator."""
+    def state_dict(self, **residuals) -> dict:
+        """Error-feedback residuals (``residuals``: how, see ``ErrorFeedback.state_dict``) and the
+        stochastic rounding generator."""
         gen = self.encoder.generator.get_state() if self.encoder.generator is not None else None
-        return dict(self.feedback.state_dict(), generator=gen)
+        return dict(self.feedback.state_dict(**residuals), generator=gen)
 
-    def load_state_dict(self, state: dict, device) -> None:
-        self.feedback.load_state_dict(state, device)
+    def load_state_dict(self, state: dict, device, **residuals) -> None:
+        self.feedback.load_state_dict(state, device, **residuals)
         if state["generator"] is not None and self.encoder.generator is not None:
             self.encoder.generator.set_state(state["generator"])
 
     def residual_nbytes(self) -> int:
-        """Memory held by error feedback (fp32 residuals of every payload this rank sends)."""
+        """Memory held by error feedback (int8 residuals of every payload this rank sends and relays)."""
         return self.feedback.nbytes()

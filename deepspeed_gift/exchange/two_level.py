@@ -370,11 +370,11 @@ class TwoLevelReducer:
         self.inner.verify_checks()  # the node stage's headers are checked there too
 
     # the state lives in the node exchange's reducer (residuals, generator)
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
+    def state_dict(self, **residuals) -> dict:
+        return self.inner.state_dict(**residuals)
 
-    def load_state_dict(self, state: dict, device) -> None:
-        self.inner.load_state_dict(state, device)
+    def load_state_dict(self, state: dict, device, **residuals) -> None:
+        self.inner.load_state_dict(state, device, **residuals)
 
     def residual_nbytes(self) -> int:
         return self.inner.residual_nbytes()
