@@ -109,11 +109,12 @@ class GeometryManager:
         self.optimizer = optimizer if optimizer is not None else NoOptimizer()
         self.capture_rank: Dict[str, int] = dict(self.optimizer.capture_rank)
         self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
-        self.moments = InputMoments({n: self.modules[n] for n in self.names}, cfg.geometry.stats_tokens)
         self._check_widths()
         self.owner_of = balance_over_ranks({n: self.modules[n].in_features for n in self.names},
                                            self.comm.world_size)
         self.kfac = KfacRefresh(self.gcfg, cfg.seed, comm, self.names, self.owner_of)
+        self.moments = InputMoments({n: self.modules[n] for n in self.names}, cfg.geometry.stats_tokens,
+                                    test_matrix=self.kfac.test_matrix)
         self.selection = Selection(cfg, self.kinds, self.names, comm, main_codec)
         self.gains = self.selection.gains  # each layer's measured gain, kept in checkpoints
         for kind in self.kinds:  # data-independent kinds: built once here
@@ -175,8 +176,9 @@ class GeometryManager:
                 and self.capture_rank.get(name, self.owner_of.get(name)) == self.comm.rank)
 
     def capture(self, name: str, grad2d: torch.Tensor) -> None:
-        """Keep this step's local gradient of ``name`` and the optimizer's rule with its state
-        now (the step about to run overwrites it)."""
+        """Judge this step's local gradient of ``name`` now, with the optimizer's rule and its
+        state now (the step about to run overwrites it) and the transforms in use (the refit at
+        the end of the step replaces them): nothing of the gradient is kept."""
         rows = grad2d.shape[0]
         # The optimizer's update (Muon's orthogonalization, Adam's state over a ZeRO slice) is
         # defined on the whole matrix; plain and whitened errors are row-wise, a sample will do
@@ -188,7 +190,8 @@ class GeometryManager:
         else:
             index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
             grad2d = grad2d.index_select(0, index)
-        self.selection.captured[name] = (grad2d.detach().float().clone(), rule)
+        transforms = {kind: self.transforms[kind][name] for kind in self.kinds if name in self.transforms[kind]}
+        self.selection.judge_captured(name, grad2d.detach().float(), rule, transforms)
 
     # ---- end of step ----------------------------------------------------------------
     def end_step(self, k: int) -> None:
@@ -198,14 +201,13 @@ class GeometryManager:
             self.kfac.fold(self.moments.take())
         if not self.refresh_due(k):
             return
-        previous = {kind: dict(maps) for kind, maps in self.transforms.items()}
         if K.KFAC_INPUT in self.kinds:
             self._rebuild_whiteners(self.kfac.refit(self.version), self.version + 1)
         if K.ADAM_FACTORED in self.kinds:
             refit_adam_scalings(self.names, self.modules, self.optimizer, self.comm,
                                 self.transforms[K.ADAM_FACTORED], version=self.version + 1)
         if self.profiling():
-            judged = self.selection.judge(previous)
+            judged = self.selection.judge()
             if self.cfg.layers == Layers.MEASURED:
                 self.active = self.selection.select(judged, self.version + 1)
             if judged:
@@ -257,7 +259,7 @@ class GeometryManager:
         self.gains.update(state["gains"])
         self.moments.restore_keys(state["stats_key"])
         device = next(iter(self.modules.values())).weight.device if self.modules else torch.device("cpu")
-        self.kfac.load_state_dict(state, device)
+        self.kfac.load_state_dict(state, device, self.version)
         if K.KFAC_INPUT in self.kinds:
             self._rebuild_whiteners(self.kfac.lowrank, self.version)
         if K.ADAM_FACTORED in self.kinds:

@@ -1,10 +1,12 @@
 """Geometry refresh: fitting each layer's transform and sharing it, so every rank holds the
 same bits.
 
-* ``kfac_input`` (:class:`KfacRefresh`): each statistic (an EMA of this rank's ``x^T x``) is
-  averaged at the rank assigned to fit it, in full for narrow layers, as a one-round Nystrom
-  sketch (O(in * (rank + oversample)) bytes instead of O(in^2)) for wide ones; that rank fits
-  a low-rank + diagonal approximation and every fitter's factors are gathered by all ranks.
+* ``kfac_input`` (:class:`KfacRefresh`): each statistic is this rank's EMA of a sketch of its
+  ``x^T x`` (``A @ Omega``, in x (rank + oversample), and the exact diagonal; :class:`SketchEMA`),
+  so a rank holds O(in * (rank + oversample)) per layer, never in x in (a layer narrower than its
+  sketch is kept whole). At a refresh each is averaged at the rank assigned to fit it; that rank
+  fits a low-rank + diagonal approximation (Nystrom) and every fitter's factors are gathered by
+  all ranks; the next test matrices are built from the new factors.
 * ``adam_factored`` (:func:`refit_adam_scalings`): every rank sums the optimizer's
   ``exp_avg_sq`` over the rows and columns of the slices it owns, one all-reduce of
   ``out + in + 1`` numbers per weight gives every rank the same sums, and each builds the same
@@ -43,9 +45,89 @@ def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int
     return owner
 
 
+class SketchEMA:
+    """This rank's EMA of one statistic as the fit reads it: ``Y = A @ omega`` (in x w) and
+    ``diag(A)`` exactly, or, for a layer narrow enough that the sketch would not be smaller
+    (``omega`` None), ``A`` itself. ``omega`` is fixed between refreshes, so the EMA of the
+    sketches is the sketch of the EMA; a refresh moves the average onto the next test matrix
+    (:meth:`rebase`). The first update sets the average, later ones blend
+    ``decay * old + (1 - decay) * new`` (as :class:`core.geometry.CovarianceEMA`)."""
+
+    def __init__(self, dim: int, omega: Optional[torch.Tensor], decay: float) -> None:
+        self.dim = dim
+        self.omega = omega
+        self.decay = decay
+        self.count = 0
+        self.Y: Optional[torch.Tensor] = None  # A @ omega, or A
+        self.diag: Optional[torch.Tensor] = None
+
+    @property
+    def dense(self) -> bool:
+        return self.omega is None
+
+    @torch.no_grad()
+    def update(self, mean) -> None:
+        Y, diag = (mean, None) if self.dense else (mean.Y, mean.diag)
+        if self.Y is None:
+            self.Y = Y.float().clone()
+            self.diag = None if diag is None else diag.float().clone()
+        else:
+            self.Y.mul_(self.decay).add_(Y, alpha=1.0 - self.decay)
+            if diag is not None:
+                self.diag.mul_(self.decay).add_(diag, alpha=1.0 - self.decay)
+        self.count += 1
+
+    def contribution(self) -> torch.Tensor:
+        """What this rank sends its statistic's fitter: ``[Y, diag(A)]`` flat, or ``A`` flat."""
+        return self.Y.reshape(-1) if self.dense else torch.cat([self.Y.reshape(-1), self.diag])
+
+    @property
+    def device(self) -> torch.device:
+        return self.Y.device
+
+    @torch.no_grad()
+    def rebase(self, omega: torch.Tensor) -> None:
+        """Sketch the average against the next test matrix. Only ``A @ old omega`` is held, so
+        ``A`` is taken as its Nystrom approximation ``Y (omega^T Y)^+ Y^T`` (the PSD matrix of
+        largest trace that sketch admits, and <= A): the directions the old test matrix saw
+        carry over, the rest of ``A`` is left to the exact diagonal, which the fit gives what
+        the low rank does not hold."""
+        if self.dense:
+            return
+        if self.Y is not None:
+            Y = self.Y.double()
+            core = self.omega.double().T @ Y
+            evals, evecs = torch.linalg.eigh(0.5 * (core + core.T))
+            keep = evals > REBASE_RCOND * evals.abs().max().clamp_min(1e-300)
+            half = Y @ (evecs[:, keep] / evals[keep].sqrt())  # A_nys = half @ half^T
+            self.Y = (half @ (half.T @ omega.double())).float()
+        self.omega = omega
+
+    def state_dict(self) -> dict:
+        return {"dim": self.dim, "count": self.count, "omega": None if self.dense else self.omega.cpu(),
+                "Y": self.Y.cpu(), "diag": None if self.dense else self.diag.cpu()}
+
+    @classmethod
+    def from_state(cls, state: dict, decay: float, device) -> "SketchEMA":
+        omega = state["omega"]
+        ema = cls(int(state["dim"]), None if omega is None else omega.to(device), decay)
+        ema.count = int(state["count"])
+        ema.Y = state["Y"].to(device)
+        ema.diag = None if state["diag"] is None else state["diag"].to(device)
+        return ema
+
+
+# eigenvalues of the sketch's core below this fraction of the largest are noise, not directions
+REBASE_RCOND = 1e-7
+
+
 class KfacRefresh:
     """The ``kfac_input`` statistics of one model on this rank and their refresh (see the module
-    docstring). ``owner_of`` (layer or statistic -> fitting rank) is shared with the caller."""
+    docstring). ``owner_of`` (layer or statistic -> fitting rank) is shared with the caller.
+
+    A statistic is held as a :class:`SketchEMA` against a test matrix ``omega`` that every rank
+    holds bit for bit: built from the latest shared factors and seeded random columns, or, for a
+    statistic's very first sketch, by one power step agreed over the ranks (:meth:`test_matrix`)."""
 
     def __init__(self, gcfg, seed: int, comm, names: List[str], owner_of: Dict[str, int]) -> None:
         self.gcfg = gcfg
@@ -53,58 +135,107 @@ class KfacRefresh:
         self.comm = comm
         self.names = names
         self.owner_of = owner_of
-        self.stats: Dict[str, geo.CovarianceEMA] = {}
+        self.version = 0  # the version the next refit makes factors for
+        self.omegas: Dict[str, Optional[torch.Tensor]] = {}  # statistic -> its test matrix (None: whole)
+        self.stats: Dict[str, SketchEMA] = {}
         self.lowrank: Dict[str, geo.LowRankDiag] = {}
 
-    def fold(self, means: Dict[str, torch.Tensor]) -> None:
-        """This step's mean ``x x^T`` per statistic into its local EMA (the average of local EMAs
-        over ranks is the EMA of averaged statistics, so nothing is exchanged here)."""
+    def sketch_width(self, dim: int) -> int:
+        return min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
+
+    def _dense_exchange(self, dim: int) -> bool:
+        """A layer whose whole ``A`` is no larger than its sketch and diagonal is kept whole."""
+        return dim * dim <= dim * (self.sketch_width(dim) + 1)
+
+    def test_matrix(self, key: str, rows: torch.Tensor) -> Optional[torch.Tensor]:
+        """The test matrix of statistic ``key`` (its hook's fp32 input ``rows``), made the first
+        time the key is seen: warm from the shared factors where they exist (a resumed run);
+        else random, which one Nystrom pass sees poorly (eigenvalues underestimated by 10-40%),
+        so it takes one power step ``orth(A Omega)`` on this forward's inputs, all-reduced so
+        every rank holds it (a collective inside the forward, once per statistic per run: every
+        rank runs the same forward)."""
+        if key in self.omegas:
+            return self.omegas[key]
+        dim = rows.shape[1]
+        if self._dense_exchange(dim):
+            self.omegas[key] = None
+            return None
+        omega = self._omega(key, dim, self.version, rows.device)
+        if key not in self.lowrank:
+            # Only the subspace matters here, so the sum may travel (and round) in bf16.
+            flat = (rows.T @ (rows @ omega)).to(GEOMETRY_WIRE_DTYPE)
+            self.comm.all_reduce_sum(flat, kind=ByteKind.GEOMETRY)
+            omega = torch.linalg.qr(flat.double()).Q.float()
+        self.omegas[key] = omega
+        return omega
+
+    def fold(self, means: Dict[str, object]) -> None:
+        """This step's mean ``x x^T`` (or its sketch) per statistic into its local EMA (the
+        average of local EMAs over ranks is the EMA of averaged statistics, so nothing is
+        exchanged here)."""
         for key, mean in means.items():
             ema = self.stats.get(key)
             if ema is None:
-                ema = self.stats[key] = geo.CovarianceEMA(mean.shape[0], decay=self.gcfg.stats_decay,
-                                                          device=mean.device)
-            ema.update_from_moment(mean)
+                dim = mean.shape[0] if isinstance(mean, torch.Tensor) else mean.diag.shape[0]
+                ema = self.stats[key] = SketchEMA(dim, self.omegas.get(key), self.gcfg.stats_decay)
+            ema.update(mean)
+
+    def nbytes(self) -> int:
+        """Bytes of everything this holds (statistics, test matrices, factors)."""
+        total = 0
+        for ema in self.stats.values():
+            total += sum(t.numel() * t.element_size() for t in (ema.Y, ema.diag) if t is not None)
+        total += sum(o.numel() * o.element_size() for o in self.omegas.values() if o is not None)
+        for lrd in self.lowrank.values():
+            total += sum(t.numel() * t.element_size() for t in (lrd.U, lrd.lam, lrd.d))
+        return total
 
     def state_dict(self) -> dict:
-        return {"stats": {k: ema.state_dict() for k, ema in self.stats.items()},
+        return {"sketches": {k: ema.state_dict() for k, ema in self.stats.items()},
+                "omegas": {k: None if o is None else o.cpu() for k, o in self.omegas.items()},
                 "lowrank": {k: (v.U.cpu(), v.lam.cpu(), v.d.cpu()) for k, v in self.lowrank.items()}}
 
-    def load_state_dict(self, state: dict, device) -> None:
-        self.stats = {}
-        for k, ema_state in state["stats"].items():
-            ema = geo.CovarianceEMA(ema_state["dim"], decay=self.gcfg.stats_decay, device=device)
-            ema.load_state_dict(ema_state)
-            self.stats[k] = ema
+    def load_state_dict(self, state: dict, device, version: int) -> None:
+        self.version = version
         self.lowrank = {k: geo.LowRankDiag(U=U.to(device), lam=lam.to(device), d=d.to(device))
                         for k, (U, lam, d) in state["lowrank"].items()}
+        decay = self.gcfg.stats_decay
+        if "sketches" in state:
+            self.stats = {k: SketchEMA.from_state(s, decay, device) for k, s in state["sketches"].items()}
+            self.omegas = {k: None if o is None else o.to(device) for k, o in state["omegas"].items()}
+            return
+        # A checkpoint of whole in x in averages: each sketched against the test matrix the next
+        # refit would have built from them (the same seeds), so the run goes on as it would have.
+        self.stats, self.omegas = {}, {}
+        for k, ema_state in state["stats"].items():
+            A = ema_state["value"].to(device=device, dtype=torch.float32)
+            dim = A.shape[0]
+            omega = None if self._dense_exchange(dim) else self._omega(k, dim, version, device)
+            ema = self.stats[k] = SketchEMA(dim, omega, decay)
+            ema.count = int(ema_state["count"])
+            ema.Y = A.clone() if omega is None else A @ omega
+            ema.diag = None if omega is None else torch.diagonal(A).clone()
+            self.omegas[k] = omega
 
     def refit(self, version: int) -> Dict[str, geo.LowRankDiag]:
-        """Average the statistics at each layer's fitter, fit there, share the factors.
+        """Average the statistics at each layer's fitter, fit there, share the factors, and move
+        every statistic onto the test matrix of the next refit.
 
         Each rank sends every statistic only to the rank that fits it (not an all-reduce:
-        half the bytes of a ring). A narrow layer sends its full ``A``; a wide one a
-        Nystrom sketch ``A @ Omega`` (in x (rank + oversample)) plus ``diag(A)``, with
-        ``Omega`` warm-started from the previous factors so one round tracks the EMA."""
+        half the bytes of a ring): a narrow layer its full ``A``; a wide one its sketch
+        ``A @ Omega`` (in x (rank + oversample)) plus ``diag(A)``."""
         keys = sorted(self.stats)
         if not keys:
             return {}
         world, me = self.comm.world_size, self.comm.rank
         fitter = self._assign(keys)
-        omegas = {k: self._omega(k, version) for k in keys if not self._dense_exchange(self.stats[k].dim)}
-        self._power_step(omegas)
         parts = [[] for _ in range(world)]
         for k in keys:
-            A = self.stats[k].value()
-            if k in omegas:
-                contrib = torch.cat([(A @ omegas[k]).reshape(-1), torch.diagonal(A)])
-            else:
-                contrib = A.reshape(-1)
-            parts[fitter[k]].append(contrib.to(GEOMETRY_WIRE_DTYPE))
-        device = self.stats[keys[0]].value().device
+            parts[fitter[k]].append(self.stats[k].contribution().to(GEOMETRY_WIRE_DTYPE))
+        device = self.stats[keys[0]].device
         sends = [torch.cat(p) if p else torch.empty(0, dtype=GEOMETRY_WIRE_DTYPE, device=device) for p in parts]
         width = torch.finfo(GEOMETRY_WIRE_DTYPE).bits // 8
-        recv_len = sum(self._contrib_numel(k, omegas) for k in keys if fitter[k] == me)
+        recv_len = sum(self._contrib_numel(k) for k in keys if fitter[k] == me)
         total = sends[me].float()
         sends[me] = sends[me][:0]
         recv = self.comm.all_to_all_bytes(torch.cat([t.view(torch.uint8) for t in sends]),
@@ -118,14 +249,20 @@ class KfacRefresh:
         for k in keys:
             if fitter[k] != me:
                 continue
-            n = self._contrib_numel(k, omegas)
+            n = self._contrib_numel(k)
             flat = total[pos:pos + n]
             pos += n
-            lrd = self._fit_one(k, flat, omegas.get(k))
+            lrd = self._fit_one(k, flat, self.stats[k].omega)
             if lrd is not None:
                 fitted[k] = geo.LowRankDiag(U=lrd.U.to(GEOMETRY_WIRE_DTYPE).float(), lam=lrd.lam, d=lrd.d)
         shared = self._share(fitted, keys)
         self.lowrank.update(shared)
+        self.version = version + 1
+        for k in keys:
+            ema = self.stats[k]
+            if not ema.dense:
+                self.omegas[k] = self._omega(k, ema.dim, self.version, device)
+                ema.rebase(self.omegas[k])
         return shared
 
     def _assign(self, keys: List[str]) -> Dict[str, int]:
@@ -133,43 +270,20 @@ class KfacRefresh:
         self.owner_of.update(out)
         return out
 
-    def _dense_exchange(self, dim: int) -> bool:
-        width = min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
-        return dim * dim <= dim * (width + 1)
+    def _contrib_numel(self, key: str) -> int:
+        ema = self.stats[key]
+        return ema.dim * ema.dim if ema.dense else ema.dim * ema.omega.shape[1] + ema.dim
 
-    def _contrib_numel(self, key: str, omegas) -> int:
-        dim = self.stats[key].dim
-        return dim * omegas[key].shape[1] + dim if key in omegas else dim * dim
-
-    def _omega(self, key: str, version: int) -> torch.Tensor:
-        """Orthonormal test matrix: the previous eigenvectors plus seeded random columns."""
-        dim = self.stats[key].dim
-        width = min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
-        device = self.stats[key].value().device
+    def _omega(self, key: str, dim: int, version: int, device) -> torch.Tensor:
+        """Orthonormal test matrix: the latest shared eigenvectors plus seeded random columns
+        (the same bits on every rank)."""
+        width = self.sketch_width(dim)
         gen = torch.Generator().manual_seed(self.seed * 7919 + version * 131 + self.names.index(key))
         cols = torch.randn(dim, width, generator=gen, dtype=torch.float64)
         prev = self.lowrank.get(key)
         if prev is not None:
             cols[:, :prev.rank] = prev.U.double().cpu()
         return torch.linalg.qr(cols).Q.float().to(device)
-
-    def _power_step(self, omegas: Dict[str, torch.Tensor]) -> None:
-        """Layers without previous factors start from a random test matrix, which one
-        Nystrom pass sees poorly (eigenvalues underestimated by 10-40%); one power step
-        ``Omega <- orth(A_avg @ Omega)``, all-reduced so every rank holds it, fixes that.
-        Later refreshes warm-start from the previous eigenvectors instead."""
-        cold = [k for k in sorted(omegas) if k not in self.lowrank]
-        if not cold:
-            return
-        # Only the subspace matters here, so the sum may travel (and round) in bf16.
-        flat = torch.cat([(self.stats[k].value() @ omegas[k]).reshape(-1) for k in cold]).to(GEOMETRY_WIRE_DTYPE)
-        self.comm.all_reduce_sum(flat, kind=ByteKind.GEOMETRY)
-        flat = flat.float()
-        pos = 0
-        for k in cold:
-            n = omegas[k].numel()
-            omegas[k] = torch.linalg.qr(flat[pos:pos + n].view_as(omegas[k]).double()).Q.float()
-            pos += n
 
     def _fit_one(self, key: str, flat: torch.Tensor, omega: Optional[torch.Tensor]) -> Optional[geo.LowRankDiag]:
         dim = self.stats[key].dim
@@ -207,7 +321,7 @@ class KfacRefresh:
             head = torch.cat([torch.tensor([float(keys.index(k))]), lrd.lam.float().cpu(), lrd.d.float().cpu()])
             chunks += [head.view(torch.uint8), lrd.U.to(GEOMETRY_WIRE_DTYPE).cpu().reshape(-1).view(torch.uint8)]
         blob = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-        device = self.stats[keys[0]].value().device
+        device = self.stats[keys[0]].device
         width = torch.finfo(GEOMETRY_WIRE_DTYPE).bits // 8
         shared = {}
         for b in self.comm.all_gather_bytes(blob.to(device), kind=ByteKind.GEOMETRY):

@@ -6,7 +6,7 @@ error most in ``selection.metric``, if by at least ``min_gain``; telemetry repor
 from __future__ import annotations
 
 import logging
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -27,30 +27,40 @@ class Selection:
         self.names = names
         self.comm = comm
         self.main_codec = main_codec
-        self.captured: Dict[str, tuple] = {}  # name -> (local gradient, the optimizer's rule then)
+        # name -> its profile row (every kind x every metric) and update-rule code, judged when
+        # the layer's gradient was captured: nothing of the gradient is held to the end of the step
+        self.judged_rows: Dict[str, Tuple[torch.Tensor, float]] = {}
         self.gains: Dict[str, float] = {}
 
-    def judge(self, previous: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, dict]]:
-        """Every layer judged in every kind on this step's captured gradient, in every metric:
-        layer -> kind -> its profile row, the same on every rank (one all-reduce). The transform
-        judged is the one built a refresh interval ago, not the fresh one: that is how stale a
-        transform gets before its next refresh, and a fresh fit judged on the gradient of its own
-        step flatters layers whose input statistics drift (it selects them on in-sample gains)."""
+    def judge_captured(self, name: str, G: torch.Tensor, rule, transforms: Dict[str, object]) -> None:
+        """Judge layer ``name`` in every kind on this step's local gradient ``G`` with the
+        optimizer's ``rule`` then (called as the reduction meets the gradient, so only one
+        layer's gradient and optimizer state copy live at a time). ``transforms`` (kind -> the
+        layer's transform now) are the ones built a refresh interval ago, not the fresh ones of
+        this step's refit: that is how stale a transform gets before its next refresh, and a
+        fresh fit judged on the gradient of its own step flatters layers whose input statistics
+        drift (it selects them on in-sample gains)."""
+        if not transforms or not torch.isfinite(G).all() or G.abs().max() == 0:
+            return
+        row = torch.zeros(len(self.kinds), len(PROFILE_COLUMNS), dtype=torch.float64)
+        for kind, (euclid, geom) in metrics.judge_geometries(G, self.main_codec, transforms, rule=rule).items():
+            row[self.kinds.index(kind)] = torch.tensor(
+                [euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS] + [1.0],
+                dtype=torch.float64)
+        self.judged_rows[name] = (row, float(RULE_CODES[metrics.rule_kind(rule)]))
+
+    def judge(self) -> Dict[str, Dict[str, dict]]:
+        """Every layer's judgement of this step (:meth:`judge_captured`, on the rank that captured
+        it) in every kind and metric: layer -> kind -> its profile row, the same on every rank
+        (one all-reduce)."""
         metric = self.cfg.selection.metric
         kinds = self.kinds
         table = torch.zeros(len(self.names), len(kinds), len(PROFILE_COLUMNS), dtype=torch.float64)
         rule_codes = torch.zeros(len(self.names), dtype=torch.float64)
         for i, name in enumerate(self.names):
-            G, rule = self.captured.get(name, (None, None))
-            judged_by = {kind: previous[kind][name] for kind in kinds if name in previous[kind]}
-            if G is None or not judged_by or not torch.isfinite(G).all() or G.abs().max() == 0:
-                continue
-            for kind, (euclid, geom) in metrics.judge_geometries(G, self.main_codec, judged_by, rule=rule).items():
-                table[i, kinds.index(kind)] = torch.tensor(
-                    [euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS] + [1.0],
-                    dtype=torch.float64)
-            rule_codes[i] = float(RULE_CODES[metrics.rule_kind(rule)])
-        self.captured.clear()
+            if name in self.judged_rows:
+                table[i], rule_codes[i] = self.judged_rows[name]
+        self.judged_rows.clear()
         flat = torch.cat([table.reshape(-1), rule_codes])
         self.comm.all_reduce_sum(flat, kind=ByteKind.CONTROL)
         table = flat[:table.numel()].view_as(table)

@@ -1,10 +1,16 @@
-"""Statistics collection: forward pre-hooks on the candidate layers add ``x^T x`` of their
-input to a per-step sum (modules that read the same input tensor, like q/k/v, share one
-statistic), optionally on an evenly strided subsample of the tokens."""
+"""Statistics collection: forward pre-hooks on the candidate layers add what the geometry's fit
+needs of ``x^T x`` of their input to a per-step sum (modules that read the same input tensor,
+like q/k/v, share one statistic), optionally on an evenly strided subsample of the tokens.
+
+With a ``test_matrix`` provider (the plugin's :class:`~deepspeed_gift.refresh.KfacRefresh`) a
+wide statistic is kept as a sketch: ``x^T (x Omega)`` (in x w) and the exact diagonal
+``sum x^2`` (in), O(T in w) work and O(in w) bytes instead of O(T in^2) and O(in^2). Without one
+(or for a narrow layer) the full ``x^T x``."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -12,17 +18,48 @@ from torch import nn
 from .core.geometry import full_fp32_matmuls
 
 
-class InputMoments:
-    """Forward pre-hooks that sum ``x^T x`` of the input of each module while attached (in
-    training forwards with gradients). Modules fed the same tensor (q/k/v, gate/up) share one
-    statistic, keyed by the first of them (``key_of``). ``tokens`` caps the tokens per module
-    and forward (evenly strided). Also used by ``benchmarks/fidelity.py``."""
+@dataclass
+class SketchedMoment:
+    """One statistic's mean ``x x^T`` as a sketch: ``Y = A @ omega`` and ``diag(A)``."""
 
-    def __init__(self, modules: Dict[str, nn.Module], tokens: Optional[int] = None) -> None:
+    Y: torch.Tensor
+    diag: torch.Tensor
+
+    def add_(self, other: "SketchedMoment") -> "SketchedMoment":
+        self.Y.add_(other.Y)
+        self.diag.add_(other.diag)
+        return self
+
+    def __truediv__(self, count: float) -> "SketchedMoment":
+        return SketchedMoment(self.Y / count, self.diag / count)
+
+
+Moment = Union[torch.Tensor, SketchedMoment]
+# (statistic key, its fp32 input rows) -> the test matrix to sketch it with, or None for x^T x
+TestMatrix = Callable[[str, torch.Tensor], Optional[torch.Tensor]]
+
+
+def moment_of(rows: torch.Tensor, omega: Optional[torch.Tensor]) -> Moment:
+    """The sum over ``rows`` of ``x x^T``: whole (``omega`` None) or sketched against ``omega``."""
+    if omega is None:
+        return rows.T @ rows
+    return SketchedMoment(rows.T @ (rows @ omega), torch.linalg.vector_norm(rows, dim=0).square_())
+
+
+class InputMoments:
+    """Forward pre-hooks that sum ``x^T x`` (or its sketch, see the module docstring) of the
+    input of each module while attached (in training forwards with gradients). Modules fed the
+    same tensor (q/k/v, gate/up) share one statistic, keyed by the first of them (``key_of``).
+    ``tokens`` caps the tokens per module and forward (evenly strided). Also used by
+    ``benchmarks/fidelity.py``."""
+
+    def __init__(self, modules: Dict[str, nn.Module], tokens: Optional[int] = None,
+                 test_matrix: Optional[TestMatrix] = None) -> None:
         self.modules = modules
         self.tokens = tokens
+        self.test_matrix = test_matrix
         self.key_of: Dict[str, str] = {}  # module -> module whose input statistic it shares
-        self.sums: Dict[str, torch.Tensor] = {}
+        self.sums: Dict[str, Moment] = {}
         self.counts: Dict[str, int] = {}
         self._last = None  # (tensor, key) of the most recent hooked input
         self._handles: list = []
@@ -52,11 +89,12 @@ class InputMoments:
                 self.key_of.setdefault(name, self._last[1])
             key = self.key_of.setdefault(name, name)
             if key == name:
-                # fp32 whatever the run computes in: autocast would make this product bf16 (and
-                # accumulate it there), a TF32 setting would round it to 10 mantissa bits
+                # fp32 whatever the run computes in: autocast would make these products bf16 (and
+                # accumulate them there), a TF32 setting would round them to 10 mantissa bits
                 with torch.no_grad(), torch.autocast(x.device.type, enabled=False), full_fp32_matmuls():
                     flat = subsample_tokens(x.detach().reshape(-1, x.shape[-1]), self.tokens).float()
-                    moment = flat.T @ flat
+                    omega = self.test_matrix(key, flat) if self.test_matrix is not None else None
+                    moment = moment_of(flat, omega)
                 prev = self.sums.get(key)
                 self.sums[key] = moment if prev is None else prev.add_(moment)
                 self.counts[key] = self.counts.get(key, 0) + flat.shape[0]
@@ -69,8 +107,8 @@ class InputMoments:
         """Which statistic each layer feeds, as a checkpoint recorded it (layers sharing an input)."""
         self.key_of = dict(key_of)
 
-    def take(self) -> Dict[str, torch.Tensor]:
-        """Mean ``x x^T`` per statistic since the last call."""
+    def take(self) -> Dict[str, Moment]:
+        """Mean ``x x^T`` (or its sketch) per statistic since the last call."""
         out = {key: total / max(self.counts[key], 1) for key, total in self.sums.items()}
         self.sums.clear()
         self.counts.clear()

@@ -84,3 +84,132 @@ def test_statistics_hooks_are_on_the_model_only_on_collect_steps():
     (seen,) = run_ranks(_hooks_per_step, 1, dict(stage=2, gift=gift))
     hooked = [k for k, hooks in enumerate(seen) if hooks]
     assert hooked == [0, 3, 6], seen
+
+
+# ---- the sketched statistics (what a rank holds of a wide layer's input) ----------------------
+
+def _planted_inputs(dim: int, tokens: int, *, seed: int, signal=(30.0, 20.0, 12.0, 8.0, 5.0, 3.0)):
+    """Tokens whose covariance is a planted decaying spectrum on a random subspace plus
+    isotropic noise (the shape of a layer input's spectrum, with known eigenvalues)."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(dim, len(signal), generator=g, dtype=torch.float64)).Q.float()
+    coeff = torch.randn(tokens, len(signal), generator=g) * torch.tensor(signal).sqrt()
+    return coeff @ basis.T + 0.3 * torch.randn(tokens, dim, generator=g)
+
+
+def _geometry_config(**over):
+    from deepspeed_gift.config import GeometryConfig
+
+    return GeometryConfig(**{"rank": 4, "stats_decay": 0.5, **over})
+
+
+def test_a_wide_statistic_is_held_as_its_sketch_and_exact_diagonal():
+    """The hook sums x^T (x Omega) and sum x^2 (O(in w) bytes), which are A @ Omega and diag(A) of
+    the tokens it saw; a narrow layer (in <= w + 1) keeps its whole x^T x."""
+    from deepspeed_gift.statistics import SketchedMoment
+
+    torch.manual_seed(0)
+    wide, narrow = nn.Linear(64, 8), nn.Linear(8, 3)
+    omega = torch.linalg.qr(torch.randn(64, 12)).Q
+    moments = InputMoments({"wide": wide, "narrow": narrow}, None,
+                           test_matrix=lambda key, rows: omega if rows.shape[1] == 64 else None)
+    moments.attach()
+    x = torch.randn(5, 7, 64)
+    narrow(wide(x)[..., :8].contiguous())
+    got = moments.take()
+    rows = x.reshape(-1, 64).double()
+    A = rows.T @ rows / rows.shape[0]
+    assert isinstance(got["wide"], SketchedMoment)
+    assert got["wide"].Y.shape == (64, 12) and got["wide"].diag.shape == (64,)
+    # fp32 sums over 35 tokens against float64: a few ulps of the largest entry
+    torch.testing.assert_close(got["wide"].Y.double(), A @ omega.double(), rtol=0, atol=2e-6 * float(A.abs().max()))
+    torch.testing.assert_close(got["wide"].diag.double(), torch.diagonal(A), rtol=1e-5, atol=0)
+    assert isinstance(got["narrow"], torch.Tensor) and got["narrow"].shape == (8, 8)
+
+
+def test_rebasing_a_sketch_is_exact_for_what_the_sketch_saw():
+    """A refresh moves each EMA onto the next test matrix through the Nystrom approximation of
+    what it holds: exact when A's range lies in what the old test matrix saw (rank(A) <= w)."""
+    from deepspeed_gift.refresh import SketchEMA
+
+    g = torch.Generator().manual_seed(1)
+    dim, w = 96, 12
+    B = torch.randn(dim, 7, generator=g, dtype=torch.float64)
+    A = B @ B.T  # rank 7 < w
+    old = torch.linalg.qr(torch.randn(dim, w, generator=g, dtype=torch.float64)).Q
+    new = torch.linalg.qr(torch.randn(dim, w, generator=g, dtype=torch.float64)).Q
+    ema = SketchEMA(dim, old.float(), decay=0.9)
+    ema.Y, ema.diag = (A @ old).float(), torch.diagonal(A).float()
+    ema.rebase(new.float())
+    # fp32 inputs (rounding ~6e-8 relative) through a w x w core solve of condition ~1e2
+    torch.testing.assert_close(ema.Y.double(), A @ new, rtol=0, atol=1e-4 * float(A.abs().max()))
+    assert ema.omega is not None and torch.equal(ema.omega, new.float())
+
+
+def _cold_fit(comm, dim, tokens_per_rank):
+    from deepspeed_gift.refresh import KfacRefresh
+
+    cfg = _geometry_config(rank=4)
+    kfac = KfacRefresh(cfg, 0, comm, ["l"], {})
+    layer = nn.Linear(dim, 2)
+    moments = InputMoments({"l": layer}, None, test_matrix=kfac.test_matrix)
+    moments.attach()
+    x = _planted_inputs(dim, tokens_per_rank, seed=10 + comm.rank)
+    layer(x.requires_grad_())
+    kfac.fold(moments.take())
+    fitted = kfac.refit(0)["l"]
+    return fitted, kfac.nbytes()
+
+
+def test_the_first_fit_is_accurate_from_the_sketch_with_its_power_step():
+    """A statistic's first test matrix is random, which one Nystrom pass sees poorly; the hook's
+    power step (all-reduced over the ranks on first sight) makes the first fit's eigenvalues
+    match the exact ones of the rank-averaged A, while no rank ever held an in x in matrix."""
+    from deepspeed_gift.core import geometry
+    from deepspeed_gift.exchange.comm import run_local
+    from deepspeed_gift.refresh import SKETCH_OVERSAMPLE
+
+    dim, tokens, world = 160, 512, 2
+    results = run_local(world, _cold_fit, dim, tokens)
+    xs = torch.cat([_planted_inputs(dim, tokens, seed=10 + r) for r in range(world)]).double()
+    A = xs.T @ xs / xs.shape[0]
+    exact = geometry.fit_low_rank_diag(A.float(), rank=4, damping=1e-3, method="eigh")
+    for lrd, held in results:
+        # the statistics travel in bf16 (2^-8 relative), so the eigenvalues agree to ~1%
+        torch.testing.assert_close(lrd.lam, exact.lam, rtol=0.02, atol=0.0)
+        assert torch.linalg.svdvals(lrd.U.double().T @ exact.U.double()).min() > 0.98
+        w = 4 + SKETCH_OVERSAMPLE
+        # Y, diag, Omega and the factors: O(in w), never in^2 (160^2 floats would be 102 kB)
+        assert held == 4 * (dim * w + dim + dim * w + dim * 4 + 4 + dim), held
+    assert torch.equal(results[0][0].U, results[1][0].U)  # every rank holds the same bits
+    # without the power step a random test matrix underestimates these eigenvalues
+    g = torch.Generator().manual_seed(0)
+    omega = torch.linalg.qr(torch.randn(dim, 4 + SKETCH_OVERSAMPLE, generator=g, dtype=torch.float64)).Q
+    cold = geometry.nystrom_low_rank_diag(omega.float(), (A @ omega).float(), torch.diagonal(A).float(), rank=4,
+                                          damping=1e-3)
+    assert (cold.lam < 0.9 * exact.lam).any(), (cold.lam, exact.lam)
+
+
+def test_a_checkpoint_of_whole_averages_loads_as_the_sketch_the_next_refit_would_take():
+    """Checkpoints written before the statistics were sketched hold each rank's in x in EMA: it
+    loads as A @ Omega and diag(A) against the test matrix the next refit would have built."""
+    from deepspeed_gift.core.geometry import CovarianceEMA, fit_low_rank_diag
+    from deepspeed_gift.exchange.comm import LocalComm
+    import threading
+    from deepspeed_gift.refresh import KfacRefresh
+
+    dim = 64
+    x = _planted_inputs(dim, 300, seed=4)
+    ema = CovarianceEMA(dim, decay=0.5)
+    ema.update(x)
+    prev = fit_low_rank_diag(ema.value(), rank=4, damping=1e-3, method="eigh")
+    state = {"stats": {"l": ema.state_dict()}, "lowrank": {"l": (prev.U, prev.lam, prev.d)}}
+    comm = LocalComm(0, 1, [None], threading.Barrier(1))
+    kfac = KfacRefresh(_geometry_config(), 0, comm, ["l"], {})
+    kfac.load_state_dict(state, torch.device("cpu"), version=3)
+    omega = kfac._omega("l", dim, 3, torch.device("cpu"))
+    assert torch.equal(kfac.omegas["l"], omega)
+    torch.testing.assert_close(kfac.stats["l"].Y, ema.value() @ omega)
+    torch.testing.assert_close(kfac.stats["l"].diag, torch.diagonal(ema.value()))
+    # the warm start: the previous eigenvectors span the test matrix's first columns
+    assert torch.linalg.svdvals(prev.U.double().T @ omega.double()).min() > 1 - 1e-5
