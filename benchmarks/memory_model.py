@@ -1,0 +1,514 @@
+"""    .venv/bin/python benchmarks/memory_model.py [--bucket 5e8] [--allgather-bucket 5e8] [--json out.json]
+
+GIFT's extra memory per rank, component by component, beside what DeepSpeed ZeRO-2 itself holds
+per rank for the same run, from the real layouts of ``benchmarks/layout_model.py`` (the model's
+parameters in ``model.parameters()`` order, gradients bucketed in backward order, partitions cut
+by DeepSpeed's rules), for ~1B / 7B / 13B / 70B at W = 8 / 64 / 512, flat and two-level (8
+ranks a node), with the README's gift block ``{"format": "fp8_e4m3"}`` (kfac_input rank 32,
+layers measured, no error feedback) and with error feedback on.
+
+Two designs are modelled, each a :class:`Design`: ``before`` (main at 26e869f: fp32 in x in input
+statistics on every rank, whole-section codec/staging/whitening on an accelerator, fp32 error
+feedback, the parameter all-gather in one piece, whole-gradient profile captures) and ``now``
+(what the code holds today, read from it: see :func:`design_now`). Every component is a small
+pure function of the layout; :func:`gift_memory` takes an HF config dict, a world size and the
+bucket sizes, so the CPU measurement (``benchmarks/memory_measure.py``) and these tables run the
+same code path.
+
+Components (bytes per rank; "held" lives between steps, the rest is a transient of the worst
+step, step 0: a collect, refresh and telemetry-sampled step at once):
+- ``statistics`` (held): per statistic (a layer's input; q/k/v share one, gate/up share one)
+  what the EMA keeps; ``statistics_step`` (transient, collect steps): the per-step sums (and,
+  at the end of the step, as many bytes again: the means ``take()`` hands the EMA);
+- ``transforms`` (held): per statistic the shared factors (U, lam, d, as ``refresh._share``
+  rebuilds them) and the whitener built from them (V, two diagonals, two r-vectors);
+- ``codec_staging`` (transient): one section's fp32 staging, and the whitening's temporaries or
+  the codec's work (the larger), over a whole section or over a tile;
+- ``payload`` (transient): the encoded sections, the send buffer and the receive buffer, or what
+  was received and the owner's fp32 sums, of the busiest bucket (the direct or relay route, as
+  ``plan_route`` picks; :func:`bucket_phases`);
+- ``error_feedback`` (held): the residual of every quantized payload this rank sends;
+  ``relay_residuals`` (held): of every chunk sum it relays;
+- ``param_gather`` (transient, with ``gift.params``): the replicas before the step and the
+  compressed all-gather's buffers;
+- ``refresh_captures`` (transient, refresh steps): the captured gradients and optimizer state;
+- ``telemetry`` (transient, sampled steps): ``quantization_stats`` over a section and the
+  fidelity check's exact sample; ``telemetry_samples`` (held): the sampled positions each cached
+  plan keeps (``plan.section_sample``: two int64 per sampled element, up to
+  ``fidelity_elements`` per owner and bucket), in every plan a sampled step used, up to
+  ``plan.MAX_CACHED_PLANS`` plans.
+
+Peak extra (:func:`peak_bytes`) = held + statistics_step + refresh_captures + the largest of: a
+section's encode (codec_staging, telemetry and the sections encoded so far), the payload's
+exchange or the owner's sums, the parameter all-gather, and take()'s means (statistics_step
+again). It is the steady state's worst step (a refresh step after the first: the EMA exists and
+Adam has state to capture).
+
+DeepSpeed ZeRO-2's own bytes per rank (``deepspeed/runtime/zero/stage_1_and_2.py``, counted as
+its allocations are): the model's replicas (``bit16_groups_flat``, params_dtype x N), the fp32
+master partition (``single_partition_of_fp32_groups``, 4 N/W), Adam's two moments (8 N/W), the
+gradient partition (``grads_in_partition``, params_dtype x N/W) and its fp32 flat copy at the
+step (``averaged_gradients``, 4 N/W), and the reduce bucket (``ipg_buckets``, params_dtype x
+``reduce_bucket_size``; two with ``overlap_comm``, off by DeepSpeed's default for stage 2).
+Activations are neither's and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.layout_model import MODELS as LAYOUT_MODELS, buckets_of, parameter_layout  # noqa: E402
+from benchmarks.results import write_json  # noqa: E402
+
+MODELS = {**LAYOUT_MODELS,
+          "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=32000)}
+WORLDS = (8, 64, 512)
+PER_NODE = 8  # ranks a node in the two-level rows
+README_GIFT = {"format": "fp8_e4m3"}
+GIB = 1 << 30
+
+HELD = ("statistics", "transforms", "error_feedback", "relay_residuals", "telemetry_samples")
+TRANSIENT = ("statistics_step", "codec_staging", "payload", "param_gather", "refresh_captures", "telemetry")
+COMPONENTS = HELD + TRANSIENT
+
+# Bytes per element the codec's own work holds over what it encodes (issue 31, read from
+# core/formats.py): fp8's scaled tile and its codes ~4, +9 under stochastic rounding (the noise
+# and its draws); NVFP4's nibble arithmetic ~20; bf16/fp32 a cast.
+CODEC_WORK = {"fp8_e4m3": 4.0, "fp8_e5m2": 4.0, "int8": 4.0, "int4": 8.0, "nvfp4": 20.0, "bf16": 2.0, "fp32": 0.0}
+STOCHASTIC_WORK = 9.0
+WHITEN_TEMPS = 3  # StructuredWhitener._apply_rows: gp, P and the output, each 4 B an element, live at once
+TELEMETRY_BYTES = 30.0  # quantization_stats: a decode, masks, two fp32 differences and a float64 square
+CAPTURE_BYTES = 12.0  # a captured fp32 gradient and Adam's two moments of the slice (metric "optimizer")
+CPU_TILE = 1 << 20  # core/formats.py's _CPU_TILE: codecs on a CPU already work in tiles of this
+
+
+@dataclass(frozen=True)
+class Design:
+    """What the code holds, as the model needs it (see the module docstring)."""
+
+    name: str
+    stats: str  # "dense": fp32 in x in EMA per statistic; "sketch": EMAs of A @ Omega and diag(A), Omega, kept
+    codec_tile: Optional[int]  # elements a codec works on at once on an accelerator (None: a whole section)
+    stage_tile: Optional[int]  # the same for the staging, whitening and the owner's decode and sum
+    ef_bytes: float  # bytes a residual element holds (block scales included)
+    capture: str  # "full": every captured layer's gradient and state held to the end of the step; "layer": one
+    telemetry_sample: Optional[int]  # elements quantization_stats measures of a section (None: all of it)
+    oversample: int = 8  # refresh.SKETCH_OVERSAMPLE
+
+
+BEFORE = Design("before", stats="dense", codec_tile=None, stage_tile=None, ef_bytes=4.0, capture="full",
+                telemetry_sample=None)
+
+
+def design_now() -> Design:
+    """The design of the code in this checkout, read from the constants that name it (a design
+    element whose constant is absent is still as it was before)."""
+    from deepspeed_gift import config, refresh
+    from deepspeed_gift.exchange import encode, feedback, plan
+
+    tile = getattr(config, "DEFAULT_TILE_ELEMENTS", None)  # gift.tile_elements' default
+    ef = getattr(feedback, "RESIDUAL_BYTES_PER_ELEMENT", None)
+    return replace(BEFORE, name="now", stats="sketch" if hasattr(refresh, "SketchEMA") else "dense",
+                   codec_tile=tile, ef_bytes=float(ef) if ef is not None else BEFORE.ef_bytes,
+                   # a section staged (and whitened) a tile at a time for the codec to read
+                   stage_tile=tile if hasattr(plan, "SectionSource") else None,
+                   # sampled steps measure a strided sample of at most a tile
+                   telemetry_sample=tile if hasattr(encode, "SampleRecorder") else None,
+                   oversample=getattr(refresh, "SKETCH_OVERSAMPLE", BEFORE.oversample))
+
+
+# ---- the model's shape ---------------------------------------------------------------------
+@dataclass
+class Shape:
+    """What the components need of a model: parameter sizes in ``parameters()`` order, gradient
+    arrival order, each linear weight's (index, in, numel) and each statistic's width."""
+
+    sizes: List[int]
+    arrival: List[int]
+    linears: List[Tuple[int, int, int]]
+    stat_dims: List[int]
+
+    @property
+    def params(self) -> int:
+        return sum(self.sizes)
+
+
+_SHAPES: Dict[tuple, Shape] = {}
+
+
+def model_shape(config: dict) -> Shape:
+    """Sizes and order from ``layout_model.parameter_layout``; the statistics from a forward on
+    the meta device with GIFT's rule (``statistics.InputMoments``): linear modules fed the very
+    same input tensor, one after the other, share one statistic."""
+    key = tuple(sorted(config.items()))
+    if key in _SHAPES:
+        return _SHAPES[key]
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes, arrival = parameter_layout(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    linears, stat_dims, last = [], [], [None]
+
+    def hook(module, inputs):
+        x = inputs[0]
+        if last[0] is not x:
+            stat_dims.append(module.in_features)
+        last[0] = x
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            linears.append((index[id(m.weight)], m.in_features, m.weight.numel()))
+            m.register_forward_pre_hook(hook)
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        model(input_ids=ids)
+    _SHAPES[key] = shape = Shape(sizes, arrival, linears, stat_dims)
+    return shape
+
+
+# ---- components (bytes per rank) -------------------------------------------------------------
+def statistics_bytes(dims: List[int], rank: int, design: Design) -> Tuple[int, int]:
+    """(held, per-step sums of a collect step) of the input statistics: dense, an fp32 in x in EMA
+    per statistic and a per-step sum of the same size; a sketch, EMAs of ``A @ Omega`` (in x w)
+    and ``diag(A)`` and Omega itself, and per step sums of ``A @ Omega`` and ``diag(A)``. At the
+    end of the step ``take()`` hands the EMA the means, as many bytes again as the sums."""
+    if design.stats == "dense":
+        held = sum(4 * d * d for d in dims)
+        return held, held
+    widths = [(d, min(d, rank + design.oversample)) for d in dims]
+    # a statistic no wider than its sketch (in <= w + 1, refresh's dense exchange) stays whole
+    held = sum(4 * d * d if d <= w + 1 else 4 * (2 * d * w + d) for d, w in widths)
+    return held, sum(4 * d * d if d <= w + 1 else 4 * (d * w + d) for d, w in widths)
+
+
+def transform_bytes(dims: List[int], rank: int, host: bool) -> int:
+    """Shared factors and whiteners of every statistic: ``refresh._share`` rebuilds U (fp32, in x r)
+    from the gathered bf16 bytes; on the host lam and d stay views into the gathered blob (one per
+    fitting rank: 4 (1 + r + in) + 2 in r bytes a statistic), on a device they are copied out;
+    the whitener holds V (in x r), two diagonals and two r-vectors, fp32."""
+    u = sum(4 * d * rank for d in dims)
+    blob = sum(4 * (1 + rank + d) + 2 * d * rank for d in dims) if host else sum(4 * (rank + d) for d in dims)
+    whitener = sum(4 * (2 * d + d * rank + 2 * rank) for d in dims)
+    return u + blob + whitener
+
+
+def relay_is_lighter(owners: Dict[int, int], world: int, b: float) -> bool:
+    """``plan.plan_route``'s ``by_layout`` choice: the relay when its busiest rank receives fewer
+    bytes than the busiest owner of the direct route (it needs 3+ ranks)."""
+    if world <= 2:
+        return False
+    n, biggest = sum(owners.values()), max(owners.values())
+    return (world - 1) / world * n * b + biggest * b < (world - 1) * biggest * b
+
+
+def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: bool,
+                  stage: float) -> Tuple[float, float, float]:
+    """Payload bytes of one bucket on rank ``me`` while it encodes, exchanges and sums, with
+    ``stage`` the elements its fp32 decode works on at once (the owner's part, or a tile):
+    - encode: the encoded sections so far (b per element sent);
+    - exchange: those and the send buffer they are copied into (2 b), and what it receives: direct,
+      the W-1 parts of its own (b); relay, its chunk of every section from every rank (b N (W-1)/W)
+      and its fp32 chunk sums (4 N/W);
+    - owner: what it received and, direct, its exact own values and their sum (8 B an owned element)
+      and a decoded part and the inverse's output (8 B a staged element); relay, the sums' forwards
+      (b) and their totals (8 B an owned element) beside its chunk sums."""
+    n, mine = sum(owners.values()), owners.get(me, 0)
+    if relay:
+        received = b * n * (world - 1) / world
+        return (b * n, 2 * b * n + received + 4 * n / world,
+                received + 4 * n / world + (b + 8) * mine + 8 * min(mine, stage))
+    received = b * (world - 1) * mine
+    return (b * (n - mine), 2 * b * (n - mine) + received, received + 8 * mine + 8 * min(mine, stage))
+
+
+def ef_elements(owners: Dict[int, int], me: int, world: int, relay: bool) -> Tuple[float, float]:
+    """(sent residual, relayed residual) elements of one bucket on ``me``: direct, every section
+    but its own; relay, every section whole (its own chunk zeroed) and its chunk of the others."""
+    n, mine = sum(owners.values()), owners.get(me, 0)
+    if relay:
+        return n, (n - mine) / world
+    return n - mine, 0.0
+
+
+def capture_bytes(shape: Shape, me_owner: Dict[int, int], design: Design, per_element: float) -> float:
+    """Refresh-step captures on the busiest rank: each layer's local gradient and the state of its
+    slice (``per_element``: 12 B, or 4 B at the first refresh, before the optimizer has state), by
+    the rank that holds most of it (``ZeroOptimizerState.capture_rank``); one layer's when bounded."""
+    if design.capture == "layer":
+        return per_element * max(numel for _, _, numel in shape.linears)
+    per_rank: Dict[int, float] = {}
+    for idx, _, numel in shape.linears:
+        per_rank[me_owner[idx]] = per_rank.get(me_owner[idx], 0.0) + per_element * numel
+    return max(per_rank.values(), default=0.0)
+
+
+def main_owners(sizes: List[int], world: int) -> Dict[int, int]:
+    """Per parameter, the partition that holds most of it (DeepSpeed's flat partitions)."""
+    align = 2 * world
+    total = sum(sizes)
+    part = -(-total // align) * align // world
+    out, pos = {}, 0
+    for i, n in enumerate(sizes):
+        best, start = (-1, 0), pos
+        while start < pos + n:
+            d = start // part
+            take = min(pos + n, (d + 1) * part) - start
+            best = max(best, (take, -d))
+            start += take
+        out[i] = -best[1]
+        pos += n
+    return out
+
+
+@dataclass
+class Run:
+    """One run's settings, as DeepSpeed and GIFT read them."""
+
+    world: int
+    per_node: int = 1  # two-level when > 1 and the job spans nodes
+    bucket: int = 500_000_000
+    allgather_bucket: int = 500_000_000
+    params_bytes: int = 2  # bf16 replicas (4: fp32)
+    overlap_comm: bool = False
+    device: str = "cuda"  # "cpu": codecs tile at CPU_TILE whatever the design
+    format: str = "fp8_e4m3"
+    rank: int = 32
+    error_feedback: bool = False
+    stochastic: bool = False
+    params_format: Optional[str] = None  # gift.params.format (None: DeepSpeed's own all-gather)
+    fidelity_elements: int = 65536
+    sampled_versions: Optional[int] = None  # plan versions a sampled step used (None: a long run, cache full)
+    optimizer_state: bool = True  # the worst refresh step has Adam state to capture (not so at step 0)
+
+
+def wire_bytes(fmt: str) -> float:
+    from deepspeed_gift.core.formats import get_format
+
+    return get_format(fmt).nbytes(1 << 24) / (1 << 24)
+
+
+def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
+    """GIFT's bytes per rank by component, and ``held`` and ``peak`` (see the module docstring)."""
+    shape = model_shape(config)
+    b = wire_bytes(run.format)
+    two_level = run.per_node > 1 and run.world > run.per_node
+    nodes = run.world // run.per_node if two_level else run.world
+    layout = [o for o in buckets_of(shape.sizes, shape.arrival, run.world, run.bucket) if o]
+    if two_level:  # the exchange among nodes runs on each slot's node partial: 1/G of a bucket
+        layout = [_node_partial(o, run.per_node) for o in layout]
+    ranks = range(nodes)
+    stats_held, stats_step = statistics_bytes(shape.stat_dims, run.rank, design)
+    out = {"statistics": stats_held, "statistics_step": stats_step,
+           "transforms": transform_bytes(shape.stat_dims, run.rank, run.device == "cpu")}
+    section = max(max(o.values()) for o in layout)
+    stage = section if design.stage_tile is None else min(section, design.stage_tile)
+    ef = relayed = 0.0
+    phases = [0.0, 0.0, 0.0]  # encode, exchange, owner: the busiest rank's, over buckets
+    for me in ranks:
+        ef_me = relayed_me = 0.0
+        for owners in layout:
+            relay = relay_is_lighter(owners, nodes, b)
+            sent, rel = ef_elements(owners, me, nodes, relay)
+            ef_me, relayed_me = ef_me + sent, relayed_me + rel
+            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, stage))]
+        ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
+    if two_level:  # the node stage: the bucket's dtype out and in, the fp32 node partial of a slot
+        biggest = max(sum(o.values()) for o in layout) * run.per_node
+        phases = [x + 2 * run.params_bytes * biggest + 4 * biggest / run.per_node for x in phases]
+    out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
+    out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0
+    out["telemetry_samples"] = sample_bytes(layout, run)
+    out["payload"] = max(phases[1:])
+    staging, whiten, codec = codec_staging_parts(section, run, design)
+    out["codec_staging"] = staging + max(whiten, codec)
+    # quantization_stats over the section (or its sample), and the fidelity check's sample out and in
+    measured = section if design.telemetry_sample is None else min(section, design.telemetry_sample)
+    out["telemetry"] = TELEMETRY_BYTES * measured + 8 * run.fidelity_elements * nodes
+    phases[0] += staging + max(whiten, codec + out["telemetry"])  # a section's encode on a sampled step
+    out["refresh_captures"] = capture_bytes(shape, main_owners(shape.sizes, run.world), design,
+                                            CAPTURE_BYTES if run.optimizer_state else 4.0)
+    out["param_gather"] = param_gather_bytes(shape.params, run, design) if run.params_format else 0.0
+    out["held"] = sum(out[k] for k in HELD)
+    out["peak"] = peak_bytes(out, phases)
+    return out
+
+
+def peak_bytes(c: Dict[str, float], phases: List[float]) -> float:
+    """The worst step's peak: the held state, the step's statistic sums (from the forward to the
+    end of the step) and the profile's captures (from the reduction to the end of the step), and
+    the largest of: a section's encode (``phases[0]``: its staging, then the whitening's
+    temporaries or the codec's work and a sampled step's telemetry, beside the sections encoded so
+    far), the exchange, the owner's sums, the parameter all-gather, and the means ``take()`` makes
+    beside the sums at the end of the step."""
+    return (c["held"] + c["statistics_step"] + c["refresh_captures"]
+            + max(phases[0], phases[1], phases[2], c["param_gather"], c["statistics_step"]))
+
+
+def codec_staging_parts(section: float, run: Run, design: Design) -> Tuple[float, float, float]:
+    """(staging, whitening temporaries, codec work) of one section at a time: its fp32 staging
+    buffer (the transform's output, for a whitened section) and the whitening's other temporaries
+    over the section or a tile of it, and the codec's work over a tile (on a CPU the codecs cut
+    any tile to ``CPU_TILE``, as ``formats._device_tile`` does). The whitening's temporaries are
+    gone before the codec runs."""
+    work = CODEC_WORK[run.format] + (STOCHASTIC_WORK if run.stochastic else 0.0)
+    codec = section if design.codec_tile is None else min(section, design.codec_tile)
+    if run.device == "cpu":
+        codec = min(codec, CPU_TILE)
+    stage = section if design.stage_tile is None else min(section, design.stage_tile)
+    return 4 * stage, 4 * (WHITEN_TEMPS - 1) * stage, work * codec
+
+
+def sample_bytes(layout: List[Dict[int, int]], run: Run) -> float:
+    """Sampled positions held by the cached plans: per bucket and owner (its one section), the
+    ``ceil(n / stride)`` positions and offsets of ``plan.section_sample``, int64 each, with the
+    stride ``exact_sample_reduction`` takes; one set per plan version a sampled step used."""
+    from deepspeed_gift.exchange.plan import MAX_CACHED_PLANS
+
+    per_version = 0.0
+    for owners in layout:
+        for n in owners.values():
+            stride = max(1, -(-int(n) // run.fidelity_elements))
+            per_version += 16 * -(-int(n) // stride)
+    versions = run.sampled_versions or max(1, MAX_CACHED_PLANS // max(len(layout), 1))
+    return per_version * versions
+
+
+def _node_partial(owners: Dict[int, int], per_node: int) -> Dict[int, int]:
+    """The slot group's bucket after the node stage: each node's part of the slot's owners, by node."""
+    out: Dict[int, int] = {}
+    for d, n in owners.items():
+        out[d // per_node] = out.get(d // per_node, 0) + n / per_node
+    return out
+
+
+def param_gather_bytes(params: int, run: Run, design: Design) -> float:
+    """``gift.params``: the code's own count (``param_gather.gather_peak_bytes``, from its chunk
+    plan) where it has one; before it, the replicas of this rank's partition before the step (the
+    deltas' base) and the padded blob, the comm's copy and the world's blobs at once."""
+    from deepspeed_gift.core.formats import get_format
+    from deepspeed_gift.exchange import param_gather
+
+    part = -(-params // (2 * run.world)) * 2  # DeepSpeed's partition: padded to 2 W elements
+    codec = get_format(run.params_format)
+    count = getattr(param_gather, "gather_peak_bytes", None)
+    if count is not None:
+        two_level = run.per_node > 1 and run.world > run.per_node
+        return count(codec, [part], run.world, bucket_elements=run.allgather_bucket,
+                     replica_itemsize=run.params_bytes, ranks_per_node=run.per_node if two_level else 1,
+                     two_level=two_level)["total"]
+    return run.params_bytes * part + (run.world + 2) * codec.nbytes(part)
+
+
+def zero2_memory(params: int, run: Run) -> Dict[str, float]:
+    """DeepSpeed ZeRO-2's own bytes per rank (see the module docstring)."""
+    w = run.world
+    out = {"replicas": run.params_bytes * params, "fp32_master": 4 * params / w, "adam": 8 * params / w,
+           "grad_partition": run.params_bytes * params / w + 4 * params / w,
+           "reduce_bucket": run.params_bytes * run.bucket * (2 if run.overlap_comm else 1)}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- the tables ------------------------------------------------------------------------------
+def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int) -> List[dict]:
+    rows = []
+    params = model_shape(config).params
+    for world in WORLDS:
+        for per_node in (1, PER_NODE):
+            for ef in (False, True):
+                run = Run(world=world, per_node=per_node, bucket=bucket, allgather_bucket=allgather,
+                          error_feedback=ef)
+                gift, zero = gift_memory(config, run, design), zero2_memory(params, run)
+                rows.append({"model": name, "params": params, "world": world, "per_node": per_node,
+                             # one node of 8 runs flat (by_topology)
+                             "hierarchy": ("two_level" if world > per_node else "flat, one node") if per_node > 1
+                             else "flat", "error_feedback": ef,
+                             "design": design.name, "gift": gift, "zero2": zero,
+                             "peak_over_zero2": gift["peak"] / zero["total"]})
+    return rows
+
+
+def print_table(rows: List[dict]) -> None:
+    cols = ("statistics", "transforms", "codec_staging", "payload", "error_feedback", "relay_residuals",
+            "param_gather", "refresh_captures", "telemetry", "telemetry_samples", "statistics_step")
+    print("| model | W | exchange | EF | " + " | ".join(cols) + " | GIFT peak GiB | ZeRO-2 own GiB | peak / ZeRO-2 |")
+    print("|---|---:|---|---|" + "---:|" * (len(cols) + 3))
+    for r in rows:
+        g = r["gift"]
+        cells = " | ".join(f"{g[c] / GIB:.3g}" for c in cols)
+        ef = "on" if r["error_feedback"] else "off"
+        print(f"| {r['model']} | {r['world']} | {r['hierarchy']} | {ef} | {cells} | "
+              f"{g['peak'] / GIB:.3g} | {r['zero2']['total'] / GIB:.3g} | {100 * r['peak_over_zero2']:.1f}% |")
+
+
+def grows_with(design: Design) -> List[str]:
+    """Components at 70B that do not shrink when the world doubles and the buckets and the tile
+    halve: they follow N, in^2, r in or W, not N/W, a bucket or a tile. The statistics and the
+    transforms are r in by their formulas (:func:`statistics_bytes`, :func:`transform_bytes`)
+    when the statistics are a sketch, and are named only when they are dense (in^2); the refresh
+    captures may hold one layer's (the largest linear weight's) capture."""
+    config = MODELS["70B"]
+    zero = zero2_memory(model_shape(config).params, Run(world=1024))["total"]
+    found: List[str] = []
+    for ef in (False, True):
+        small = gift_memory(config, Run(world=512, error_feedback=ef, params_format="fp8_e4m3"), design)
+        halved = replace(design, codec_tile=design.codec_tile and design.codec_tile // 2,
+                         stage_tile=design.stage_tile and design.stage_tile // 2)
+        big = gift_memory(config, Run(world=1024, bucket=250_000_000, allgather_bucket=250_000_000,
+                                      error_feedback=ef, params_format="fp8_e4m3"), halved)
+        layer = CAPTURE_BYTES * max(numel for _, _, numel in model_shape(config).linears)
+        for k in COMPONENTS:
+            if k == "transforms" or (k in ("statistics", "statistics_step") and design.stats != "dense"):
+                continue
+            if k == "refresh_captures" and big[k] <= 1.01 * layer:  # bounded by one layer's capture
+                continue
+            if big[k] > 0.9 * small[k] > 0 and big[k] > 1e-3 * zero and k not in found:
+                found.append(k)
+    return found
+
+
+def main(argv=None) -> List[dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
+    parser.add_argument("--allgather-bucket", type=float, default=5e8, help="allgather_bucket_size")
+    parser.add_argument("--design", choices=("now", "before", "both"), default="both")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated among " + ", ".join(MODELS))
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    designs = {"now": [design_now()], "before": [BEFORE], "both": [BEFORE, design_now()]}[args.design]
+    rows = []
+    for design in designs:
+        print(f"\n## design {design.name}: {design}")
+        these = []
+        for name in args.models.split(","):
+            these += rows_for(name, MODELS[name], design, int(args.bucket), int(args.allgather_bucket))
+        print_table(these)
+        key = [r for r in these if r["model"] == "7B" and r["world"] == 64 and r["per_node"] == 1
+               and not r["error_feedback"]]
+        if key:
+            r = key[0]
+            print(f"\nLlama-2-7B, W = 64, README block (fp8, kfac_input, layers measured, no EF), design "
+                  f"{design.name}: GIFT's peak extra {r['gift']['peak'] / GIB:.2f} GiB / ZeRO-2's own "
+                  f"{r['zero2']['total'] / GIB:.2f} GiB = {100 * r['peak_over_zero2']:.1f}%")
+        if "70B" in args.models.split(","):
+            print(f"70B: components that still grow with N or in^2 (design {design.name}): "
+                  f"{', '.join(grows_with(design)) or 'none'}")
+        rows += these
+    write_json(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
