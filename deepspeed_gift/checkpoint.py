@@ -24,7 +24,9 @@ READABLE_FORMATS = ("deepspeed_gift/1", CHECKPOINT_FORMAT)
 
 class _TensorWriter:
     """A sink for ``ErrorFeedback.state_dict``: appends each tensor's bytes to one file, opened at
-    the first, and returns where they are: ``[offset, dtype, numel]``."""
+    the first, and returns where they are: ``[offset, dtype, numel]``. The bytes go to a
+    temporary name, put in place by :meth:`close`: residuals loaded from this very file and not
+    yet used are read from it while the new one is written (a save over the tag just loaded)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -33,7 +35,7 @@ class _TensorWriter:
 
     def __call__(self, tensor: torch.Tensor) -> list:
         if self.file is None:
-            self.file = open(self.path, "wb")
+            self.file = open(self.path + ".tmp", "wb")
         host = tensor.detach().contiguous().cpu()
         raw = host.reshape(-1).view(torch.uint8).numpy()
         self.file.write(memoryview(raw))
@@ -41,9 +43,13 @@ class _TensorWriter:
         self.offset += raw.nbytes
         return token
 
-    def close(self) -> None:
+    def close(self, keep: bool = True) -> None:
         if self.file is not None:
             self.file.close()
+            if keep:
+                os.replace(self.path + ".tmp", self.path)
+            else:
+                os.remove(self.path + ".tmp")
 
 
 class _TensorReader:
@@ -129,8 +135,10 @@ def save_files(state, save_dir: str, tag: str) -> None:
     writer = _TensorWriter(os.path.join(folder, name))
     try:
         saved = gift_state(state, sink=writer)
-    finally:
-        writer.close()
+    except BaseException:
+        writer.close(keep=False)
+        raise
+    writer.close()
     if writer.file is not None:
         saved["reducer"]["residuals_file"] = name
     elif os.path.exists(writer.path):  # an earlier save of this tag had residuals; this one has none

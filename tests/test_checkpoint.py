@@ -3,6 +3,7 @@ exactly as the uninterrupted run (statistics, factors, version, selection, error
 residuals, stochastic-rounding generator)."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -85,3 +86,35 @@ def test_a_checkpoint_file_that_needs_pickle_code_is_refused(tmp_path):
         torch.save(state, path)
     with pytest.raises(RuntimeError, match="is not a GIFT checkpoint file that loads as plain data"):
         run_ranks(train_many, 2, [dict(base, steps=3, resume=save_dir)])
+
+
+def test_residuals_stream_to_a_file_and_survive_a_save_over_the_file_they_wait_in(tmp_path):
+    # A residual moved out of replaced transforms waits in the checkpoint's file until its first
+    # step; saving the same tag again before that step reads it from the file being replaced.
+    import torch
+
+    from deepspeed_gift.checkpoint import _TensorReader, _TensorWriter
+    from deepspeed_gift.exchange.feedback import ErrorFeedback
+    from tests.test_feedback import PLAN, _residual, _section, _whitener
+
+    sec = _section()
+    made_in, now = {0: _whitener(0, version=1)}, {0: _whitener(1, version=2)}
+    fb = ErrorFeedback()
+    for i in range(3):  # three layouts: three residuals in the file, one after another
+        fb.keep(SimpleNamespace(layout_key=(i,)), sec, _residual(88, seed=i), made_in)
+    fb.keep_relayed(PLAN, 0, _residual(64, seed=9))
+    path = str(tmp_path / "gift_rank0_residuals.bin")
+    loaded = fb
+    for _ in range(2):  # saved, loaded, saved over the same file, loaded
+        writer = _TensorWriter(path)
+        saved = loaded.state_dict(current=now.get, sink=writer)
+        writer.close()
+        assert all(isinstance(e["values"], list) for e in saved["residuals"])  # tokens, not tensors
+        loaded = ErrorFeedback()
+        loaded.load_state_dict(saved, torch.device("cpu"), source=_TensorReader(path))
+    assert os.path.getsize(path) == 3 * 88 * 4 + fb.relayed[(PLAN.layout_key, 0)][1].nbytes()
+    for i in range(3):
+        plan, values = SimpleNamespace(layout_key=(i,)), torch.randn(88)
+        assert torch.equal(loaded.add(plan, sec, values.clone(), now), fb.add(plan, sec, values.clone(), now))
+    chunk = torch.randn(64)
+    assert torch.equal(loaded.add_relayed(PLAN, 0, chunk.clone()), fb.add_relayed(PLAN, 0, chunk.clone()))
