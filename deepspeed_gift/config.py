@@ -253,11 +253,16 @@ class GiftConfig(_GiftModel):
     """Elements per tile of the reduction's element-wise work: staging, whitening and its
     inverse, encode, and the owner's decode and fp32 sum run over tiles of at most this many
     elements (whole blocks and whole rows; a longer one is a tile of its own), so their
-    temporaries stay bounded whatever a section's size. The default (2^24) keeps them near
-    0.7 GB on an accelerator at ~40 B per tile element (NVFP4 encode ~20, staging and
-    whitening ~16, the sum's decode 4; fp8 needs less); the CPU cuts tiles further to 2^20,
-    which stays in cache. The reduced values do not depend on it, except that stochastic
-    rounding on an accelerator draws its random numbers per tile."""
+    temporaries stay bounded whatever a section's size. The default (2^24) keeps them under
+    ~0.6 GB on an accelerator: at most ~34 B per tile element (measured: NVFP4 encode 26, the
+    section chunk it reads 4, a sampled step's recorded sample 4; fp8 encode 4, 13 with
+    stochastic rounding; a whitener 12 (fitted) to 16 (Hadamard) while it makes a chunk, the
+    chunk included; the sum's decode 4 to 8).
+    The CPU cuts the codecs' tiles further to 2^20, which stays in cache. Tiling changes no
+    value, except that stochastic rounding on an accelerator draws its random numbers per tile
+    and a fitted whitener's matrix products may round a row differently (an fp32 ulp) by the
+    number of rows in a call; sampled steps measure the quantization on an evenly strided
+    sample of whole blocks of at most a tile (telemetry's ``quantized`` counts the sample)."""
 
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""

@@ -146,3 +146,117 @@ def test_a_small_tile_moves_a_fitted_whitener_by_its_blas_rounding_only():
         # add ~1e-4 per element moved: the bound allows a few, far below fp8's own ~3e-2
         rel = float((got_big - got_small).norm() / got_big.norm())
         assert 0 <= rel < 1e-3
+
+
+# ---- memory ----------------------------------------------------------------------------
+class LiveBytes:
+    """Counts the bytes of tensor storage that torch ops allocate while it is active, and the
+    peak of what is alive at once: every op's outputs whose storage is none of its inputs' are
+    new allocations; a storage is freed when the last tensor made on it inside is gone. What
+    existed before (inputs, the model) is not counted; a kernel's internal scratch is not seen."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = 0
+        self.refs = {}  # storage address -> [bytes, live tensors on it]
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.saw(out, args, kwargs)
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def saw(self, out, args, kwargs) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        def tensors(x):
+            return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs or {}))}
+        for t in tensors(out):
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if key in self.refs:
+                self.refs[key][1] += 1
+            elif key in inputs or size == 0:
+                continue
+            else:
+                self.refs[key] = [size, 1]
+                self.current += size
+                self.peak = max(self.peak, self.current)
+            weakref.finalize(t, self._release, key)
+
+    def _release(self, key) -> None:
+        entry = self.refs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.refs[key]
+
+
+def test_live_bytes_counts_known_allocations():
+    x = torch.randn(1000)
+    with LiveBytes() as live:
+        a = torch.empty(250_000)  # 1 MB
+        b = a[10:20] * 2  # 40 B
+        view = a[:5]
+        del a  # its storage lives on in ``view``
+        c = torch.empty(100_000)  # 400 kB
+        del view, c
+        y = x.add(1)  # 4000 B
+        del b, y
+    assert live.peak == 1_000_000 + 40 + 400_000
+    assert live.current == 0
+
+
+def _memory_body(rank, world, fmt, tile, sample):
+    import torch.distributed as dist
+
+    from deepspeed_gift.exchange.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    rows, dim = 4096, 1024  # one 4M-element matrix, whitened; each rank owns half (2M elements)
+    half = rows * dim // 2
+    slices = [ParamSlice(dst, dst * half, half, dst * half, 0, dim, GEO) for dst in range(2)]
+    reducer = GiftReducer(TorchComm(), formats.get_format(fmt), tile_elements=tile)
+    whiteners = {0: geo.make_whitener("hadamard", dim, seed=1)}
+    bucket = torch.randn(rows * dim, generator=torch.Generator().manual_seed(rank))
+    reducer.reduce(bucket.clone(), slices, whiteners, divisor=2.0, sample=sample)  # plan, headers, caches
+    with LiveBytes() as live:
+        reducer.reduce(bucket, slices, whiteners, divisor=2.0, sample=sample)
+    return live.peak, half, reducer.encoder.main_codec.nbytes(half)
+
+
+def test_a_reduction_allocates_a_few_tiles_beyond_its_payloads_and_its_result():
+    """A 2M-element section each way: the untiled reduction allocates tens of bytes per element of
+    it (NVFP4's candidates, staging, the transform, the decode); with a 16K-element tile what it
+    allocates beyond the payloads (sent, their send buffer, received) and the owner's fp32 result
+    and own contribution is a few tiles."""
+    tile = 1 << 14
+    for fmt in ("nvfp4", "fp8_e4m3"):
+        for sample in (False, True):
+            tiled = run_ranks(_memory_body, 2, fmt, tile, sample)
+            untiled = run_ranks(_memory_body, 2, fmt, HUGE_TILE, sample)
+            for (peak, section, wire), (peak_whole, _, _) in zip(tiled, untiled):
+                floor = 3 * wire + 2 * 4 * section  # payload buffers, the sum and my contribution
+                # the sampled fidelity check: 64K fp32 positions, values and exact sums per owner
+                floor += (4 * 65536 * 8) if sample else 0
+                bound = floor + 48 * 4 * tile
+                print(fmt, sample, "peak", peak, "floor", floor, "extra", peak - floor, "untiled", peak_whole)
+                assert peak <= bound, (fmt, sample, peak, bound)
+                assert peak_whole > bound + 4 * section, (fmt, sample, peak_whole, bound)

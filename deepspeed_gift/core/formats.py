@@ -142,11 +142,13 @@ class Payload:
 # ----------------------------------------------------------------------------- helpers
 
 # Every element-wise step of encode and decode runs over a tile of whole blocks, so what a
-# codec allocates besides its input and payload is bounded by the tile, not by the tensor:
-# about 4 B per tile element for fp8/int (13 with stochastic rounding), ~20 for NVFP4 (its
-# three candidate scales; ``tests/test_tiles.py`` measures them). ``gift.tile_elements`` sets
-# the tile; the default keeps an NVFP4 tile with its staging and whitening (~40 B/elem in
-# all) near 0.7 GB on an accelerator. A block larger than the tile is a tile of its own.
+# codec allocates besides its input and payload is bounded by the tile, not by the tensor.
+# Measured per tile element (tests/test_tiles.py's LiveBytes, one tile over 4M elements):
+# encode fp8/int8 4.1 B (13 with stochastic rounding), int4 5.5, bf16 stochastic 8, NVFP4 26
+# (its three candidate scales); decode 0-4; quantization_stats 31 (on a sample of at most a
+# tile). With the reducer's chunk it reads (4) and a sampled step's recorded sample (4), NVFP4
+# peaks near 34 B per tile element: the default tile (``gift.tile_elements``) keeps that
+# near 0.57 GB on an accelerator. A block larger than the tile is a tile of its own.
 DEFAULT_TILE_ELEMENTS = 1 << 24
 # On the CPU the tile is further cut to 4 MB of fp32, so temporaries stay in cache instead of
 # being fresh multi-100 MB allocations (each one page-faulted in): faster, and never larger.
