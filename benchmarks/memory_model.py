@@ -38,10 +38,10 @@ step, step 0: a collect, refresh and telemetry-sampled step at once):
   ``fidelity_elements`` per owner and bucket), in every plan a sampled step used, up to
   ``plan.MAX_CACHED_PLANS`` plans.
 
-Peak extra (:func:`peak_bytes`) = held + statistics_step + refresh_captures + the largest of: a
-section's encode (codec_staging, telemetry and the sections encoded so far), the payload's
-exchange or the owner's sums, the parameter all-gather, and take()'s means (statistics_step
-again). It is the steady state's worst step (a refresh step after the first: the EMA exists and
+Peak extra (:func:`peak_bytes`) = held + statistics_step + refresh_captures (one more of the
+moments below when a layer is judged as it is captured) + the largest of: a section's encode
+(codec_staging, telemetry and the sections encoded so far), the payload's exchange or the
+owner's sums, the parameter all-gather, and take()'s means (statistics_step again). It is the steady state's worst step (a refresh step after the first: the EMA exists and
 Adam has state to capture).
 
 DeepSpeed ZeRO-2's own bytes per rank (``deepspeed/runtime/zero/stage_1_and_2.py``, counted as
@@ -112,7 +112,7 @@ BEFORE = Design("before", stats="dense", codec_tile=None, stage_tile=None, ef_by
 def design_now() -> Design:
     """The design of the code in this checkout, read from the constants that name it (a design
     element whose constant is absent is still as it was before)."""
-    from deepspeed_gift import config, refresh
+    from deepspeed_gift import config, refresh, selection
     from deepspeed_gift.exchange import encode, feedback, plan
 
     tile = getattr(config, "DEFAULT_TILE_ELEMENTS", None)  # gift.tile_elements' default
@@ -123,6 +123,8 @@ def design_now() -> Design:
                    stage_tile=tile if hasattr(plan, "SectionSource") else None,
                    # sampled steps measure a strided sample of at most a tile
                    telemetry_sample=tile if hasattr(encode, "SampleRecorder") else None,
+                   # each layer judged as its gradient is captured, nothing held to the end of the step
+                   capture="layer" if hasattr(selection.Selection, "judge_captured") else "full",
                    oversample=getattr(refresh, "SKETCH_OVERSAMPLE", BEFORE.oversample))
 
 
@@ -341,19 +343,22 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
                                             CAPTURE_BYTES if run.optimizer_state else 4.0)
     out["param_gather"] = param_gather_bytes(shape.params, run, design) if run.params_format else 0.0
     out["held"] = sum(out[k] for k in HELD)
-    out["peak"] = peak_bytes(out, phases)
+    out["peak"] = peak_bytes(out, phases, design.capture == "layer")
     return out
 
 
-def peak_bytes(c: Dict[str, float], phases: List[float]) -> float:
+def peak_bytes(c: Dict[str, float], phases: List[float], judged_at_capture: bool) -> float:
     """The worst step's peak: the held state, the step's statistic sums (from the forward to the
     end of the step) and the profile's captures (from the reduction to the end of the step), and
     the largest of: a section's encode (``phases[0]``: its staging, then the whitening's
     temporaries or the codec's work and a sampled step's telemetry, beside the sections encoded so
     far), the exchange, the owner's sums, the parameter all-gather, and the means ``take()`` makes
-    beside the sums at the end of the step."""
-    return (c["held"] + c["statistics_step"] + c["refresh_captures"]
-            + max(phases[0], phases[1], phases[2], c["param_gather"], c["statistics_step"]))
+    beside the sums at the end of the step. A layer judged as it is captured (``judged_at_capture``)
+    is gone before its bucket's reduction: its capture is one more moment, not held beside them."""
+    moments = [phases[0], phases[1], phases[2], c["param_gather"], c["statistics_step"]]
+    if judged_at_capture:
+        return c["held"] + c["statistics_step"] + max(moments + [c["refresh_captures"]])
+    return c["held"] + c["statistics_step"] + c["refresh_captures"] + max(moments)
 
 
 def codec_staging_parts(section: float, run: Run, design: Design) -> Tuple[float, float, float]:
@@ -440,17 +445,22 @@ def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: in
     return rows
 
 
-def print_table(rows: List[dict]) -> None:
+def print_table(rows: List[dict], before: Optional[List[dict]] = None) -> None:
+    """The components in GiB per rank, GIFT's peak beside ZeRO-2's own; with ``before`` (rows of
+    the same runs under another design) that design's peak over ZeRO-2's own too."""
     cols = ("statistics", "transforms", "codec_staging", "payload", "error_feedback", "relay_residuals",
             "param_gather", "refresh_captures", "telemetry", "telemetry_samples", "statistics_step")
-    print("| model | W | exchange | EF | " + " | ".join(cols) + " | GIFT peak GiB | ZeRO-2 own GiB | peak / ZeRO-2 |")
-    print("|---|---:|---|---|" + "---:|" * (len(cols) + 3))
-    for r in rows:
+    extra = " before: peak / ZeRO-2 |" if before else ""
+    print("| model | W | exchange | EF | " + " | ".join(cols) + " | GIFT peak GiB | ZeRO-2 own GiB | peak / ZeRO-2 |"
+          + extra)
+    print("|---|---:|---|---|" + "---:|" * (len(cols) + 3 + bool(before)))
+    for i, r in enumerate(rows):
         g = r["gift"]
         cells = " | ".join(f"{g[c] / GIB:.3g}" for c in cols)
         ef = "on" if r["error_feedback"] else "off"
+        tail = f" {100 * before[i]['peak_over_zero2']:.0f}% |" if before else ""
         print(f"| {r['model']} | {r['world']} | {r['hierarchy']} | {ef} | {cells} | "
-              f"{g['peak'] / GIB:.3g} | {r['zero2']['total'] / GIB:.3g} | {100 * r['peak_over_zero2']:.1f}% |")
+              f"{g['peak'] / GIB:.3g} | {r['zero2']['total'] / GIB:.3g} | {100 * r['peak_over_zero2']:.1f}% |" + tail)
 
 
 def grows_with(design: Design) -> List[str]:
@@ -488,13 +498,13 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     designs = {"now": [design_now()], "before": [BEFORE], "both": [BEFORE, design_now()]}[args.design]
-    rows = []
+    rows: List[dict] = []
     for design in designs:
         print(f"\n## design {design.name}: {design}")
         these = []
         for name in args.models.split(","):
             these += rows_for(name, MODELS[name], design, int(args.bucket), int(args.allgather_bucket))
-        print_table(these)
+        print_table(these, before=rows if len(rows) == len(these) else None)
         key = [r for r in these if r["model"] == "7B" and r["world"] == 64 and r["per_node"] == 1
                and not r["error_feedback"]]
         if key:
