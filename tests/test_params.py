@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepspeed_gift.core import formats
-from deepspeed_gift.exchange.param_gather import (GAP_BLOCK, ReplicaGather, chunk_plan, gather_peak_bytes,
-                                                  piece_alignment, relative_gap)
+from deepspeed_gift.exchange.param_gather import (GAP_BLOCK, ReplicaGather, chunk_elements, chunk_plan,
+                                                  gather_peak_bytes, piece_alignment, relative_gap)
 from tests.harness import initialize_error, train_many
 from launch.spawn import run_ranks
 
@@ -297,7 +297,78 @@ def test_gather_peak_bytes_follows_the_bucket_not_the_world_times_the_partition(
     assert wider["exchange"] <= chunked["exchange"] * 1.01
     two = gather_peak_bytes(codec, [part], 64, bucket_elements=500_000_000, replica_itemsize=2, ranks_per_node=8,
                             two_level=True)
-    assert two["exchange"] == (64 + 2 + 3 * 8) * blob
+    assert two["exchange"] == (64 + 1 + 3 * 8) * blob  # the blob, the slot stage's 3 x nodes, the world's
+
+
+def _peak_allocated(fn) -> int:
+    """Peak bytes allocated (beyond what was live before) while ``fn`` runs, from the torch
+    profiler's memory events on the CPU, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _measured_gather(rank, world, per_node, sizes, bucket):
+    """Peak bytes of one ordinary step's gather (the replicas set aside before it included),
+    flat and two-level, beside :func:`gather_peak_bytes` given the codec's own work measured
+    alone on the largest piece."""
+    import torch.distributed as dist
+
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+
+    dist.init_process_group("gloo")
+    comm = TorchComm()
+    codec = formats.get_format("fp8_e4m3")
+    node_comm, slot_comm = split_by_node(comm, per_node)
+    align = piece_alignment(codec)
+    n = max(p.numel for pieces in chunk_plan(sizes, chunk_elements(bucket, world, align), align) for p in pieces)
+    delta = torch.randn(n) * 1e-3
+    blob = codec.encode_to_bytes(delta)
+    work = max(_peak_allocated(lambda: codec.encode_to_bytes(delta)) - blob.numel(),
+               _peak_allocated(lambda: codec.decode_from_bytes(blob, (n,), check_header=False)) - 4 * n)
+    out = {}
+    for name in ("flat", "two_level"):
+        levels = dict(node_comm=node_comm, slot_comm=slot_comm) if name == "two_level" else {}
+        gather = ReplicaGather(comm, codec, ranks_per_node=per_node, bucket_elements=bucket, **levels)
+        groups = [_partitions(world, size, seed=g) for g, size in enumerate(sizes)]
+
+        def step():
+            before = [parts[rank].clone() for parts in groups]
+            for parts in groups:
+                parts[rank].add_(1e-3)
+            gather.gather(groups, rank, before, measure_gap=False)
+
+        step()  # the headers and plans a gather keeps from step to step
+        # gloo gathers into a buffer of its own before the output: 2 copies of the world's blobs
+        model = gather_peak_bytes(codec, sizes, world, bucket_elements=bucket, replica_itemsize=2,
+                                  ranks_per_node=per_node, two_level=name == "two_level", codec_work_bytes=work,
+                                  comm_copies=2)
+        # gloo frees a collective's buffers from its own thread, at times after the next chunk has
+        # allocated its own: the least of three steps is the gather's
+        out[name] = (min(_peak_allocated(step) for _ in range(3)), model["total"])
+    dist.destroy_process_group()
+    return out
+
+
+def test_gather_peak_bytes_is_what_a_gather_allocates():
+    # 4 ranks (2 x 2), partitions of 4M and 1M + 1 bf16 elements: whole, and in chunks of 2.5e5 a rank
+    # (a bucket of 1e6), whose peak is a third of the whole gather's, most of it the replicas set aside
+    world, per_node, sizes = 4, 2, [4_000_000, 1_000_001]
+    results = run_ranks(_measured_gather, world, per_node, sizes, None)
+    chunked = run_ranks(_measured_gather, world, per_node, sizes, 1_000_000)
+    for whole_res, chunk_res in zip(results, chunked):
+        for name in ("flat", "two_level"):
+            (whole, whole_model), (part, part_model) = whole_res[name], chunk_res[name]
+            assert 0.9 * whole_model <= whole <= 1.1 * whole_model, (name, whole, whole_model)
+            assert 0.9 * part_model <= part <= 1.1 * part_model, (name, part, part_model)
+            assert part < whole / 3
 
 
 def test_engines_gather_in_chunks_as_they_would_whole():

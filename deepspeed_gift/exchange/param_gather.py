@@ -40,6 +40,12 @@ from .stats import ByteKind, StepStats, clock
 GAP_BLOCK = 128
 
 
+# The gather's own element-wise work (a bf16 operand widened to fp32 for an fp32 sum, the gap's
+# passes) runs over runs of this many elements: mixed-dtype in-place ops allocate a converted
+# copy of their operand, which then stays a tile (4 MB), not a piece (up to the bucket / W).
+APPLY_TILE = 1 << 20
+
+
 def relative_gap(replica: Tensor, target: Tensor, block: int = GAP_BLOCK) -> float:
     """max over blocks of ``block`` elements of ``max|replica - target| / max|target|`` (0 for an
     all-zero block that the replica matches; nan when the target is not finite)."""
@@ -57,6 +63,19 @@ def _gap_on_device(replica: Tensor, target: Tensor, block: int = GAP_BLOCK) -> T
     d, s = diff.view(-1, block).amax(1), scale.view(-1, block).amax(1)
     ratio = torch.where(d == 0, torch.zeros_like(d), d / s)  # 0/0 (an untouched zero block) is no gap
     return ratio.max()
+
+
+def _tiles(n: int, tile: int = APPLY_TILE):
+    """(start, length) of consecutive runs of at most ``tile`` elements covering ``n``."""
+    return ((t, min(tile, n - t)) for t in range(0, n, tile))
+
+
+def _difference(target: Tensor, base: Tensor) -> Tensor:
+    """``target - base`` in fp32 (both in the replicas' dtype), widened tile by tile."""
+    out = torch.empty(target.numel(), dtype=torch.float32, device=target.device)
+    for t, k in _tiles(target.numel()):
+        out.narrow(0, t, k).copy_(target.narrow(0, t, k)).sub_(base.narrow(0, t, k))
+    return out
 
 
 class Piece(NamedTuple):
@@ -110,39 +129,47 @@ def chunk_plan(sizes: Sequence[int], cap: Optional[int], align: int) -> List[Lis
     return chunks
 
 
-# What the gather holds per element of the largest piece beside the exchanged bytes: its fp32
-# delta while it is encoded, its fp32 decode while it is applied.
-FP32_BYTES = 4
-
-
 def gather_peak_bytes(codec: Codec, sizes: Sequence[int], world: int, *, bucket_elements: Optional[int],
-                      replica_itemsize: int, ranks_per_node: int = 1, two_level: bool = False) -> Dict[str, int]:
+                      replica_itemsize: int, ranks_per_node: int = 1, two_level: bool = False,
+                      sampled: bool = False, codec_work_bytes: int = 0, comm_copies: int = 1) -> Dict[str, int]:
     """Peak bytes one rank's compressed gather allocates beyond DeepSpeed's own step, by part,
     from the real plan: ``sizes[g]`` the partition elements of ZeRO group g (the same on every
-    rank), ``bucket_elements`` DeepSpeed's ``allgather_bucket_size``.
+    rank), ``bucket_elements`` DeepSpeed's ``allgather_bucket_size``, ``replica_itemsize`` the
+    replicas' bytes per element.
 
     - ``before``: the owner's replicas before the step, the base of the deltas (grows with N/W);
     - ``exchange``: one all-gather's buffers when they are largest: flat, the blob, the comm's
-      copy of it and the world's blobs ((world + 2) x blob); two-level, also the slot stage's
-      gathered blobs, their concatenation and the node comm's copy (3 x nodes x blob more);
-    - ``fp32``: the fp32 delta being encoded, or the fp32 decode being applied, of the largest
-      piece (with the world's blobs still held while decoding);
-    - ``total``: ``before`` plus the largest of the three moments of a chunk.
+      copy of it and the world's blobs ((world + 2) x blob); two-level, the blob, the slot
+      stage's gathered blobs, their concatenation, the node comm's copy of it and the world's
+      blobs ((world + 1 + 3 x nodes) x blob). ``comm_copies``: the world's blobs a collective
+      holds at once, 1 where it gathers into its output (NCCL's all_gather_into_tensor), 2 for
+      gloo (it gathers into a buffer of its own, then copies);
+    - ``fp32``: the fp32 delta of the largest piece while it is encoded, or its fp32 decode while
+      it is applied (the world's blobs still held), with a tile's widened operand beside it
+      (and on telemetry's ``sampled`` steps the gap's passes over a tile);
+    - ``total``: ``before`` plus the largest moment of a chunk.
 
-    The codec's own work on a piece (its tiles, at most the largest piece) is counted with the
-    codecs'. A comm whose device is not the tensors' (gloo beside CUDA) holds the gathered bytes
-    twice, once on each device: counted once here, on the tensors' device."""
+    ``codec_work_bytes``: what the codec allocates besides its input and its output while it
+    encodes or decodes the largest piece (the codecs' own model: their tiles). A comm whose device
+    is not the tensors' (gloo beside CUDA) holds the gathered bytes twice, once on each device:
+    counted once here, on the tensors' device."""
     align = piece_alignment(codec)
     nodes = world // ranks_per_node
     exchange = fp32 = peak = 0
     for pieces in chunk_plan(sizes, chunk_elements(bucket_elements, world, align), align):
         blob = sum(codec.nbytes(p.numel) for p in pieces)
-        largest = FP32_BYTES * max(p.numel for p in pieces)
-        held = (world + 2 + (3 * nodes if two_level else 0)) * blob
-        decoding = (world + 1) * blob + largest
-        encoding = 2 * blob + largest  # the pieces' blobs and their concatenation beside the delta
-        exchange, fp32 = max(exchange, held), max(fp32, largest)
-        peak = max(peak, held, decoding, encoding)
+        n = max(p.numel for p in pieces)
+        tile = min(n, APPLY_TILE)
+        # a widened bf16 tile beside the sum; on sampled steps the gap's: the replica's tile in its
+        # dtype, both sides widened, their difference and the two padded magnitudes
+        widened = (4 if replica_itemsize < 4 else 0) * tile
+        tile_work = widened + (replica_itemsize + 16) * tile * sampled
+        held = (comm_copies * world + (1 + 3 * nodes if two_level else 2)) * blob
+        encoding = 2 * blob + 4 * n + max(widened, codec_work_bytes)  # pieces' blobs, their concatenation
+        # the world's blobs, this rank's and the comm's copy of it (released with the collective)
+        decoding = (world + 2) * blob + 4 * n + max(tile_work, codec_work_bytes)
+        exchange, fp32 = max(exchange, held), max(fp32, 4 * n)
+        peak = max(peak, held, encoding, decoding)
     before = sum(sizes) * replica_itemsize
     return {"before": before, "exchange": exchange, "fp32": fp32, "total": before + peak}
 
@@ -244,10 +271,8 @@ class ReplicaGather:
         """This rank's blob of one all-gather: each piece's delta, encoded alone, in order."""
         blobs = []
         for g, start, n in pieces:
-            # one fp32 temporary per piece, the difference computed in place in it: a copy even where
-            # the replicas are fp32 (.float() would then return the target itself, and sub_ would
-            # overwrite it before the gap is measured against it)
-            delta = replicas[g][me].narrow(0, start, n).to(torch.float32, copy=True).sub_(before[g].narrow(0, start, n))
+            # a new fp32 delta, even where the replicas are fp32: the target is measured against later
+            delta = _difference(replicas[g][me].narrow(0, start, n), before[g].narrow(0, start, n))
             blobs.append(self.codec.encode_to_bytes(delta))
             del delta
         return torch.cat(blobs) if len(blobs) > 1 else blobs[0]
@@ -264,10 +289,13 @@ class ReplicaGather:
                 new = self.codec.decode_from_bytes(buf.narrow(0, offset, size), (n,), check_header=False)
                 offset += size
                 part = replicas[g][r].narrow(0, start, n)
-                new.add_(before[g].narrow(0, start, n) if r == me else part)  # fp32 sum, rounded once by the copy
-                if r == me and measure_gap:
-                    gaps.append(_gap_on_device(new.to(part.dtype), part))
-                part.copy_(new)
+                base = before[g].narrow(0, start, n) if r == me else part
+                for t, k in _tiles(n):  # tiles start on whole GAP_BLOCKs: the gap is the whole piece's
+                    now = new.narrow(0, t, k).add_(base.narrow(0, t, k))  # fp32 sum, rounded once by the copy
+                    if r == me and measure_gap:
+                        gaps.append(_gap_on_device(now.to(part.dtype), part.narrow(0, t, k)))
+                    part.narrow(0, t, k).copy_(now)
+                del new, now  # (a view of it) before the next piece's decode, not after it
         return gaps
 
     # ---- codec headers: compared on the device, read with others ----------------------
