@@ -2,8 +2,9 @@
 files in the tag folder, holding the geometry (statistics, factors, selection) and counters of
 that rank and the index of its error-feedback residuals, whose bytes are in
 ``gift_rank<r>_residuals.bin``: written one tensor at a time as each is copied off the device
-(a residual's tile, at most 4M elements), never one host copy of them all. Loaded as plain data
-only (``weights_only``); the residuals' bytes are read back one tensor at a time, those saved in
+(one section's or relayed chunk's residual: its int8 bytes, or fp32 values where it is saved
+moved out of replaced transforms), never one host copy of them all. Loaded as plain data only
+(``weights_only``); the residuals' bytes are read back one tensor at a time, those saved in
 gradient coordinates at the first step that adds them (``feedback.DeferredResidual``)."""
 
 from __future__ import annotations
