@@ -41,8 +41,9 @@ step, step 0: a collect, refresh and telemetry-sampled step at once):
 Peak extra (:func:`peak_bytes`) = held + statistics_step + refresh_captures (one more of the
 moments below when a layer is judged as it is captured) + the largest of: a section's encode
 (codec_staging, telemetry and the sections encoded so far), the payload's exchange or the
-owner's sums, the parameter all-gather, and take()'s means (statistics_step again). It is the steady state's worst step (a refresh step after the first: the EMA exists and
-Adam has state to capture).
+owner's sums, the parameter all-gather, and take()'s means (statistics_step again). It is the
+steady state's worst step (a refresh step after the first: the EMA exists and Adam has state to
+capture).
 
 DeepSpeed ZeRO-2's own bytes per rank (``deepspeed/runtime/zero/stage_1_and_2.py``, counted as
 its allocations are): the model's replicas (``bit16_groups_flat``, params_dtype x N), the fp32
@@ -410,9 +411,13 @@ def param_gather_bytes(params: int, run: Run, design: Design) -> float:
     count = getattr(param_gather, "gather_peak_bytes", None)
     if count is not None:
         two_level = run.per_node > 1 and run.world > run.per_node
+        # the worst step is a sampled one; the codec's work over its tile, as the reduction's codecs;
+        # gloo on a CPU holds the world's blobs twice (its own buffer, then the output)
+        tile = min(part, CPU_TILE if run.device == "cpu" else design.codec_tile or part)
         return count(codec, [part], run.world, bucket_elements=run.allgather_bucket,
                      replica_itemsize=run.params_bytes, ranks_per_node=run.per_node if two_level else 1,
-                     two_level=two_level)["total"]
+                     two_level=two_level, sampled=True, codec_work_bytes=int(CODEC_WORK[run.params_format] * tile),
+                     comm_copies=2 if run.device == "cpu" else 1)["total"]
     return run.params_bytes * part + (run.world + 2) * codec.nbytes(part)
 
 
