@@ -190,7 +190,6 @@ class BucketPlan:
         digest = hashlib.blake2b(repr((self.slices, sorted(versions.items()))).encode(), digest_size=8)
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
         self._hash_bytes: Dict[str, torch.Tensor] = {}
-        self.samples: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}  # see section_sample
         # Element positions of the main payloads depend only on which slices are HIGH or shared:
         # an error-feedback residual survives re-selection and refreshes under this key.
         self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
@@ -211,20 +210,19 @@ class BucketPlan:
 
 def section_sample(plan: BucketPlan, index: int, stride: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every ``stride``-th element of section ``index``: its positions in the section's packed
-    order and its offsets in the bucket (made once per plan, stride and device)."""
-    key = (index, stride, str(device))
-    got = plan.samples.get(key)
-    if got is None:
-        sec = plan.sections[index]
-        starts = [0]
-        for p in sec.pieces[:-1]:
-            starts.append(starts[-1] + p.numel)
-        pos = torch.arange(0, sec.numel, stride, device=device)
-        first = torch.tensor(starts, device=device)
-        which = torch.searchsorted(first, pos, right=True) - 1
-        offsets = torch.tensor([p.bucket_offset for p in sec.pieces], device=device)
-        got = plan.samples[key] = (pos, offsets[which] + (pos - first[which]))
-    return got
+    order and its offsets in the bucket. Made afresh on each sampled step, not kept with the
+    plan: kept, they were two int64 per sampled element for every owner of every bucket of
+    every cached plan (~1.4 GB a rank at 7B, W = 64), to save a few small kernels once in
+    ``telemetry.every`` steps."""
+    sec = plan.sections[index]
+    starts = [0]
+    for p in sec.pieces[:-1]:
+        starts.append(starts[-1] + p.numel)
+    pos = torch.arange(0, sec.numel, stride, device=device)
+    first = torch.tensor(starts, device=device)
+    which = torch.searchsorted(first, pos, right=True) - 1
+    offsets = torch.tensor([p.bucket_offset for p in sec.pieces], device=device)
+    return pos, offsets[which] + (pos - first[which])
 
 
 def plan_route(plan: "BucketPlan", route: str, codec_of: Callable[["Section"], object], align: int,
