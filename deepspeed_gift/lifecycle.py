@@ -39,7 +39,7 @@ from .core import geometry as geo
 from .core.geometry import GeometryKind as K
 from .exchange.stats import ByteKind
 from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings
-from .selection import PROFILE_MAX_ROWS, Selection, summarize_profile
+from .selection import PROFILE_MAX_ROWS, Selection, rows_of_slice, summarize_profile
 from .statistics import InputMoments
 
 logger = logging.getLogger("deepspeed_gift")
@@ -191,6 +191,7 @@ class GeometryManager:
             index = torch.linspace(0, rows - 1, PROFILE_MAX_ROWS, device=grad2d.device).round().long()
             grad2d = grad2d.index_select(0, index)
         transforms = {kind: self.transforms[kind][name] for kind in self.kinds if name in self.transforms[kind]}
+        grad2d, rule, transforms = rows_of_slice(grad2d, rule, transforms)
         self.selection.judge_captured(name, grad2d.detach().float(), rule, transforms)
 
     # ---- end of step ----------------------------------------------------------------

@@ -5,6 +5,7 @@ error most in ``selection.metric``, if by at least ``min_gain``; telemetry repor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Dict, List, Tuple
 
@@ -16,6 +17,38 @@ from .exchange.stats import ByteKind
 logger = logging.getLogger("deepspeed_gift")
 
 PROFILE_MAX_ROWS = 256  # rows of a layer's local gradient kept for the profile when row-wise errors do
+
+
+class RowBlock:
+    """A layer's transform on rows ``[row0, row0 + k)`` of its weight alone (through the
+    transform's own ``apply_run``/``invert_run``, which place a run of the flat weight)."""
+
+    def __init__(self, transform, row0: int, cols: int) -> None:
+        self.transform, self.start = transform, row0 * cols
+
+    def apply(self, G: torch.Tensor) -> torch.Tensor:
+        return self.transform.apply_run(G.reshape(-1), self.start).view(G.shape)
+
+    def invert(self, Z: torch.Tensor) -> torch.Tensor:
+        return self.transform.invert_run(Z.reshape(-1), self.start).view(Z.shape)
+
+
+def rows_of_slice(G: torch.Tensor, rule, transforms: Dict[str, object]):
+    """A layer's local gradient cut to the rows its update rule's state covers, when that rule
+    acts element by element on a slice (Adam's moments of a ZeRO partition): the judgement of
+    the update then needs only those rows, and the plain and whitened errors are measured on
+    the same rows (a sample of whole rows: ~1/W of the layer instead of all of it, which for an
+    lm_head of 131M elements was ~2 GB of transients). A rule of the whole matrix (Muon) or
+    none: unchanged."""
+    start = getattr(rule, "start", None)
+    if rule is None or getattr(rule, "whole_matrix", True) or start is None:
+        return G, rule, transforms
+    cols = G.shape[1]
+    row0, row1 = start // cols, -(-(start + rule.exp_avg.numel()) // cols)
+    if row1 - row0 >= G.shape[0]:
+        return G, rule, transforms
+    return (G[row0:row1], dataclasses.replace(rule, start=start - row0 * cols),
+            {kind: RowBlock(t, row0, cols) for kind, t in transforms.items()})
 
 
 class Selection:

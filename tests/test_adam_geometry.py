@@ -156,3 +156,36 @@ def test_reduced_slices_err_less_in_adams_metric_at_int4():
     scaled = adam_err(run_ranks(_reduce_body, 3, "int4", True))
     plain = adam_err(run_ranks(_reduce_body, 3, "int4", False))
     assert scaled < 0.5 * plain, (scaled, plain)
+
+
+def test_a_slice_rule_is_judged_on_its_rows_alone_with_the_same_update_error():
+    """A layer whose Adam state this rank holds for a ZeRO slice is judged on the rows that slice
+    covers (``selection.rows_of_slice``): the update error is the one judging the whole layer
+    gives (the codec's blocks and every transform act on whole rows alike), from ~1/W of it."""
+    from deepspeed_gift.selection import rows_of_slice
+
+    out_dim, width = 64, 256
+    v = _second_moment(out_dim, width)
+    g = torch.Generator().manual_seed(5)
+    G = torch.randn(out_dim, width, generator=g) * v.sqrt()
+    start, numel = 9 * width + 40, 20 * width  # a slice starting and ending inside rows
+    whole_rule = _adam_rule(v.reshape(-1)[start:start + numel].clone())
+    whole_rule = metrics.AdamRule(exp_avg=whole_rule.exp_avg, exp_avg_sq=whole_rule.exp_avg_sq, step=50,
+                                  betas=(0.9, 0.95), start=start)
+    basis = torch.linalg.qr(torch.randn(width, 4, generator=g)).Q
+    kfac = geo.whitener_from_low_rank(geo.LowRankDiag(U=basis, lam=torch.tensor([9.0, 5.0, 3.0, 2.0]),
+                                                      d=torch.rand(width, generator=g) + 0.5), "structured")
+    scaling = geo.factored_scaling_from_sums(*geo.row_col_sums(v.reshape(-1), 0, v.shape))
+    transforms = {"kfac_input": kfac, "adam_factored": scaling}
+    codec = formats.get_format("fp8_e4m3", block_size=128)
+    rows, rule, blocks = rows_of_slice(G, whole_rule, transforms)
+    assert rows.shape == (21, width) and rule.start == 40  # rows 9..29, the slice 40 elements into row 9
+    whole = metrics.judge_geometries(G, codec, transforms, rule=whole_rule)
+    cut = metrics.judge_geometries(rows, codec, blocks, rule=rule)
+    for kind in transforms:
+        for side in (0, 1):  # Euclidean, then the geometry
+            # the same elements through the same arithmetic; a whitener's BLAS blocking may differ
+            # with the row count (a few fp32 ulps of the update, whose error is ~1e-2)
+            assert cut[kind][side]["optimizer"] == pytest.approx(whole[kind][side]["optimizer"], rel=1e-4)
+    # Muon's rule (the whole matrix) and no rule leave the layer whole
+    assert rows_of_slice(G, None, transforms)[0] is G
