@@ -257,10 +257,18 @@ def _source_amax(src, row_len: int, tile: int, *, finite_blocks_only: bool = Fal
     best = None
     for e0 in range(0, numel, step):
         e1 = min(e0 + step, numel)
-        amax = _tile_amax(src.read(e0, e1, work), row_len)
-        if finite_blocks_only:
-            amax = torch.where(torch.isfinite(amax), amax, 0.0)
-        top = amax.amax().reshape(1)
+        values = src.read(e0, e1, work)
+        top = None
+        if finite_blocks_only and values.device.type == "cpu":
+            # a tile with no nan/inf excludes no block: its max |x| is its blocks' largest amax,
+            # at the cost of one reduction (reading that on an accelerator would wait for it)
+            whole = torch.maximum(values.amax(), values.amin().neg_())
+            top = whole.reshape(1) if bool(torch.isfinite(whole)) else None
+        if top is None:
+            amax = _tile_amax(values, row_len)
+            if finite_blocks_only:
+                amax = torch.where(torch.isfinite(amax), amax, 0.0)
+            top = amax.amax().reshape(1)
         best = top if best is None else torch.maximum(best, top)
     return best
 
@@ -386,6 +394,7 @@ class Codec:
     elements_per_byte: ClassVar[int] = 1  # 2 for packed 4-bit formats
     bytes_per_element: ClassVar[int] = 1
     has_global_scale: ClassVar[bool] = False
+    _decode_temporaries: ClassVar[bool] = True  # decoding allocates per element (else: a cast)
 
     def __init__(
         self,
@@ -551,6 +560,9 @@ class Codec:
             raise ValueError(f"decode_into needs a float32 output of {numel} elements, got {out.dtype} "
                              f"of {out.numel()}")
         if numel == 0:
+            return out
+        if not add and not self._decode_temporaries:  # a cast straight into ``out``: nothing to bound
+            self._decode_range(p, out, 0, numel, self._row_len(numel, numel))
             return out
         tile = self._tile(p.device, tile_elements)
         row_len = self._row_len(numel, tile)
@@ -1105,6 +1117,7 @@ class NvFp4Codec(_ScaledCodec):
 
 
 class _PassthroughCodec(Codec):
+    _decode_temporaries = False
     def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
         self._check_scale(scale, ("fp32",))
         if block_size not in (None, 0):
