@@ -1,4 +1,4 @@
-"""    .venv/bin/python benchmarks/memory_measure.py [--sizes 1536,768] [--steps 4] [--json out.json]
+"""    .venv/bin/python benchmarks/memory_measure.py [--sizes 1536,768] [--steps 4] [--profile] [--json out.json]
 
 Issue 31's CPU measurement of GIFT's memory, beside ``benchmarks/memory_model.py``'s prediction
 for the same run. A Llama with wide inputs (``LlamaConfig`` hidden 1536, intermediate 4096, 2
@@ -13,8 +13,13 @@ the run, the bytes of the tensors reachable from ``engine.gift`` (each storage o
 parameters and gradients and DeepSpeed's optimizer, partitions and buckets excluded), by
 component (:func:`component_of`: the attribute path that reaches them), over the model's fp32
 parameter bytes, each beside the memory model's bytes for that component and run. The memory
-model's peak extra beside the RSS difference is the one number here that is not an exact count
-(RSS also holds the allocator's slack and what the step's transients left mapped).
+model's peak extra beside the RSS difference is not a like-for-like pair: the difference of two
+peaks is a lower bound of GIFT's extra (native's peak, Adam's state made at the first step, and
+GIFT's, the first step's reduction, come at different moments). The transients are checked where
+they happen instead (``--profile``, a run of its own: the profiler's records raise the RSS): the
+torch profiler's memory records inside each bucket reduction (:func:`live_peak`), its peak
+allocation on the sampled step 0 and on the ordinary steps after, beside the model's
+``reduce_sampled`` and ``reduce``.
 """
 
 from __future__ import annotations
@@ -152,9 +157,40 @@ def held_by_component(engine) -> Dict[str, int]:
     return out
 
 
+# ---- a bucket's reduction, by the profiler ------------------------------------------------------
+def live_peak(prof) -> int:
+    """Peak bytes allocated and not yet freed inside a profiled region, from the CPU profiler's
+    memory records: each op's own allocations less its frees at the op's start, frees outside ops
+    as ``[memory]`` records (a temporary made and freed inside one op is not seen)."""
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def profile_reductions(engine) -> List[tuple]:
+    """Wrap GIFT's bucket reduction so each call records (step, peak bytes it allocated)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reducer, native, peaks = engine.gift.reducer, engine.gift.reducer.reduce, []
+
+    def reduce(*args, **kwargs):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = native(*args, **kwargs)
+        peaks.append((engine.global_steps, live_peak(prof)))
+        return out
+
+    reducer.reduce = reduce
+    return peaks
+
+
 # ---- one rank ---------------------------------------------------------------------------------
 def measure_rank(rank: int, world_size: int, spec: dict) -> dict:
-    """Train ``spec`` (``tests/harness.py``'s engine and batches); peak RSS and GIFT's held bytes."""
+    """Train ``spec`` (``tests/harness.py``'s engine and batches); peak RSS and GIFT's held bytes;
+    with ``spec["profile_reduce"]``, each bucket reduction's peak allocation too (the profiler
+    runs only inside them)."""
     import resource
 
     import torch
@@ -162,6 +198,7 @@ def measure_rank(rank: int, world_size: int, spec: dict) -> dict:
     from tests.harness import batches, build_engine
 
     engine = build_engine(spec)
+    peaks = profile_reductions(engine) if spec.get("profile_reduce") and getattr(engine, "gift", None) else None
     for tokens in batches(engine.global_rank, spec["steps"], spec["micro"], spec["seq"]):
         out = engine(input_ids=tokens, labels=tokens)
         engine.backward(out.loss)
@@ -170,6 +207,9 @@ def measure_rank(rank: int, world_size: int, spec: dict) -> dict:
               "param_bytes": sum(4 * p.numel() for p in engine.module.parameters())}
     if getattr(engine, "gift", None) is not None:
         result["held"] = held_by_component(engine)
+    if peaks is not None:  # step 0 is telemetry's sampled step, the others ordinary
+        result["reduce_sampled"] = max((b for k, b in peaks if k == 0), default=0)
+        result["reduce"] = max((b for k, b in peaks if k > 0), default=0)
     torch.distributed.barrier()
     return result
 
@@ -196,12 +236,16 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--sizes", default="1536,768", help="hidden sizes among " + ", ".join(map(str, WIDE)))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--profile", action="store_true",
+                        help="the profiler inside each bucket reduction: its peak allocation (the profiler's "
+                        "own records raise the peak RSS: measure RSS without it)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
     for hidden in (int(h) for h in args.sizes.split(",")):
         model = WIDE[hidden]
-        measured = {mode: run_ranks(measure_rank, 2, spec_for(model, MODES[mode], args.steps))
+        measured = {mode: run_ranks(measure_rank, 2, dict(spec_for(model, MODES[mode], args.steps),
+                                                          profile_reduce=args.profile))
                     for mode in args.modes.split(",")}
         native = measured.get("native")
         params = measured[next(iter(measured))][0]["param_bytes"]
@@ -231,6 +275,12 @@ def main(argv=None) -> List[dict]:
                       f"{model_bytes['peak'] / 2**20:.0f} MiB, held {model_bytes['held'] / 2**20:.0f} MiB")
             print(f"  held by GIFT after the run (rank 0): {total / 2**20:.1f} MiB = {100 * total / params:.1f}% "
                   "of the model's fp32 parameter bytes")
+            if "reduce" in ranks[0]:
+                for key, what in (("reduce_sampled", "a sampled step's"), ("reduce", "an ordinary step's")):
+                    got = [r[key] for r in ranks]
+                    row[key] = got
+                    print(f"  {what} bucket reduction, peak allocation per rank "
+                          f"{', '.join(f'{g / 2**20:.1f}' for g in got)} MiB; model {model_bytes[key] / 2**20:.1f} MiB")
             print("  | component | held MiB | model MiB |\n  |---|---:|---:|")
             for key in sorted(set(held) | set(memory_model.HELD)):
                 want = model_bytes.get(key)

@@ -22,8 +22,8 @@ step, step 0: a collect, refresh and telemetry-sampled step at once):
   at the end of the step, as many bytes again: the means ``take()`` hands the EMA);
 - ``transforms`` (held): per statistic the shared factors (U, lam, d, as ``refresh._share``
   rebuilds them) and the whitener built from them (V, two diagonals, two r-vectors);
-- ``codec_staging`` (transient): one section's fp32 staging, and the whitening's temporaries or
-  the codec's work (the larger), over a whole section or over a tile;
+- ``codec_staging`` (transient): the section being encoded: its fp32 staging and the whitening's
+  temporaries or the codec's work (the larger), over the whole section or over a tile;
 - ``payload`` (transient): the encoded sections, the send buffer and the receive buffer, or what
   was received and the owner's fp32 sums, of the busiest bucket (the direct or relay route, as
   ``plan_route`` picks; :func:`bucket_phases`);
@@ -33,10 +33,10 @@ step, step 0: a collect, refresh and telemetry-sampled step at once):
   compressed all-gather's buffers;
 - ``refresh_captures`` (transient, refresh steps): the captured gradients and optimizer state;
 - ``telemetry`` (transient, sampled steps): ``quantization_stats`` over a section and the
-  fidelity check's exact sample; ``telemetry_samples`` (held): the sampled positions each cached
-  plan keeps (``plan.section_sample``: two int64 per sampled element, up to
-  ``fidelity_elements`` per owner and bucket), in every plan a sampled step used, up to
-  ``plan.MAX_CACHED_PLANS`` plans.
+  fidelity check's exact sample (and the bucket's sampled positions, where they are made for the
+  step); ``telemetry_samples`` (held, before ``9eaa19e``): the sampled positions each cached plan
+  kept (``plan.section_sample``: two int64 per sampled element, up to ``fidelity_elements`` per
+  owner and bucket), in every plan a sampled step used, up to ``plan.MAX_CACHED_PLANS`` plans.
 
 Peak extra (:func:`peak_bytes`) = held + statistics_step + refresh_captures (one more of the
 moments below when a layer is judged as it is captured) + the largest of: a section's encode
@@ -102,17 +102,20 @@ class Design:
     stage_tile: Optional[int]  # the same for the staging, whitening and the owner's decode and sum
     ef_bytes: float  # bytes a residual element holds (block scales included)
     capture: str  # "full": every captured layer's gradient and state held to the end of the step; "layer": one
+    samples_cached: bool  # the fidelity check's sampled positions kept in every cached plan
     telemetry_sample: Optional[int]  # elements quantization_stats measures of a section (None: all of it)
     oversample: int = 8  # refresh.SKETCH_OVERSAMPLE
 
 
 BEFORE = Design("before", stats="dense", codec_tile=None, stage_tile=None, ef_bytes=4.0, capture="full",
-                telemetry_sample=None)
+                samples_cached=True, telemetry_sample=None)
 
 
 def design_now() -> Design:
     """The design of the code in this checkout, read from the constants that name it (a design
     element whose constant is absent is still as it was before)."""
+    import inspect
+
     from deepspeed_gift import config, refresh, selection
     from deepspeed_gift.exchange import encode, feedback, plan
 
@@ -126,6 +129,7 @@ def design_now() -> Design:
                    telemetry_sample=tile if hasattr(encode, "SampleRecorder") else None,
                    # each layer judged as its gradient is captured, nothing held to the end of the step
                    capture="layer" if hasattr(selection.Selection, "judge_captured") else "full",
+                   samples_cached="plan.samples" in inspect.getsource(plan.section_sample),
                    oversample=getattr(refresh, "SKETCH_OVERSAMPLE", BEFORE.oversample))
 
 
@@ -216,24 +220,23 @@ def relay_is_lighter(owners: Dict[int, int], world: int, b: float) -> bool:
     return (world - 1) / world * n * b + biggest * b < (world - 1) * biggest * b
 
 
-def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: bool,
-                  stage: float) -> Tuple[float, float, float]:
-    """Payload bytes of one bucket on rank ``me`` while it encodes, exchanges and sums, with
-    ``stage`` the elements its fp32 decode works on at once (the owner's part, or a tile):
-    - encode: the encoded sections so far (b per element sent);
-    - exchange: those and the send buffer they are copied into (2 b), and what it receives: direct,
-      the W-1 parts of its own (b); relay, its chunk of every section from every rank (b N (W-1)/W)
-      and its fp32 chunk sums (4 N/W);
-    - owner: what it received and, direct, its exact own values and their sum (8 B an owned element)
-      and a decoded part and the inverse's output (8 B a staged element); relay, the sums' forwards
-      (b) and their totals (8 B an owned element) beside its chunk sums."""
+def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: bool) -> Tuple[float, float, float]:
+    """Payload bytes of one bucket on rank ``me`` while it encodes, exchanges and sums:
+    - encode: its own section's values, staged whole (the owner's sum starts from them), and the
+      encoded sections so far (b per element sent); relay, the chunk wires and its own chunks;
+    - exchange: those, the send buffer they are copied into (b an element sent) and what it
+      receives: direct, the W-1 parts of its own (b); relay, its chunk of every section from every
+      rank (b N (W-1)/W) beside its fp32 chunk sums (4 N/W);
+    - owner: what it received and its own values, and a sum of its own where whitened rows are
+      summed apart from its exact values (4 B an owned element; counted: the worst case);
+      relay, its chunk sums, the forwards it receives (b) and their totals (8 B an owned element).
+    A tile's decode work is the codecs' (``codec_staging``)."""
     n, mine = sum(owners.values()), owners.get(me, 0)
     if relay:
-        received = b * n * (world - 1) / world
-        return (b * n, 2 * b * n + received + 4 * n / world,
-                received + 4 * n / world + (b + 8) * mine + 8 * min(mine, stage))
-    received = b * (world - 1) * mine
-    return (b * (n - mine), 2 * b * (n - mine) + received, received + 8 * mine + 8 * min(mine, stage))
+        received, sums = b * n * (world - 1) / world, 4 * n / world
+        return b * n + sums, 2 * b * n + received + sums, received + sums + (b + 8) * mine
+    own, received = 4 * mine, b * (world - 1) * mine
+    return own + b * (n - mine), own + 2 * b * (n - mine) + received, own + received + 4 * mine
 
 
 def ef_elements(owners: Dict[int, int], me: int, world: int, relay: bool) -> Tuple[float, float]:
@@ -316,7 +319,6 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
     out = {"statistics": stats_held, "statistics_step": stats_step,
            "transforms": transform_bytes(shape.stat_dims, run.rank, run.device == "cpu")}
     section = max(max(o.values()) for o in layout)
-    stage = section if design.stage_tile is None else min(section, design.stage_tile)
     ef = relayed = 0.0
     phases = [0.0, 0.0, 0.0]  # encode, exchange, owner: the busiest rank's, over buckets
     for me in ranks:
@@ -325,21 +327,36 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
             relay = relay_is_lighter(owners, nodes, b)
             sent, rel = ef_elements(owners, me, nodes, relay)
             ef_me, relayed_me = ef_me + sent, relayed_me + rel
-            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, stage))]
+            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
     if two_level:  # the node stage: the bucket's dtype out and in, the fp32 node partial of a slot
         biggest = max(sum(o.values()) for o in layout) * run.per_node
         phases = [x + 2 * run.params_bytes * biggest + 4 * biggest / run.per_node for x in phases]
     out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
     out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0
-    out["telemetry_samples"] = sample_bytes(layout, run)
+    out["telemetry_samples"] = held_samples(layout, run, design)
     out["payload"] = max(phases[1:])
-    staging, whiten, codec = codec_staging_parts(section, run, design)
+    staging, whiten, codec = codec_staging_parts(section, max(n for _, _, n in shape.linears), run, design)
     out["codec_staging"] = staging + max(whiten, codec)
-    # quantization_stats over the section (or its sample), and the fidelity check's sample out and in
-    measured = section if design.telemetry_sample is None else min(section, design.telemetry_sample)
-    out["telemetry"] = TELEMETRY_BYTES * measured + 8 * run.fidelity_elements * nodes
-    phases[0] += staging + max(whiten, codec + out["telemetry"])  # a section's encode on a sampled step
+    # the fidelity check's sample goes out and comes in too
+    # quantization_stats over the section, or over a sample a recorder keeps as it is read (4 B more)
+    if design.telemetry_sample is None:
+        out["telemetry"] = TELEMETRY_BYTES * section
+    else:
+        out["telemetry"] = (TELEMETRY_BYTES + 4) * min(section, design.telemetry_sample)
+    out["telemetry"] += 8 * run.fidelity_elements * nodes
+    if not design.samples_cached:  # the bucket's sampled positions, made for the step
+        out["telemetry"] += sample_bytes(layout, run)[1]
+    # with error feedback a section is staged whole (its residual is whole) and decoded whole beside
+    # it (the residual is what the decode misses), both fp32
+    decoded = 0.0
+    if run.error_feedback:
+        staging, decoded = 4 * section, 4 * section
+    encode = phases[0] + staging
+    phases[0] = encode + max(whiten, codec + out["telemetry"], decoded)  # a section's encode, sampled step
+    # one bucket's reduction at its largest: on an ordinary step and on a sampled one
+    out["reduce"] = max(encode + max(whiten, codec, decoded), phases[1], phases[2])
+    out["reduce_sampled"] = max(phases)
     out["refresh_captures"] = capture_bytes(shape, main_owners(shape.sizes, run.world), design,
                                             CAPTURE_BYTES if run.optimizer_state else 4.0)
     out["param_gather"] = param_gather_bytes(shape.params, run, design) if run.params_format else 0.0
@@ -362,33 +379,47 @@ def peak_bytes(c: Dict[str, float], phases: List[float], judged_at_capture: bool
     return c["held"] + c["statistics_step"] + c["refresh_captures"] + max(moments)
 
 
-def codec_staging_parts(section: float, run: Run, design: Design) -> Tuple[float, float, float]:
-    """(staging, whitening temporaries, codec work) of one section at a time: its fp32 staging
-    buffer (the transform's output, for a whitened section) and the whitening's other temporaries
-    over the section or a tile of it, and the codec's work over a tile (on a CPU the codecs cut
-    any tile to ``CPU_TILE``, as ``formats._device_tile`` does). The whitening's temporaries are
-    gone before the codec runs."""
+def codec_staging_parts(section: float, layer: int, run: Run, design: Design) -> Tuple[float, float, float]:
+    """(staging, whitening, codec work) of the section being encoded: whole-section staging
+    (``design.stage_tile`` None) is an fp32 copy of the section, and a whitened piece (at most
+    ``layer``, the largest linear weight) its two other temporaries; staged a chunk at a time
+    (``plan.SectionSource``: whole rows of one piece, about a tile) the codec reads the chunk into
+    its own tile and a whitened chunk holds its output and two temporaries (12 B an element). The
+    codec's work is over a tile (on a CPU the codecs cut any tile to ``CPU_TILE``, as
+    ``formats._device_tile`` does). The whitening's temporaries are gone before the codec runs."""
     work = CODEC_WORK[run.format] + (STOCHASTIC_WORK if run.stochastic else 0.0)
     codec = section if design.codec_tile is None else min(section, design.codec_tile)
     if run.device == "cpu":
         codec = min(codec, CPU_TILE)
-    stage = section if design.stage_tile is None else min(section, design.stage_tile)
-    return 4 * stage, 4 * (WHITEN_TEMPS - 1) * stage, work * codec
+    piece = min(section, layer)
+    if design.stage_tile is None:
+        return 4 * section, 4 * (WHITEN_TEMPS - 1) * piece, work * codec
+    return 0.0, 4 * WHITEN_TEMPS * min(piece, design.stage_tile), work * codec
 
 
-def sample_bytes(layout: List[Dict[int, int]], run: Run) -> float:
-    """Sampled positions held by the cached plans: per bucket and owner (its one section), the
-    ``ceil(n / stride)`` positions and offsets of ``plan.section_sample``, int64 each, with the
-    stride ``exact_sample_reduction`` takes; one set per plan version a sampled step used."""
-    from deepspeed_gift.exchange.plan import MAX_CACHED_PLANS
-
-    per_version = 0.0
+def sample_bytes(layout: List[Dict[int, int]], run: Run) -> Tuple[float, float]:
+    """(all buckets', the largest bucket's) sampled positions of the fidelity check: per bucket and
+    owner (its one section), the ``ceil(n / stride)`` positions and offsets of
+    ``plan.section_sample``, int64 each, with the stride ``exact_sample_reduction`` takes."""
+    per_bucket = []
     for owners in layout:
+        total = 0.0
         for n in owners.values():
             stride = max(1, -(-int(n) // run.fidelity_elements))
-            per_version += 16 * -(-int(n) // stride)
+            total += 16 * -(-int(n) // stride)
+        per_bucket.append(total)
+    return sum(per_bucket), max(per_bucket, default=0.0)
+
+
+def held_samples(layout: List[Dict[int, int]], run: Run, design: Design) -> float:
+    """Sampled positions the cached plans keep (``design.samples_cached``): one set per plan
+    version a sampled step used, up to ``plan.MAX_CACHED_PLANS`` plans."""
+    from deepspeed_gift.exchange.plan import MAX_CACHED_PLANS
+
+    if not design.samples_cached:
+        return 0.0
     versions = run.sampled_versions or max(1, MAX_CACHED_PLANS // max(len(layout), 1))
-    return per_version * versions
+    return sample_bytes(layout, run)[0] * versions
 
 
 def _node_partial(owners: Dict[int, int], per_node: int) -> Dict[int, int]:

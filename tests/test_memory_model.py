@@ -34,8 +34,8 @@ def measured():
 def test_held_components_match_the_memory_model(measured, size):
     held = measured[size]["held"]
     model = memory_measure.predicted(SIZES[size], GIFT, bucket=BUCKET)
-    for key in CHECKED:
-        assert model[key] > 0, key
+    assert all(model[key] > 0 for key in ("statistics", "transforms", "error_feedback")), model
+    for key in CHECKED:  # a component the model says is not held must hold nothing
         assert abs(held.get(key, 0) - model[key]) <= 0.10 * model[key], (
             f"{size}: {key} holds {held.get(key, 0)} B, the memory model says {model[key]:.0f} B")
     # what no component names (plan caches, headers) stays small beside what the model counts
