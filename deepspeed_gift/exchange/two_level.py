@@ -332,7 +332,8 @@ class TwoLevelReducer:
             if not runs:
                 sizes.append(0)
                 continue
-            body = torch.cat([partial.narrow(0, at, n) for at, n in runs]).to(dtype).view(torch.uint8)
+            # each run cast on its own: no fp32 copy of everything forwarded besides the message
+            body = torch.cat([partial.narrow(0, at, n).to(dtype) for at, n in runs]).view(torch.uint8)
             messages += [head, body]
             sizes.append(CONTROL_HEADER_BYTES + body.numel())
         elem = tensor.element_size()
