@@ -260,3 +260,26 @@ def test_a_reduction_allocates_a_few_tiles_beyond_its_payloads_and_its_result():
                 print(fmt, sample, "peak", peak, "floor", floor, "extra", peak - floor, "untiled", peak_whole)
                 assert peak <= bound, (fmt, sample, peak, bound)
                 assert peak_whole > bound + 4 * section, (fmt, sample, peak_whole, bound)
+
+
+def test_sampled_stats_are_those_of_whole_blocks_of_the_encoded_tensor():
+    """What a sampled step measures: rows of whole blocks picked at an even stride, recorded as
+    the encode reads them (tiles that cut the rows included), decoded from their own scales."""
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(1))
+    x[::5] *= 1e-30  # underflows for the 4-bit formats
+    limit = 4096
+    for name, kw in (("fp8_e4m3", {}), ("nvfp4", {}), ("int4", {"block_size": 0})):
+        codec = formats.get_format(name, **kw)
+        recorder = formats.SampleRecorder(formats.TensorSource(x), codec, limit)
+        payload = codec.encode_source(recorder, tile_elements=300)
+        assert torch.equal(payload.wire, codec.encode(x).wire)  # recording changes nothing
+        unit, rows = formats.sample_rows(codec, x.numel(), limit)
+        assert rows.numel() * unit <= limit and rows[1] - rows[0] > 1
+        at = (rows[:, None] * unit + torch.arange(unit)).reshape(-1)
+        assert torch.equal(recorder.values, x[at])
+        sub = formats.payload_rows(codec, payload, rows, unit)
+        assert torch.equal(codec.decode(sub), codec.decode(payload)[at])
+        got = recorder.stats(payload, codec)
+        assert got == formats.quantization_stats(x, payload, codec, limit=limit)
+        assert got == formats.quantization_stats(x[at], sub, codec)
+        assert got["numel"] == at.numel() and (name == "fp8_e4m3" or got["underflow"] > 0)
