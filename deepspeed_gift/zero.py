@@ -205,12 +205,14 @@ class GiftState:
             node_comm, slot_comm = split_by_node(self.comm, self.ranks_per_node)
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
-                                route=cfg.route, shared_seed=cfg.seed if cfg.rounding == Rounding.STOCHASTIC else None)
+                                route=cfg.route, shared_seed=cfg.seed if cfg.rounding == Rounding.STOCHASTIC else None,
+                                tile_elements=cfg.tile_elements)
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                        ranks_per_node=self.ranks_per_node, defer_checks=True,
-                                       fidelity_elements=cfg.telemetry.fidelity_elements, route=cfg.route)
+                                       fidelity_elements=cfg.telemetry.fidelity_elements, route=cfg.route,
+                                       tile_elements=cfg.tile_elements)
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it

@@ -283,3 +283,21 @@ def test_sampled_stats_are_those_of_whole_blocks_of_the_encoded_tensor():
         assert got == formats.quantization_stats(x, payload, codec, limit=limit)
         assert got == formats.quantization_stats(x[at], sub, codec)
         assert got["numel"] == at.numel() and (name == "fp8_e4m3" or got["underflow"] > 0)
+
+
+def _tiles_of_engine(rank, world, spec):
+    from tests.harness import build_engine
+
+    engine = build_engine(spec)
+    reducer = engine.gift.reducer
+    return getattr(reducer, "tile_elements", None), getattr(getattr(reducer, "inner", None), "tile_elements", None)
+
+
+def test_gift_tile_elements_reaches_the_engines_reducers():
+    from launch.spawn import run_ranks
+
+    gift = {"format": "fp8_e4m3", "tile_elements": 4096}
+    flat = run_ranks(_tiles_of_engine, 2, dict(stage=2, gift=gift))
+    assert [t for t, _ in flat] == [4096, 4096]
+    two = run_ranks(_tiles_of_engine, 2, dict(stage=2, gift={**gift, "hierarchy": "two_level", "ranks_per_node": 1}))
+    assert [inner for _, inner in two] == [4096, 4096]

@@ -110,10 +110,16 @@ class GiftReducer:
             stats.relay_buckets = 1
             totals = relay_totals(self, tensor, plan, whiteners, stats, sample, step)
         else:
-            with full_fp32_matmuls():
-                packed = self.pack(tensor, plan, whiteners, stats, sample, step)
             head = self.checks.control_header(plan, step, tensor.device)  # sent and expected alike
-            recv = self._exchange(plan, packed, head, stats)
+            me = self.comm.rank
+            outbox = self.outbox({dst: [(i, self.encoder.codec_of(plan.sections[i]).nbytes(plan.sections[i].numel))
+                                        for i in plan.to_rank[dst]]
+                                  for dst in range(self.comm.world_size) if dst != me and plan.to_rank[dst]},
+                                 plan.message_sizes, head, stats)
+            with full_fp32_matmuls():
+                packed = self.pack(tensor, plan, whiteners, stats, sample, step, outbox=outbox)
+            my_size = plan.message_sizes[me]
+            recv = self.post(outbox, [0 if src == me else my_size for src in range(self.comm.world_size)], stats)
             totals = self._sum_at_owner(plan, packed, recv, head, stats)
         t0 = self.now()
         results = []  # the inverse may hand back a new tensor: keep what was scattered
@@ -143,10 +149,11 @@ class GiftReducer:
         return clock(*self._timing)
 
     def pack(self, tensor, plan: BucketPlan, whiteners, stats: StepStats, sample: bool, step: int = 0,
-             only_shared: bool = False):
+             only_shared: bool = False, outbox: Optional["Outbox"] = None):
         """Every section this rank contributes to, transformed and (where it leaves this rank)
         encoded once; a list in plan order, or (``only_shared``, the relay route) a dict of the
-        shared sections by index."""
+        shared sections by index. With ``outbox`` each section's bytes go into it as they are
+        made (key: the section's index) and are not kept in the result."""
         me, enc = self.comm.rank, self.encoder
         packed = [] if not only_shared else {}
         for index, sec in enumerate(plan.sections):
@@ -181,6 +188,9 @@ class GiftReducer:
             if feedback:
                 self.feedback.keep(plan, sec, values.sub_(decoded), whiteners)
             enc.count_sent(sec, wire, sec.numel, sum(1 for d in sec.dests if d != me), stats)
+            if outbox is not None:
+                outbox.put(index, wire)
+                wire = None
             stats.codec_s += self.now() - t0
             if only_shared:
                 packed[index] = Packed(own=own, wire=wire)
@@ -188,13 +198,29 @@ class GiftReducer:
                 packed.append(Packed(own=own, wire=wire))
         return packed
 
-    def _exchange(self, plan: BucketPlan, packed: List[Packed], head: torch.Tensor, stats: StepStats) -> torch.Tensor:
-        """The direct route's one all-to-all; the message to ``dst`` holds every section it receives."""
-        me, world = self.comm.rank, self.comm.world_size
-        parts = {dst: [packed[i].wire for i in plan.to_rank[dst]] for dst in range(world)
-                 if dst != me and plan.to_rank[dst]}
-        my_size = plan.message_sizes[me]
-        return self.send(parts, plan.message_sizes, [0 if src == me else my_size for src in range(world)], head, stats)
+    def outbox(self, layout: Dict[int, List[Tuple[object, int]]], expected: Sequence[int], head: torch.Tensor,
+               stats: StepStats) -> "Outbox":
+        """The send buffer of one all-to-all, laid out before anything is encoded (see
+        :class:`Outbox`); each message's size checked against the plan's and counted."""
+        sizes = [0] * self.comm.world_size
+        for dst, parts in layout.items():
+            n = CONTROL_HEADER_BYTES + sum(nbytes for _, nbytes in parts)
+            if n != expected[dst]:
+                raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {n} bytes, "
+                                   f"plan expects {expected[dst]}; codec byte count is inconsistent")
+            stats.bytes_header += CONTROL_HEADER_BYTES
+            if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
+                stats.bytes_internode += n
+            sizes[dst] = n
+        return Outbox(layout, sizes, head)
+
+    def post(self, outbox: "Outbox", recv_sizes: Sequence[int], stats: StepStats) -> torch.Tensor:
+        """The all-to-all of a filled :class:`Outbox`."""
+        outbox.check_filled()
+        t0 = self.now()
+        recv = self.comm.all_to_all_bytes(outbox.buffer, outbox.sizes, recv_sizes, kind=ByteKind.PAYLOAD)
+        stats.comm_s += self.now() - t0
+        return recv
 
     def send(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int], recv_sizes: Sequence[int],
              head: torch.Tensor, stats: StepStats) -> torch.Tensor:
@@ -293,3 +319,39 @@ class GiftReducer:
     def residual_nbytes(self) -> int:
         """Memory held by error feedback (int8 residuals of every payload this rank sends and relays)."""
         return self.feedback.nbytes()
+
+
+class Outbox:
+    """The send buffer of one all-to-all, laid out from the codecs' exact byte counts before
+    anything is encoded: per destination (in rank order) the control header, then its parts in
+    the plan's order. Each part is copied into every message it belongs to as soon as it is
+    encoded (:meth:`put`) and the caller drops it, so a bucket's encoded bytes exist once, not
+    once as parts and again as the joined buffer (~1 B an element of the bucket less at the
+    exchange's peak)."""
+
+    def __init__(self, layout: Dict[int, List[Tuple[object, int]]], sizes: Sequence[int], head: torch.Tensor) -> None:
+        self.sizes = list(sizes)
+        self.buffer = torch.empty(sum(self.sizes), dtype=torch.uint8, device=head.device)
+        self.slots: Dict[object, List[Tuple[int, int]]] = {}  # part -> (offset, bytes) of each copy
+        pos = 0
+        for dst in sorted(layout):
+            pos = sum(self.sizes[:dst])
+            self.buffer.narrow(0, pos, head.numel()).copy_(head)
+            pos += head.numel()
+            for key, nbytes in layout[dst]:
+                self.slots.setdefault(key, []).append((pos, nbytes))
+                pos += nbytes
+        self._missing = set(self.slots)
+
+    def put(self, key, wire: torch.Tensor) -> None:
+        for offset, nbytes in self.slots.get(key, ()):  # none: a part no other rank receives
+            if wire.numel() != nbytes:
+                raise RuntimeError(f"deepspeed_gift: part {key!r} encoded to {wire.numel()} bytes, the plan laid "
+                                   f"out {nbytes}; codec byte count is inconsistent")
+            self.buffer.narrow(0, offset, nbytes).copy_(wire)
+        self._missing.discard(key)
+
+    def check_filled(self) -> None:
+        if self._missing:
+            raise RuntimeError(f"deepspeed_gift: parts {sorted(map(repr, self._missing))[:5]} of the send buffer "
+                               "were never encoded")

@@ -31,8 +31,16 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     into the sums tile by tile."""
     me, world, device = r.comm.rank, r.comm.world_size, tensor.device
     head = r.checks.control_header(plan, step, device)
-    # 1. chunks to the relays
-    chunk_wires: Dict[int, List[Optional[torch.Tensor]]] = {}
+    # 1. chunks to the relays, each copied into the send buffer as it is encoded
+    layout: Dict[int, List[Tuple[object, int]]] = {}
+    for j in range(world):
+        if j == me or not plan.relay_sizes[j]:
+            continue
+        codec_of = r.encoder.codec_of
+        layout[j] = [((i, j), codec_of(sec).nbytes(plan.chunks[i][j][1])) if not sec.shared
+                     else (i, codec_of(sec).nbytes(sec.numel)) for i, sec in enumerate(plan.sections)
+                     if (not sec.shared and plan.chunks[i][j][1]) or (sec.shared and j in sec.dests)]
+    outbox = r.outbox(layout, plan.relay_sizes, head, stats)
     own_chunks: Dict[int, torch.Tensor] = {}
     packed: Dict[int, Packed] = {}
     with full_fp32_matmuls():
@@ -47,7 +55,6 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             t0 = r.now()
             if feedback:
                 values = r.feedback.add(plan, sec, values, transforms)
-            wires: List[Optional[torch.Tensor]] = [None] * world
             for j, (start, n) in enumerate(plan.chunks[i]):
                 part = (values.narrow(0, start, n) if feedback
                         else SectionSource(tensor, sec.pieces, transforms, r.tile_elements, start, n))
@@ -60,25 +67,19 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                     continue
                 if n == 0:
                     continue
-                wires[j], decoded = r.encoder.encode(sec, part, stats, sample, r.encoder.generator,
+                wire, decoded = r.encoder.encode(sec, part, stats, sample, r.encoder.generator,
                                                  decode=r.error_feedback and not sec.high)
-                r.encoder.count_sent(sec, wires[j], n, 1, stats)
+                r.encoder.count_sent(sec, wire, n, 1, stats)
+                outbox.put((i, j), wire)
+                del wire
                 if decoded is not None:
                     part.sub_(decoded)  # the residual of this chunk
             if not sec.high and r.error_feedback:
                 r.feedback.keep(plan, sec, values, transforms)
-            chunk_wires[i] = wires
             stats.codec_s += r.now() - t0
-        shared = r.pack(tensor, plan, transforms, stats, sample, step, only_shared=True)
+        shared = r.pack(tensor, plan, transforms, stats, sample, step, only_shared=True, outbox=outbox)
         packed.update(shared)
-    parts: Dict[int, List[torch.Tensor]] = {}
-    for j in range(world):
-        if j == me or not plan.relay_sizes[j]:
-            continue
-        parts[j] = [chunk_wires[i][j] if not sec.shared else packed[i].wire for i, sec in enumerate(plan.sections)
-                    if (not sec.shared and chunk_wires[i][j] is not None) or (sec.shared and j in sec.dests)]
-    recv = r.send(parts, plan.relay_sizes, [0 if src == me else plan.relay_sizes[me] for src in range(world)],
-                      head, stats)
+    recv = r.post(outbox, [0 if src == me else plan.relay_sizes[me] for src in range(world)], stats)
     # 2. relay: sum my chunk of every owned section, and the shared sections I copy
     t0 = r.now()
     incoming = r.split_messages(recv, plan.relay_sizes[me], head, DISAGREE)
