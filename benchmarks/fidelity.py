@@ -100,6 +100,7 @@ import math
 import os
 import platform
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +113,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepspeed_gift.core import geometry as geo  # noqa: E402
 from deepspeed_gift.core import metrics as fm  # noqa: E402
-from deepspeed_gift.exchange.comm import run_local  # noqa: E402
+from deepspeed_gift.config import GeometryConfig  # noqa: E402
+from deepspeed_gift.exchange.comm import LocalComm, run_local  # noqa: E402
 from deepspeed_gift.core.formats import FORMAT_NAMES, NvFp4Codec, get_format  # noqa: E402
 from deepspeed_gift.statistics import InputMoments  # noqa: E402
 from deepspeed_gift.exchange.plan import GEO, ParamSlice  # noqa: E402
 from deepspeed_gift.exchange.reducer import GiftReducer  # noqa: E402
 from deepspeed_gift.exchange.stats import StepStats  # noqa: E402
+from deepspeed_gift.refresh import KfacRefresh  # noqa: E402
 from launch.data import corpus_bytes  # noqa: E402
 from launch.pretrain import PRESETS  # noqa: E402
 
@@ -198,10 +201,13 @@ def linear_layers(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
 
 
 class MomentHooks(InputMoments):
-    """The plugin's statistics hooks, switched on while ``active``."""
+    """The plugin's statistics hooks, switched on while ``active`` (with ``companion``, a second
+    set switched with them)."""
 
-    def __init__(self, layers: List[Tuple[str, nn.Linear]], tokens: Optional[int] = None):
+    def __init__(self, layers: List[Tuple[str, nn.Linear]], tokens: Optional[int] = None,
+                 companion: Optional[InputMoments] = None):
         super().__init__(dict(layers), tokens)
+        self.companion = companion
 
     @property
     def active(self) -> bool:
@@ -209,8 +215,34 @@ class MomentHooks(InputMoments):
 
     @active.setter
     def active(self, on: bool) -> None:
-        self.new_forward()
-        self.attach() if on else self.detach()
+        for hooks in (self, self.companion) if self.companion is not None else (self,):
+            hooks.new_forward()
+            hooks.attach() if on else hooks.detach()
+
+
+class PluginStatistics:
+    """``--plugin-stats``: the kfac geometry as the plugin holds and fits it (its own
+    :class:`KfacRefresh` on one rank fed the rank-averaged inputs: sketched statistics, the
+    power step on first sight, Nystrom refits every ``--refresh-interval`` steps from step 0,
+    factor blending), beside the benchmark's exact fit of the whole ``x x^T`` EMA."""
+
+    def __init__(self, layers: List[Tuple[str, nn.Linear]], args, rank: int):
+        gcfg = GeometryConfig(rank=rank, stats_decay=args.stats_decay, damping=args.damping,
+                              damping_mode=args.damping_mode, refresh_interval=args.refresh_interval,
+                              collect_interval=args.collect_interval)
+        comm = LocalComm(0, 1, [None], threading.Barrier(1))
+        self.kfac = KfacRefresh(gcfg, args.seed, comm, sorted(n for n, _ in layers), {})
+        self.hooks = InputMoments(dict(layers), args.stats_tokens, test_matrix=self.kfac.test_matrix)
+        self.refresh_interval = args.refresh_interval
+        self.version = 0
+
+    def end_step(self, k: int) -> None:
+        means = self.hooks.take()
+        if means:
+            self.kfac.fold(means)
+        if k % self.refresh_interval == 0:
+            self.kfac.refit(self.version)
+            self.version += 1
 
 
 # ------------------------------------------------------------------------------- optimizers
@@ -329,6 +361,7 @@ class Capture:
     rules: Optional[Dict[str, LayerRules]]  # name -> optimizer state before this step's update
     loss: float
     stats: Optional[Dict[str, Tensor]] = None  # key -> (in, in), the statistic a refresh here fits (EMA)
+    plugin_fits: Optional[Dict[str, geo.LowRankDiag]] = None  # key -> the plugin's factors refit here
 
 
 def train_step(model, training: Training, hooks: MomentHooks, tokens: Tensor, collect: bool) -> float:
@@ -392,6 +425,8 @@ class GeometrySpec:
             return "adam full v (bound)"
         if self.kind == "choice":
             return "per-layer choice"
+        if self.kind == "kfac_plugin":
+            return f"kfac {self.solver} r{self.rank} plugin"
         if self.kind != "kfac_input":
             return self.kind
         return f"kfac {self.solver} r{self.rank}"
@@ -489,6 +524,8 @@ class WhitenerFactory:
                 out[name] = geo.make_whitener("identity", dim)
             elif spec.kind == "hadamard":  # the plugin seeds by the index among sorted names
                 out[name] = geo.make_whitener("hadamard", dim, seed=self.sorted_names.index(name))
+            elif spec.kind == "kfac_plugin":
+                out[name] = geo.whitener_from_low_rank(cap.plugin_fits[self.key_of.get(name, name)], spec.solver)
             else:
                 key, rank = self.key_of.get(name, name), min(spec.rank, dim)
                 lrd = self._fits.get((capture, key, rank))
@@ -771,6 +808,9 @@ def parse_args(argv):
     p.add_argument("--min-gain", type=float, default=0.05, help="selection.min_gain of layers: auto")
     p.add_argument("--all-quantized", action="store_true",
                    help="quantize the owner's contribution too (all-reduce; the plugin keeps it exact)")
+    p.add_argument("--plugin-stats", type=int, default=None, metavar="RANK",
+                   help="also the kfac geometry of this rank as the plugin holds and fits it (sketched "
+                        "statistics, Nystrom refits from step 0): rows 'kfac SOLVER rRANK plugin'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads; 0 = torch's default. 1 by default: the work is small kernels, "
@@ -818,7 +858,8 @@ def train_and_capture(args) -> TrainedRun:
     t_start = time.perf_counter()
     model, model_label = build_model(args)
     layers = linear_layers(model)
-    hooks = MomentHooks(layers, args.stats_tokens)
+    plugin = PluginStatistics(layers, args, args.plugin_stats) if args.plugin_stats else None
+    hooks = MomentHooks(layers, args.stats_tokens, companion=plugin.hooks if plugin else None)
     training = Training(model, layers, args)
     samplers = [Sampler(args.seq, args.seed * 9973 + r) for r in range(args.ranks)]
     capture_at = [args.train_steps + j * args.refresh_interval for j in range(3)]
@@ -838,12 +879,17 @@ def train_and_capture(args) -> TrainedRun:
                                want_rules=True)  # Adam's geometry at t0/t1, selection at t1, reference at t2
             fold(cap.moments)
             cap.stats = {key: ema.value().clone() for key, ema in emas.items()}
+            if plugin is not None:
+                plugin.end_step(k)
+                cap.plugin_fits = dict(plugin.kfac.lowrank)
             caps.append(cap)
             losses.append(cap.loss)
         else:
             tokens = torch.cat([s.batch(args.micro) for s in samplers])  # the global batch: rank moments averaged
             losses.append(train_step(model, training, hooks, tokens, collect=k % args.collect_interval == 0))
             fold(hooks.take())
+            if plugin is not None:
+                plugin.end_step(k)
     n_muon = sum(t == "muon" for t in training.trained_by.values())
     opt_note = (f"Muon (lr {args.muon_lr}, momentum {args.muon_momentum}) on {n_muon} of {len(layers)} Linear "
                 f"weights + AdamW (lr {args.lr})" if args.optimizer == "muon" else f"AdamW (lr {args.lr})")
@@ -927,8 +973,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         codecs["nvfp4/up"] = NvFp4Codec(scale_candidates=("up",))
         formats.insert(formats.index("nvfp4") + 1, "nvfp4/up")
     kfac = parse_kfac(args.kfac)
-    geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + [ADAM_SPEC,
-                                                                                                 FULL_V_SPEC]
+    plugin_specs = ([GeometrySpec(f"plugin_{g.solver[0]}{g.rank}", "kfac_plugin", g.solver, g.rank)
+                     for g in kfac if g.rank == args.plugin_stats] if args.plugin_stats else [])
+    if args.plugin_stats and not plugin_specs:
+        raise SystemExit(f"--plugin-stats {args.plugin_stats}: no --kfac entry has that rank")
+    geoms = [GeometrySpec("identity", "identity"), GeometrySpec("hadamard", "hadamard")] + kfac + plugin_specs + [
+        ADAM_SPEC, FULL_V_SPEC]
     auto_key = args.auto_geometry or (kfac[1].key if len(kfac) > 1 else kfac[0].key)
     if auto_key not in {g.key for g in kfac}:
         raise SystemExit(f"--auto-geometry {auto_key!r} is not one of {[g.key for g in kfac]}")

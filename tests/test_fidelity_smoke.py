@@ -104,7 +104,7 @@ def test_fidelity_smoke_adamw(tmp_path):
 
 
 def test_fidelity_smoke_muon(tmp_path):
-    data = run_fidelity(tmp_path, "--optimizer", "muon")
+    data = run_fidelity(tmp_path, "--optimizer", "muon", "--plugin-stats", "8")
     by = {layer["name"]: layer["trained_by"] for layer in data["layers"]}
     muon = {n for n, t in by.items() if t == "muon"}
     adam = set(by) - muon
@@ -115,6 +115,11 @@ def test_fidelity_smoke_muon(tmp_path):
                "adam_update_rel_err": adam, "adam_metric_rel_err": adam}
     results = check_common(data, covered)
     assert data["protocol"]["training"].startswith("Muon"), data["protocol"]["training"]
+    # the kfac geometry as the plugin holds and fits it (sketched statistics, Nystrom refits)
+    for f in FORMATS:
+        agg = results[f]["plugin_s8"]["aggregate"]
+        assert all(math.isfinite(agg[key]) and agg[key] > 0 for key in ERROR_KEYS), (f, agg)
+    assert results["fp32"]["plugin_s8"]["aggregate"]["rel_l2"] < FP32_MAX_REL_ERR
     for f in FORMATS:
         layers = results[f]["identity"]["layers"]
         for n in by:
