@@ -103,12 +103,13 @@ class Design:
     ef_bytes: float  # bytes a residual element holds (block scales included)
     capture: str  # "full": every captured layer's gradient and state held to the end of the step; "layer": one
     samples_cached: bool  # the fidelity check's sampled positions kept in every cached plan
+    send_copies: int  # the encoded bytes at the exchange: parts and their joined buffer (2), or an Outbox (1)
     telemetry_sample: Optional[int]  # elements quantization_stats measures of a section (None: all of it)
     oversample: int = 8  # refresh.SKETCH_OVERSAMPLE
 
 
 BEFORE = Design("before", stats="dense", codec_tile=None, stage_tile=None, ef_bytes=4.0, capture="full",
-                samples_cached=True, telemetry_sample=None)
+                samples_cached=True, send_copies=2, telemetry_sample=None)
 
 
 def design_now() -> Design:
@@ -117,7 +118,7 @@ def design_now() -> Design:
     import inspect
 
     from deepspeed_gift import config, refresh, selection
-    from deepspeed_gift.exchange import encode, feedback, plan
+    from deepspeed_gift.exchange import encode, feedback, plan, reducer
 
     tile = getattr(config, "DEFAULT_TILE_ELEMENTS", None)  # gift.tile_elements' default
     ef = getattr(feedback, "RESIDUAL_BYTES_PER_ELEMENT", None)
@@ -130,6 +131,8 @@ def design_now() -> Design:
                    # each layer judged as its gradient is captured, nothing held to the end of the step
                    capture="layer" if hasattr(selection.Selection, "judge_captured") else "full",
                    samples_cached="plan.samples" in inspect.getsource(plan.section_sample),
+                   # parts encoded straight into the laid-out send buffer
+                   send_copies=1 if hasattr(reducer, "Outbox") else 2,
                    oversample=getattr(refresh, "SKETCH_OVERSAMPLE", BEFORE.oversample))
 
 
@@ -220,13 +223,15 @@ def relay_is_lighter(owners: Dict[int, int], world: int, b: float) -> bool:
     return (world - 1) / world * n * b + biggest * b < (world - 1) * biggest * b
 
 
-def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: bool) -> Tuple[float, float, float]:
+def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: bool,
+                  copies: int = 2) -> Tuple[float, float, float]:
     """Payload bytes of one bucket on rank ``me`` while it encodes, exchanges and sums:
     - encode: its own section's values, staged whole (the owner's sum starts from them), and the
       encoded sections so far (b per element sent); relay, the chunk wires and its own chunks;
-    - exchange: those, the send buffer they are copied into (b an element sent) and what it
-      receives: direct, the W-1 parts of its own (b); relay, its chunk of every section from every
-      rank (b N (W-1)/W) beside its fp32 chunk sums (4 N/W);
+    - exchange: those and the send buffer they are copied into (``copies``: 2 b an element sent;
+      1, b, where parts are encoded into a send buffer laid out first) and what it receives:
+      direct, the W-1 parts of its own (b); relay, its chunk of every section from every rank
+      (b N (W-1)/W) beside its fp32 chunk sums (4 N/W);
     - owner: what it received and its own values, and a sum of its own where whitened rows are
       summed apart from its exact values (4 B an owned element; counted: the worst case);
       relay, its chunk sums, the forwards it receives (b) and their totals (8 B an owned element).
@@ -234,9 +239,9 @@ def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: 
     n, mine = sum(owners.values()), owners.get(me, 0)
     if relay:
         received, sums = b * n * (world - 1) / world, 4 * n / world
-        return b * n + sums, 2 * b * n + received + sums, received + sums + (b + 8) * mine
+        return b * n + sums, copies * b * n + received + sums, received + sums + (b + 8) * mine
     own, received = 4 * mine, b * (world - 1) * mine
-    return own + b * (n - mine), own + 2 * b * (n - mine) + received, own + received + 4 * mine
+    return own + b * (n - mine), own + copies * b * (n - mine) + received, own + received + 4 * mine
 
 
 def ef_elements(owners: Dict[int, int], me: int, world: int, relay: bool) -> Tuple[float, float]:
@@ -327,7 +332,7 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
             relay = relay_is_lighter(owners, nodes, b)
             sent, rel = ef_elements(owners, me, nodes, relay)
             ef_me, relayed_me = ef_me + sent, relayed_me + rel
-            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay))]
+            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, design.send_copies))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
     if two_level:  # the node stage: the bucket's dtype out and in, the fp32 node partial of a slot
         biggest = max(sum(o.values()) for o in layout) * run.per_node
