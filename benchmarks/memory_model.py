@@ -101,11 +101,13 @@ class Design:
     codec_tile: Optional[int]  # elements a codec works on at once on an accelerator (None: a whole section)
     stage_tile: Optional[int]  # the same for the staging, whitening and the owner's decode and sum
     ef_bytes: float  # bytes a residual element holds (block scales included)
-    capture: str  # "full": every captured layer's gradient and state held to the end of the step; "layer": one
+    capture: str  # "full": every captured layer's gradient and state held to the end of the step; "layer": one;
+    # "slice": one, cut to the rows its Adam state covers on the capturing rank (selection.rows_of_slice)
     samples_cached: bool  # the fidelity check's sampled positions kept in every cached plan
     send_copies: int  # the encoded bytes at the exchange: parts and their joined buffer (2), or an Outbox (1)
     telemetry_sample: Optional[int]  # elements quantization_stats measures of a section (None: all of it)
     oversample: int = 8  # refresh.SKETCH_OVERSAMPLE
+    relay_keeps_chunks: bool = True  # the relay's received chunks held until the owner's totals are made
 
 
 BEFORE = Design("before", stats="dense", codec_tile=None, stage_tile=None, ef_bytes=4.0, capture="full",
@@ -118,7 +120,7 @@ def design_now() -> Design:
     import inspect
 
     from deepspeed_gift import config, refresh, selection
-    from deepspeed_gift.exchange import encode, feedback, plan, reducer
+    from deepspeed_gift.exchange import encode, feedback, plan, reducer, relay
 
     tile = getattr(config, "DEFAULT_TILE_ELEMENTS", None)  # gift.tile_elements' default
     ef = getattr(feedback, "RESIDUAL_BYTES_PER_ELEMENT", None)
@@ -129,10 +131,12 @@ def design_now() -> Design:
                    # sampled steps measure a strided sample of at most a tile
                    telemetry_sample=tile if hasattr(encode, "SampleRecorder") else None,
                    # each layer judged as its gradient is captured, nothing held to the end of the step
-                   capture="layer" if hasattr(selection.Selection, "judge_captured") else "full",
+                   capture=("slice" if hasattr(selection, "rows_of_slice") else "layer")
+                   if hasattr(selection.Selection, "judge_captured") else "full",
                    samples_cached="plan.samples" in inspect.getsource(plan.section_sample),
                    # parts encoded straight into the laid-out send buffer
                    send_copies=1 if hasattr(reducer, "Outbox") else 2,
+                   relay_keeps_chunks="del recv, incoming" not in inspect.getsource(relay.relay_totals),
                    oversample=getattr(refresh, "SKETCH_OVERSAMPLE", BEFORE.oversample))
 
 
@@ -224,7 +228,7 @@ def relay_is_lighter(owners: Dict[int, int], world: int, b: float) -> bool:
 
 
 def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: bool,
-                  copies: int = 2) -> Tuple[float, float, float]:
+                  copies: int = 2, keeps_chunks: bool = True) -> Tuple[float, float, float]:
     """Payload bytes of one bucket on rank ``me`` while it encodes, exchanges and sums:
     - encode: its own section's values, staged whole (the owner's sum starts from them), and the
       encoded sections so far (b per element sent); relay, the chunk wires and its own chunks;
@@ -234,12 +238,14 @@ def bucket_phases(owners: Dict[int, int], me: int, world: int, b: float, relay: 
       (b N (W-1)/W) beside its fp32 chunk sums (4 N/W);
     - owner: what it received and its own values, and a sum of its own where whitened rows are
       summed apart from its exact values (4 B an owned element; counted: the worst case);
-      relay, its chunk sums, the forwards it receives (b) and their totals (8 B an owned element).
+      relay, its chunk sums, the forwards it receives (b) and their totals (8 B an owned element),
+      beside the chunks it received (``keeps_chunks``) or with them let go once summed.
     A tile's decode work is the codecs' (``codec_staging``)."""
     n, mine = sum(owners.values()), owners.get(me, 0)
     if relay:
         received, sums = b * n * (world - 1) / world, 4 * n / world
-        return b * n + sums, copies * b * n + received + sums, received + sums + (b + 8) * mine
+        return (b * n + sums, copies * b * n + received + sums,
+                (received if keeps_chunks else 0.0) + sums + (b + 8) * mine)
     own, received = 4 * mine, b * (world - 1) * mine
     return own + b * (n - mine), own + copies * b * (n - mine) + received, own + received + 4 * mine
 
@@ -253,16 +259,36 @@ def ef_elements(owners: Dict[int, int], me: int, world: int, relay: bool) -> Tup
     return n - mine, 0.0
 
 
-def capture_bytes(shape: Shape, me_owner: Dict[int, int], design: Design, per_element: float) -> float:
+def capture_bytes(shape: Shape, me_owner: Dict[int, int], design: Design, per_element: float,
+                  world: int = 1) -> float:
     """Refresh-step captures on the busiest rank: each layer's local gradient and the state of its
     slice (``per_element``: 12 B, or 4 B at the first refresh, before the optimizer has state), by
     the rank that holds most of it (``ZeroOptimizerState.capture_rank``); one layer's when bounded."""
+    if design.capture == "slice":  # AdamW (the README's run): the rows of the capturing rank's slice
+        held = held_by_main_owner(shape.sizes, world)
+        return per_element * max(min(numel, (-(-held[idx] // width) + 1) * width)
+                                 for idx, width, numel in shape.linears)
     if design.capture == "layer":
         return per_element * max(numel for _, _, numel in shape.linears)
     per_rank: Dict[int, float] = {}
     for idx, _, numel in shape.linears:
         per_rank[me_owner[idx]] = per_rank.get(me_owner[idx], 0.0) + per_element * numel
     return max(per_rank.values(), default=0.0)
+
+
+def held_by_main_owner(sizes: List[int], world: int) -> Dict[int, int]:
+    """Per parameter, the elements of it in the partition that holds most of it."""
+    align = 2 * world
+    part = -(-sum(sizes) // align) * align // world
+    out, pos = {}, 0
+    for i, n in enumerate(sizes):
+        best, start = 0, pos
+        while start < pos + n:
+            take = min(pos + n, (start // part + 1) * part) - start
+            best, start = max(best, take), start + take
+        out[i] = best
+        pos += n
+    return out
 
 
 def main_owners(sizes: List[int], world: int) -> Dict[int, int]:
@@ -332,7 +358,8 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
             relay = relay_is_lighter(owners, nodes, b)
             sent, rel = ef_elements(owners, me, nodes, relay)
             ef_me, relayed_me = ef_me + sent, relayed_me + rel
-            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, design.send_copies))]
+            phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, design.send_copies,
+                                                                          design.relay_keeps_chunks))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
     if two_level:  # the node stage: the bucket's dtype out and in, the fp32 node partial of a slot
         biggest = max(sum(o.values()) for o in layout) * run.per_node
@@ -363,10 +390,10 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
     out["reduce"] = max(encode + max(whiten, codec, decoded), phases[1], phases[2])
     out["reduce_sampled"] = max(phases)
     out["refresh_captures"] = capture_bytes(shape, main_owners(shape.sizes, run.world), design,
-                                            CAPTURE_BYTES if run.optimizer_state else 4.0)
+                                            CAPTURE_BYTES if run.optimizer_state else 4.0, run.world)
     out["param_gather"] = param_gather_bytes(shape.params, run, design) if run.params_format else 0.0
     out["held"] = sum(out[k] for k in HELD)
-    out["peak"] = peak_bytes(out, phases, design.capture == "layer")
+    out["peak"] = peak_bytes(out, phases, design.capture in ("layer", "slice"))
     return out
 
 

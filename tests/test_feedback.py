@@ -152,3 +152,44 @@ def test_a_checkpoint_of_another_residual_storage_is_refused():
     with pytest.raises(ValueError, match="stored as \\['int8', 64\\]"):
         ErrorFeedback().load_state_dict({"residual_codec": ["int8", 64], "residuals": []},
                                         torch.device("cpu"))
+
+
+def _residuals_after_a_step(rank, world, spec):
+    from tests.harness import batches, build_engine
+
+    engine = build_engine(spec)
+    for tokens in list(batches(rank, 1, 1, 16)):
+        out = engine(input_ids=tokens, labels=tokens)
+        engine.backward(out.loss)
+        engine.step()
+    reducer = engine.gift.reducer
+    me = reducer.comm.rank
+    # every section this rank encodes in the main format keeps a residual of its own
+    sent = sum(1 for plan in reducer._plans.values() for sec in plan.sections
+               if not sec.high and not (sec.dests == (me,) and not sec.shared))
+    return len(reducer.feedback.sent), sent, len(reducer._plans)
+
+
+def test_buckets_of_one_shape_keep_residuals_of_their_own():
+    """With buckets small enough that several hold layers of the same shape for the same owner,
+    each keeps its own residual (keyed by a layout that names its parameters): before, they
+    shared one, and one bucket's quantization error was fed into another's gradient."""
+    from launch.spawn import run_ranks
+
+    spec = dict(stage=2, zero={"reduce_bucket_size": 4096}, gift={"format": "nvfp4", "error_feedback": True})
+    for held, sent, buckets in run_ranks(_residuals_after_a_step, 2, spec):
+        assert buckets > 4 and held == sent, (held, sent, buckets)
+
+
+def test_residuals_keyed_by_a_layout_without_parameters_are_dropped_and_said(caplog):
+    import logging
+
+    sec = _section()
+    old_layout = ((1, 0, 48, False, ()), (1, 100, 40, False, ()))  # dst, offset, numel, high, copies
+    fb = ErrorFeedback()
+    made_in = {0: _whitener(0, version=1)}
+    fb.keep(SimpleNamespace(layout_key=old_layout, hash=1), sec, _residual(88, seed=3), made_in)
+    with caplog.at_level(logging.WARNING, logger="deepspeed_gift"):
+        resumed = ErrorFeedback()
+        resumed.load_state_dict(fb.state_dict(current=made_in.get), torch.device("cpu"))
+    assert resumed.sent == {} and "names no parameters" in caplog.text

@@ -139,6 +139,12 @@ def _resolve(used: Dict[int, object], pieces: List[Piece], transforms) -> Option
     return out
 
 
+def _names_parameters(layout_key) -> bool:
+    """Not a layout key of the earlier form, whose slice entries (5 fields) named no parameter
+    (this version's name its parameter and offset: 7)."""
+    return not any(isinstance(entry, (tuple, list)) and len(entry) == 5 for entry in layout_key)
+
+
 class ErrorFeedback:
     """The residuals of one reducer (see the module docstring)."""
 
@@ -223,7 +229,11 @@ class ErrorFeedback:
             raise ValueError(f"gift: this checkpoint's error-feedback residuals are stored as {list(codec)} "
                              f"(format, block); this version reads [{RESIDUAL_FORMAT!r}, {RESIDUAL_BLOCK}]")
         self.sent = {}
+        unnamed = 0
         for entry in state["residuals"]:
+            if not _names_parameters(entry["layout"] if isinstance(entry, dict) else entry[0]):
+                unnamed += 1
+                continue
             if isinstance(entry, dict):
                 self.sent[(entry["layout"], entry["key"])] = _load_sent(entry, device, source)
             else:  # (layout key, section key, fp32 residual in gradient coordinates, pieces)
@@ -233,6 +243,10 @@ class ErrorFeedback:
         self.relayed = {}
         old = 0
         for entry in state.get("relay_residuals", []):
+            if isinstance(entry, (dict, tuple, list)) and len(entry) != 3 and not _names_parameters(
+                    entry["layout"] if isinstance(entry, dict) else entry[0]):
+                unnamed += 1
+                continue
             if isinstance(entry, dict):
                 held = StoredResidual(source(entry["wire"]).to(device), entry["numel"])
                 self.relayed[(entry["layout"], entry["index"])] = (entry["hash"], held)
@@ -246,6 +260,10 @@ class ErrorFeedback:
         if old:
             logger.warning("gift: %d relayed error-feedback residuals in this checkpoint are of an earlier "
                            "format and are dropped; the relay route's feedback starts afresh", old)
+        if unnamed:
+            logger.warning("gift: %d error-feedback residuals in this checkpoint are keyed by a bucket layout "
+                           "that names no parameters (buckets of one shape shared a residual then) and are "
+                           "dropped; their feedback starts afresh", unnamed)
 
     def nbytes(self) -> int:
         """Device bytes the residuals hold: codes, block scales and tile headers (a residual

@@ -191,8 +191,11 @@ class BucketPlan:
         self.hash = int.from_bytes(digest.digest(), "little", signed=True)
         self._hash_bytes: Dict[str, torch.Tensor] = {}
         # Element positions of the main payloads depend only on which slices are HIGH or shared:
-        # an error-feedback residual survives re-selection and refreshes under this key.
-        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.mode == HIGH, s.copy_ranks) for s in self.slices)
+        # an error-feedback residual survives re-selection and refreshes under this key. It names
+        # the parameters too: two buckets of one shape (repeated layers, small buckets) with the
+        # same owners would otherwise share one residual and feed one bucket's error to the other.
+        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.param_key, s.param_offset, s.mode == HIGH,
+                                 s.copy_ranks) for s in self.slices)
 
     def hash_on(self, device) -> torch.Tensor:
         """The plan's hash as 8 bytes on ``device`` (made once per plan and device)."""

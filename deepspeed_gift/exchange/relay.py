@@ -108,6 +108,9 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                     total = r.decode_at(codec, incoming[src], offsets, src, sec.numel, total, total is not None)
             shared_totals[i] = total
     stats.codec_s += r.now() - t0
+    # the chunks received are summed: let them go before the forwards arrive (b N (W-1)/W bytes
+    # that would otherwise sit beside the owner's totals)
+    del recv, incoming
     # the sums on to the owners, encoded once
     t0 = r.now()
     forward: Dict[int, List[torch.Tensor]] = {}
