@@ -87,11 +87,11 @@ class GeometryConfig(_GiftModel):
 
     collect_interval: int = Field(10, ge=1)
     """Input statistics are collected on every ``collect_interval``-th step (and on the
-    step before each refresh); collecting costs O(tokens * in^2) per layer."""
+    step before each refresh); collecting costs O(tokens * in * (rank + 8)) per layer."""
 
     stats_tokens: Optional[int] = Field(None, ge=1)
     """At most this many tokens per layer and forward enter the input statistics (evenly strided
-    over the batch); ``null``: every token. Collecting costs O(tokens * in^2) per layer."""
+    over the batch); ``null``: every token. Collecting costs O(tokens * in * (rank + 8)) per layer."""
 
     stats_decay: float = Field(0.95, ge=0.0, lt=1.0)
     """EMA decay of the input second moment ``E[x x^T]``."""
@@ -236,10 +236,12 @@ class GiftConfig(_GiftModel):
 
     error_feedback: bool = False
     """Keep each rank's quantization residual (in transformed coordinates) and add it to the
-    next step's gradient before quantizing, so the error does not accumulate; costs an fp32
-    residual per element this rank sends quantized (telemetry ``error_feedback_bytes``). Off by
-    default: under AdamW at NVFP4 it raised the validation loss in every measured run, since
-    each step then carries the last step's error too (docs/results.md, the error-feedback study)."""
+    next step's gradient before quantizing, so the error does not accumulate; costs 1.03 B per
+    element this rank sends quantized: the residual is held as int8 with an fp32 scale per 128
+    elements (``deepspeed_gift.exchange.feedback.RESIDUAL_BYTES_PER_ELEMENT``; telemetry
+    ``error_feedback_bytes``). Off by default: under AdamW at NVFP4 it raised the sampled
+    gradient error 1.4x and did not lower the validation loss (docs/results.md, the
+    error-feedback study)."""
 
     start_step: int = Field(0, ge=0)
     """Steps run on DeepSpeed's native reduction before GIFT takes over."""
