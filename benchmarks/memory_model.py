@@ -129,7 +129,8 @@ def design_now() -> Design:
                    # a section staged (and whitened) a tile at a time for the codec to read
                    stage_tile=tile if hasattr(plan, "SectionSource") else None,
                    # sampled steps measure a strided sample of at most a tile
-                   telemetry_sample=tile if hasattr(encode, "SampleRecorder") else None,
+                   telemetry_sample=(min(tile, getattr(encode, "QUANT_SAMPLE_ELEMENTS", tile))
+                                     if hasattr(encode, "SampleRecorder") else None),
                    # each layer judged as its gradient is captured, nothing held to the end of the step
                    capture=("slice" if hasattr(selection, "rows_of_slice") else "layer")
                    if hasattr(selection.Selection, "judge_captured") else "full",

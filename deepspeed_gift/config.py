@@ -264,7 +264,7 @@ class GiftConfig(_GiftModel):
     value, except that stochastic rounding on an accelerator draws its random numbers per tile
     and a fitted whitener's matrix products may round a row differently (an fp32 ulp) by the
     number of rows in a call; sampled steps measure the quantization on an evenly strided
-    sample of whole blocks of at most a tile (telemetry's ``quantized`` counts the sample)."""
+    sample of whole blocks of at most 2^20 elements or a tile (telemetry's ``quantized`` counts the sample)."""
 
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""

@@ -22,6 +22,12 @@ class Packed:
     wire: Optional[torch.Tensor] = None
 
 
+# A sampled step's quantization counts (saturated, underflow, non-finite) are rates: ~1M
+# elements of whole blocks measure them to ~1e-3, and keep the sample's ~34 B an element (the
+# values, a decode, masks) at ~34 MB, where a tile-sized sample (2^24) held ~0.5 GB on any device.
+QUANT_SAMPLE_ELEMENTS = 1 << 20
+
+
 class SectionEncoder:
     """Encodes sections for one rank: the main codec, or the high-precision one for ``others``.
 
@@ -57,13 +63,13 @@ class SectionEncoder:
         """The wire bytes of ``values`` (a tensor, or a source read tile by tile: see
         ``plan.SectionSource``) in the section's codec and, with ``decode``, what the receiver
         will decode from them. Sampled steps count the quantization on an evenly strided sample
-        of whole blocks of at most a tile (``quantized`` counts the sample)."""
+        of whole blocks of at most ``QUANT_SAMPLE_ELEMENTS`` (``quantized`` counts the sample)."""
         codec, tile = self.codec_of(sec), self.tile_elements
         src = TensorSource(values.reshape(-1)) if isinstance(values, torch.Tensor) else values
         if sec.high:
             payload = codec.encode_source(src, tile_elements=tile)
         else:
-            recorder = SampleRecorder(src, codec, tile) if sample else None
+            recorder = SampleRecorder(src, codec, min(tile, QUANT_SAMPLE_ELEMENTS)) if sample else None
             payload = codec.encode_source(recorder or src, generator=generator, tile_elements=tile)
             if recorder is not None:
                 q = recorder.stats(payload, codec)
