@@ -102,7 +102,8 @@ class Design:
     stage_tile: Optional[int]  # the same for the staging, whitening and the owner's decode and sum
     ef_bytes: float  # bytes a residual element holds (block scales included)
     capture: str  # "full": every captured layer's gradient and state held to the end of the step; "layer": one;
-    # "slice": one, cut to the rows its Adam state covers on the capturing rank (selection.rows_of_slice)
+    # "slice": one, cut to the rows its Adam state covers on the capturing rank (selection.rows_of_slice);
+    # "tile": that, judged a tile of rows at a time (metrics.judge_geometries' tile_rows)
     samples_cached: bool  # the fidelity check's sampled positions kept in every cached plan
     send_copies: int  # the encoded bytes at the exchange: parts and their joined buffer (2), or an Outbox (1)
     telemetry_sample: Optional[int]  # elements quantization_stats measures of a section (None: all of it)
@@ -120,6 +121,7 @@ def design_now() -> Design:
     import inspect
 
     from deepspeed_gift import config, refresh, selection
+    from deepspeed_gift.core import metrics
     from deepspeed_gift.exchange import encode, feedback, plan, reducer, relay
 
     tile = getattr(config, "DEFAULT_TILE_ELEMENTS", None)  # gift.tile_elements' default
@@ -132,7 +134,8 @@ def design_now() -> Design:
                    telemetry_sample=(min(tile, getattr(encode, "QUANT_SAMPLE_ELEMENTS", tile))
                                      if hasattr(encode, "SampleRecorder") else None),
                    # each layer judged as its gradient is captured, nothing held to the end of the step
-                   capture=("slice" if hasattr(selection, "rows_of_slice") else "layer")
+                   capture=(("tile" if "tile_rows" in inspect.signature(metrics.judge_geometries).parameters
+                             else "slice") if hasattr(selection, "rows_of_slice") else "layer")
                    if hasattr(selection.Selection, "judge_captured") else "full",
                    samples_cached="plan.samples" in inspect.getsource(plan.section_sample),
                    # parts encoded straight into the laid-out send buffer
@@ -265,10 +268,12 @@ def capture_bytes(shape: Shape, me_owner: Dict[int, int], design: Design, per_el
     """Refresh-step captures on the busiest rank: each layer's local gradient and the state of its
     slice (``per_element``: 12 B, or 4 B at the first refresh, before the optimizer has state), by
     the rank that holds most of it (``ZeroOptimizerState.capture_rank``); one layer's when bounded."""
-    if design.capture == "slice":  # AdamW (the README's run): the rows of the capturing rank's slice
+    if design.capture in ("slice", "tile"):  # AdamW (the README's run): the rows of the capturing rank's slice
         held = held_by_main_owner(shape.sizes, world)
-        return per_element * max(min(numel, (-(-held[idx] // width) + 1) * width)
-                                 for idx, width, numel in shape.linears)
+        rows = max(min(numel, (-(-held[idx] // width) + 1) * width) for idx, width, numel in shape.linears)
+        # "tile": judged a tile of rows at a time (gift.tile_elements), its gradient rows and state alike
+        return per_element * (min(rows, design.codec_tile) if design.capture == "tile" and design.codec_tile
+                              else rows)
     if design.capture == "layer":
         return per_element * max(numel for _, _, numel in shape.linears)
     per_rank: Dict[int, float] = {}
@@ -394,7 +399,7 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
                                             CAPTURE_BYTES if run.optimizer_state else 4.0, run.world)
     out["param_gather"] = param_gather_bytes(shape.params, run, design) if run.params_format else 0.0
     out["held"] = sum(out[k] for k in HELD)
-    out["peak"] = peak_bytes(out, phases, design.capture in ("layer", "slice"))
+    out["peak"] = peak_bytes(out, phases, design.capture in ("layer", "slice", "tile"))
     return out
 
 

@@ -19,20 +19,6 @@ logger = logging.getLogger("deepspeed_gift")
 PROFILE_MAX_ROWS = 256  # rows of a layer's local gradient kept for the profile when row-wise errors do
 
 
-class RowBlock:
-    """A layer's transform on rows ``[row0, row0 + k)`` of its weight alone (through the
-    transform's own ``apply_run``/``invert_run``, which place a run of the flat weight)."""
-
-    def __init__(self, transform, row0: int, cols: int) -> None:
-        self.transform, self.start = transform, row0 * cols
-
-    def apply(self, G: torch.Tensor) -> torch.Tensor:
-        return self.transform.apply_run(G.reshape(-1), self.start).view(G.shape)
-
-    def invert(self, Z: torch.Tensor) -> torch.Tensor:
-        return self.transform.invert_run(Z.reshape(-1), self.start).view(Z.shape)
-
-
 def rows_of_slice(G: torch.Tensor, rule, transforms: Dict[str, object]):
     """A layer's local gradient cut to the rows its update rule's state covers, when that rule
     acts element by element on a slice (Adam's moments of a ZeRO partition): the judgement of
@@ -48,7 +34,7 @@ def rows_of_slice(G: torch.Tensor, rule, transforms: Dict[str, object]):
     if row1 - row0 >= G.shape[0]:
         return G, rule, transforms
     return (G[row0:row1], dataclasses.replace(rule, start=start - row0 * cols),
-            {kind: RowBlock(t, row0, cols) for kind, t in transforms.items()})
+            {kind: metrics.RowBlock(t, row0, cols) for kind, t in transforms.items()})
 
 
 class Selection:
@@ -76,7 +62,10 @@ class Selection:
         if not transforms or not torch.isfinite(G).all() or G.abs().max() == 0:
             return
         row = torch.zeros(len(self.kinds), len(PROFILE_COLUMNS), dtype=torch.float64)
-        for kind, (euclid, geom) in metrics.judge_geometries(G, self.main_codec, transforms, rule=rule).items():
+        # a layer judged a tile of rows at a time (its temporaries ~30 B an element of a tile, not of the layer)
+        tile_rows = max(1, self.cfg.tile_elements // G.shape[1])
+        for kind, (euclid, geom) in metrics.judge_geometries(G, self.main_codec, transforms, rule=rule,
+                                                             tile_rows=tile_rows).items():
             row[self.kinds.index(kind)] = torch.tensor(
                 [euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS] + [1.0],
                 dtype=torch.float64)

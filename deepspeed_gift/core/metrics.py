@@ -15,6 +15,7 @@ reports the error of ``approx`` against ``exact`` relative to ``exact``, in one 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import enum
 from typing import ClassVar, Dict, Optional, Protocol, Tuple
@@ -207,18 +208,59 @@ def judge_geometry(G: Tensor, codec, whitener, *, rule=None) -> Tuple[dict, dict
     return judge_geometries(G, codec, {"": whitener}, rule=rule)[""]
 
 
-def judge_geometries(G: Tensor, codec, whiteners: Dict[str, object], *, rule=None) -> Dict[str, Tuple[dict, dict]]:
+def judge_geometries(G: Tensor, codec, whiteners: Dict[str, object], *, rule=None,
+                     tile_rows: Optional[int] = None) -> Dict[str, Tuple[dict, dict]]:
     """:func:`judge_geometry` for several transforms of the same gradient (``{key: (euclid,
     geo)}``): the Euclidean round trip, the exact update and its error are computed once; the
-    ``whitened`` errors use each transform's own norm."""
+    ``whitened`` errors use each transform's own norm.
+
+    ``tile_rows``: judged ``tile_rows`` rows at a time, each error's squared sums added over the
+    blocks, so the temporaries follow a block, not the layer. Only where that is the same
+    judgement: a rule that acts element by element (Adam's, on its slice) or none, and
+    transforms that act on rows (all do); the codec's round trip is per block, which equals
+    the whole's where its scales are per block within rows (a per-tensor scale is then per
+    block). A rule of the whole matrix (Muon) is judged whole."""
+    rows = G.shape[0]
+    if tile_rows is None or tile_rows >= rows or (rule is not None and rule.whole_matrix):
+        sums = _judge_sums(G, codec, whiteners, rule, optimizer_is_l2=rule is None)
+    else:
+        cols, sums = G.shape[1], None
+        for r0 in range(0, rows, tile_rows):
+            r1 = min(rows, r0 + tile_rows)
+            part = _judge_sums(G[r0:r1], codec, {k: RowBlock(w, r0, cols) for k, w in whiteners.items()},
+                               None if rule is None else rule_on_rows(rule, r0, r1, cols),
+                               optimizer_is_l2=rule is None)
+            sums = part if sums is None else {k: tuple({m: (a[m][0] + b[m][0], a[m][1] + b[m][1]) for m in a}
+                                                       for a, b in zip(sums[k], part[k])) for k in sums}
+    kind = rule_kind(rule)
+    return {k: tuple({**{m: _ratio(*sq) for m, sq in side.items()}, "rule_kind": kind} for side in pair)
+            for k, pair in sums.items()}
+
+
+def _squares(approx: Tensor, exact: Tensor) -> Tuple[float, float]:
+    """``(||approx - exact||^2, ||exact||^2)`` in float64 sums."""
+    return float((approx.double() - exact.double()).square().sum()), float(exact.double().square().sum())
+
+
+def _ratio(err: float, ref: float) -> float:
+    """:func:`relative_error` from its squared sums."""
+    if ref == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return (err / ref) ** 0.5
+
+
+def _judge_sums(G: Tensor, codec, whiteners: Dict[str, object], rule, *, optimizer_is_l2: bool) -> dict:
+    """The squared sums behind :func:`judge_geometries`' errors: ``{key: (euclid, geo)}``, each
+    ``{metric: (err^2, ref^2)}``. Without a rule the optimizer's error is the l2 one
+    (``optimizer_is_l2``) or, for rows outside the rule's slice, nothing."""
     G = G.float()
     ref_update = rule.direction(G) if rule is not None else None
-    kind = rule_kind(rule)
 
     def common(approx: Tensor) -> dict:
-        l2 = relative_error(approx, G)
-        return {"l2": l2, "optimizer": relative_error(rule.direction(approx), ref_update) if rule is not None else l2,
-                "rule_kind": kind}
+        l2 = _squares(approx, G)
+        opt = (_squares(rule.direction(approx), ref_update) if rule is not None
+               else l2 if optimizer_is_l2 else (0.0, 0.0))
+        return {"l2": l2, "optimizer": opt}
 
     plain = roundtrip(G, codec)
     euclid = common(plain)
@@ -226,6 +268,37 @@ def judge_geometries(G: Tensor, codec, whiteners: Dict[str, object], *, rule=Non
     for key, w in whiteners.items():
         ref_white = w.apply(G)
         geo_approx = roundtrip(G, codec, w)
-        out[key] = ({**euclid, "whitened": relative_error(w.apply(plain), ref_white)},
-                    {**common(geo_approx), "whitened": relative_error(w.apply(geo_approx), ref_white)})
+        out[key] = ({**euclid, "whitened": _squares(w.apply(plain), ref_white)},
+                    {**common(geo_approx), "whitened": _squares(w.apply(geo_approx), ref_white)})
     return out
+
+
+class RowBlock:
+    """A layer's transform on rows ``[row0, row0 + k)`` of its weight alone (through the
+    transform's own ``apply_run``/``invert_run``, which place a run of the flat weight)."""
+
+    def __init__(self, transform, row0: int, cols: int) -> None:
+        self.transform, self.start = transform, row0 * cols
+
+    def apply(self, G: Tensor) -> Tensor:
+        return self.apply_run(G.reshape(-1), 0).view(G.shape)
+
+    def invert(self, Z: Tensor) -> Tensor:
+        return self.invert_run(Z.reshape(-1), 0).view(Z.shape)
+
+    def apply_run(self, values: Tensor, start: int) -> Tensor:
+        return self.transform.apply_run(values, self.start + start)
+
+    def invert_run(self, values: Tensor, start: int) -> Tensor:
+        return self.transform.invert_run(values, self.start + start)
+
+
+def rule_on_rows(rule, row0: int, row1: int, cols: int):
+    """An element-wise rule over a slice (``start``, its state) cut to rows ``[row0, row1)`` of
+    the matrix it was made for: the part of its slice there, or None when it has none."""
+    start, numel = rule.start or 0, getattr(rule, rule.state_keys[0]).numel()
+    a, b = max(start, row0 * cols), min(start + numel, row1 * cols)
+    if a >= b:
+        return None
+    state = {key: getattr(rule, key).reshape(-1)[a - start:b - start] for key in rule.state_keys}
+    return dataclasses.replace(rule, start=a - row0 * cols, **state)
