@@ -224,27 +224,14 @@ class GiftReducer:
 
     def send(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int], recv_sizes: Sequence[int],
              head: torch.Tensor, stats: StepStats) -> torch.Tensor:
-        """One all-to-all of payload: to every rank in ``parts_by_dst`` the control header and its
-        parts, each message checked against the plan's size (``expected[dst]``) and counted."""
-        pieces, sizes = [], []  # every message's header and parts, copied once into the send buffer
-        for dst in range(self.comm.world_size):
-            if dst not in parts_by_dst:
-                sizes.append(0)
-                continue
-            n = CONTROL_HEADER_BYTES + sum(p.numel() for p in parts_by_dst[dst])
-            if n != expected[dst]:
-                raise RuntimeError(f"deepspeed_gift: message to rank {dst} has {n} bytes, "
-                                   f"plan expects {expected[dst]}; codec byte count is inconsistent")
-            stats.bytes_header += CONTROL_HEADER_BYTES
-            if dst // self.ranks_per_node != self.comm.rank // self.ranks_per_node:
-                stats.bytes_internode += n
-            pieces += [head, *parts_by_dst[dst]]
-            sizes.append(n)
-        t0 = self.now()
-        recv = self.comm.all_to_all_bytes(torch.cat(pieces) if pieces else head[:0], sizes, recv_sizes,
-                                          kind=ByteKind.PAYLOAD)
-        stats.comm_s += self.now() - t0
-        return recv
+        """One all-to-all of payload already encoded: to every rank in ``parts_by_dst`` the
+        control header and its parts (an :class:`Outbox` filled at once)."""
+        box = self.outbox({dst: [((dst, i), p.numel()) for i, p in enumerate(parts)]
+                           for dst, parts in parts_by_dst.items()}, expected, head, stats)
+        for dst, parts in parts_by_dst.items():
+            for i, part in enumerate(parts):
+                box.put((dst, i), part)
+        return self.post(box, recv_sizes, stats)
 
     def decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int,
                   into: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
