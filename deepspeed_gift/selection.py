@@ -12,6 +12,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .core import metrics
+from .core.geometry import full_fp32_matmuls
 from .exchange.stats import ByteKind
 
 logger = logging.getLogger("deepspeed_gift")
@@ -62,10 +63,12 @@ class Selection:
         if not transforms or not torch.isfinite(G).all() or G.abs().max() == 0:
             return
         row = torch.zeros(len(self.kinds), len(PROFILE_COLUMNS), dtype=torch.float64)
-        # a layer judged a tile of rows at a time (its temporaries ~30 B an element of a tile, not of the layer)
+        # a layer judged a tile of rows at a time (its temporaries ~30 B an element of a tile, not of the layer),
+        # in full fp32 whatever the run sets (TF32, bf16 autocast): the judgement compares errors of ~1e-2
         tile_rows = max(1, self.cfg.tile_elements // G.shape[1])
-        for kind, (euclid, geom) in metrics.judge_geometries(G, self.main_codec, transforms, rule=rule,
-                                                             tile_rows=tile_rows).items():
+        with torch.autocast(G.device.type, enabled=False), full_fp32_matmuls():
+            judged = metrics.judge_geometries(G, self.main_codec, transforms, rule=rule, tile_rows=tile_rows)
+        for kind, (euclid, geom) in judged.items():
             row[self.kinds.index(kind)] = torch.tensor(
                 [euclid[m] for m in metrics.METRICS] + [geom[m] for m in metrics.METRICS] + [1.0],
                 dtype=torch.float64)

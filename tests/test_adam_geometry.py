@@ -233,3 +233,41 @@ def test_a_layer_judged_a_tile_of_rows_at_a_time_gets_the_whole_layers_errors(fm
 
 
 WHITENER_ROWS_REL = 1e-2
+
+
+JUDGE_UNDER_TF32_SCRIPT = """
+from types import SimpleNamespace
+
+import torch
+from deepspeed_gift.core import formats
+from deepspeed_gift.selection import Selection
+
+torch.backends.fp32_precision = "tf32"  # what transformers 5 sets for tf32=True
+seen = set()
+
+
+class Probe:
+    version, run_unit = 0, 1
+
+    def apply(self, G):
+        seen.add((torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision))
+        return G.clone()
+
+    invert = apply
+
+
+sel = Selection(SimpleNamespace(tile_elements=1 << 24), ("kfac_input",), ["l"], None, formats.get_format("fp8_e4m3"))
+sel.judge_captured("l", torch.randn(8, 16), None, {"kfac_input": Probe()})
+print(sorted(seen), torch.backends.cuda.matmul.fp32_precision, "l" in sel.judged_rows)
+"""
+
+
+def test_a_layer_is_judged_in_full_fp32_under_the_new_tf32_api():
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", JUDGE_UNDER_TF32_SCRIPT], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[('ieee', 'ieee')] tf32 True"  # full fp32 inside, restored
