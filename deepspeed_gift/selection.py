@@ -5,7 +5,6 @@ error most in ``selection.metric``, if by at least ``min_gain``; telemetry repor
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Dict, List, Tuple
 
@@ -34,7 +33,7 @@ def rows_of_slice(G: torch.Tensor, rule, transforms: Dict[str, object]):
     row0, row1 = start // cols, -(-(start + rule.exp_avg.numel()) // cols)
     if row1 - row0 >= G.shape[0]:
         return G, rule, transforms
-    return (G[row0:row1], dataclasses.replace(rule, start=start - row0 * cols),
+    return (G[row0:row1], metrics.rule_on_rows(rule, row0, row1, cols),
             {kind: metrics.RowBlock(t, row0, cols) for kind, t in transforms.items()})
 
 
