@@ -7,7 +7,8 @@ all-reduce: 2 (W-1)/W of the tensor; reduce: the tensor, as the root of a chain 
 per step, the largest receive of any rank in each collective, summed over the step's
 collectives (the busiest link sets each collective's time). Native bf16 DeepSpeed (its
 multi-rank bucket all-reduce, and ``use_multi_rank_bucket_allreduce: false``) beside GIFT FP8
-by route (direct, relay, by_layout), for a ``reduce_bucket_size`` smaller than a partition
+by route (direct, relay, by_layout; at stage 1 also the default balanced rounds, the routes then
+with ``stage1_rounds: false``), for a ``reduce_bucket_size`` smaller than a partition
 (each bucket reaches one or two owners) and one larger than the model, flat and two-level
 (2 x 2: ranks 0-1 and 2-3 as nodes). Beside it the same sum over what arrives from other
 nodes only (the NICs', where the node stage of two-level rides a node's own links; native's
@@ -53,18 +54,31 @@ def _received(name, args, kwargs, world, rank, off_node) -> tuple:
 
 
 def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
-    """Wrap ``opt.average_tensor`` so the torch.distributed collectives it calls are recorded:
-    returns the list of per-call lists of (received bytes, of them from other nodes), one list
-    per bucket in call order; a node is ``ranks_per_node`` consecutive global ranks."""
+    """Wrap ``opt.average_tensor`` and ``opt.reduce_gradients`` (ZeRO-1's boundary, where GIFT's
+    balanced rounds run before DeepSpeed's walk through its buckets) so the torch.distributed
+    collectives they call are recorded: returns the list of per-call lists of (received bytes,
+    of them from other nodes), one list per outermost call in call order (a bucket, or a
+    stage-1 boundary with its buckets); a node is ``ranks_per_node`` consecutive global ranks."""
     import torch.distributed as dist
 
     calls: list = []
-    native = opt.average_tensor
     names = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
              "all_gather_single")
     me = dist.get_rank() // ranks_per_node
+    active = []  # the spies are in place (an average_tensor inside reduce_gradients is counted there)
 
-    def counted(tensor, dtype):
+    def counting(native):
+        def counted(*call_args, **call_kwargs):
+            if active:
+                return native(*call_args, **call_kwargs)
+            active.append(True)
+            try:
+                return spied(native, call_args, call_kwargs)
+            finally:
+                active.clear()
+        return counted
+
+    def spied(native, call_args, call_kwargs):
         seen: list = []
         saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
@@ -81,13 +95,14 @@ def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
         for n, fn in saved.items():
             setattr(dist, n, spy(n, fn))
         try:
-            native(tensor, dtype)
+            return native(*call_args, **call_kwargs)
         finally:
             for n, fn in saved.items():
                 setattr(dist, n, fn)
-        calls.append(seen)
+            calls.append(seen)
 
-    opt.average_tensor = counted
+    opt.average_tensor = counting(opt.average_tensor)
+    opt.reduce_gradients = counting(opt.reduce_gradients)
     return calls
 
 
@@ -112,9 +127,13 @@ def configs(stage: int) -> list:
     no_multi = {"zero_optimization": {"stage": stage, "reduce_bucket_size": None, "allgather_bucket_size": 10**6,
                                       "overlap_comm": False, "contiguous_gradients": True,
                                       "use_multi_rank_bucket_allreduce": False}}
-    return [("native bf16", None, {}), ("native bf16, multi-rank all-reduce off", None, no_multi),
-            ("GIFT fp8 direct", dict(FP8, route="direct"), {}), ("GIFT fp8 relay", dict(FP8, route="relay"), {}),
-            ("GIFT fp8 by_layout", dict(FP8, route="by_layout"), {})]
+    # stage 1: the default reduces in balanced rounds; the bucket routes with stage1_rounds false
+    buckets = {} if stage != 1 else {"stage1_rounds": False}
+    rounds = [("GIFT fp8 rounds (stage-1 default)", dict(FP8), {})] if stage == 1 else []
+    return [("native bf16", None, {}), ("native bf16, multi-rank all-reduce off", None, no_multi), *rounds,
+            ("GIFT fp8 direct", dict(FP8, route="direct", **buckets), {}),
+            ("GIFT fp8 relay", dict(FP8, route="relay", **buckets), {}),
+            ("GIFT fp8 by_layout", dict(FP8, route="by_layout", **buckets), {})]
 
 
 def _rank_body(rank, world, specs):
@@ -149,7 +168,8 @@ def measure(world: int, stage: int, bucket: int, steps: int, hierarchy: str = "f
                      "busiest_internode_per_step": busiest_per_step(receives, steps, internode=True),
                      "telemetry_recv_max": last.get("bytes_recv_max"),
                      "telemetry_recv_max_internode": last.get("bytes_recv_max_internode"),
-                     "relay_buckets": last.get("relay_buckets"), "balanced_buckets": last.get("balanced_buckets")})
+                     "relay_buckets": last.get("relay_buckets"), "balanced_buckets": last.get("balanced_buckets"),
+                     "rounds": last.get("rounds")})
     base, base_nic = rows[0]["busiest_bytes_per_step"], rows[0]["busiest_internode_per_step"]
     for r in rows:
         r["vs_native_bf16"] = r["busiest_bytes_per_step"] / base
@@ -169,8 +189,8 @@ def main(argv=None) -> list:
             rows += measure(args.world, stage, bucket, args.steps)
     rows += measure(args.world, 2, 20000, args.steps, hierarchy="two_level")
     print("| stage | bucket | hierarchy | config | busiest rank's receive per step | vs native bf16 | telemetry |"
-          " from other nodes | vs native bf16 | telemetry | relay buckets | balanced buckets |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          " from other nodes | vs native bf16 | telemetry | relay buckets | balanced buckets | rounds |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def cell(v, fmt="{}"):
         return "-" if v is None else fmt.format(v)
@@ -179,7 +199,7 @@ def main(argv=None) -> list:
         print(f"| {r['stage']} | {r['bucket']} | {r['hierarchy']} | {r['config']} | {r['busiest_bytes_per_step']:.0f} | "
               f"{r['vs_native_bf16']:.2f}x | {cell(r['telemetry_recv_max'])} | {r['busiest_internode_per_step']:.0f} | "
               f"{cell(r['internode_vs_native_bf16'], '{:.2f}x')} | {cell(r['telemetry_recv_max_internode'])} | "
-              f"{cell(r['relay_buckets'])} | {cell(r['balanced_buckets'])} |")
+              f"{cell(r['relay_buckets'])} | {cell(r['balanced_buckets'])} | {cell(r['rounds'])} |")
     write_json(args.json, rows)
     return rows
 

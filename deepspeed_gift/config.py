@@ -50,6 +50,7 @@ GeometryKindName = Literal[tuple(k.value for k in GeometryKind)]
 FormatName = Literal[FORMAT_NAMES]  # the codecs in ``formats`` name the formats
 FP8_FORMATS = tuple(n for n in FORMAT_NAMES if n.startswith("fp8_"))
 PASSTHROUGH_FORMATS = tuple(n for n in FORMAT_NAMES if format_class(n).default_block_size == 0)
+RELAY_DEFAULT_FORMAT = "int8"  # gift.relay_format's default under a quantized gift.format
 DEFAULT_BLOCK_SIZE = {n: format_class(n).default_block_size for n in FORMAT_NAMES if n not in PASSTHROUGH_FORMATS}
 NVFP4_BLOCK = format_class("nvfp4").default_block_size
 E8M0_BLOCK = 32  # the OCP MX block of E8M0-scaled FP8 (formats._Fp8Codec)
@@ -286,6 +287,28 @@ class GiftConfig(_GiftModel):
     ``by_layout``: per bucket, the one whose busiest rank receives fewer bytes (relay needs
     3+ ranks)."""
 
+    stage1_rounds: bool = True
+    """ZeRO stage 1 without ``overlap_comm`` (DeepSpeed's defaults below stage 3) reduces once a
+    step, after the backward of the boundary micro-batch, when every gradient exists. ``true``:
+    GIFT then reduces in balanced rounds instead of DeepSpeed's buckets: round r carries the
+    r-th slice of every owner's partition (at most ``reduce_bucket_size`` elements a round, cut
+    on row boundaries), so every rank receives its share of each round and every element is
+    quantized once, on the direct route, whatever the bucket layout. ``false``: bucket by
+    bucket, as stage 2 and stage 1 with ``overlap_comm`` always do (a bucket smaller than a
+    partition reaches one or two owners: ``route`` decides between funnel and relay).
+    Lossless configs give the same bits either way."""
+
+    relay_format: Optional[FormatName] = None
+    """The wire format of the relay route's second hop: the fp32 sums that relay j sends on to
+    each owner. Those sums are of every rank's gradient, so quantizing them in the main format
+    adds an error that does not average down over the ranks as the first quantization's does
+    (fp8_e4m3 at 32 ranks: 2.4x the direct route's error). ``null``: ``int8`` (fp32 scale per
+    128, 1.03 B per element, as fp8) when ``format`` is quantized: on a sum of many ranks its
+    error is a fraction of fp8's or nvfp4's; the main format itself when that is ``bf16`` or
+    ``fp32``. Any format name sets it (the format's default block size, ``rounding`` as the
+    main format's); the main format's name gives the old single-format relay. Error against bytes
+    per route: docs/benchmarks.md, "Route fidelity"."""
+
     ranks_per_node: Optional[int] = Field(None, ge=1)
     """Data-parallel ranks per node. ``null``: detected (``LOCAL_WORLD_SIZE`` when data
     parallelism spans the whole job, else host names exchanged at initialize; the ranks of a
@@ -312,6 +335,12 @@ class GiftConfig(_GiftModel):
                               scale=self.scale, rounding=self.rounding, seed=self.seed)
         except ValueError as exc:
             raise ValueError(f"gift.rounding: got {self.rounding!r} with format '{fmt}': {exc}") from None
+        if self.relay_format is not None:
+            try:
+                self.relay_codec_options()
+            except ValueError as exc:
+                raise ValueError(f"gift.relay_format: got {self.relay_format!r} with rounding {self.rounding!r}: "
+                                 f"{exc}") from None
         kinds = self.geometry.kind
         if isinstance(kinds, list):
             if not kinds or len(set(kinds)) != len(kinds) or GeometryKind.IDENTITY in kinds:
@@ -331,6 +360,22 @@ class GiftConfig(_GiftModel):
     def effective_block_size(self) -> int:
         """The block size the codec uses (format defaults resolved)."""
         return resolved_block_size(self.format, self.block_size, self.scale)
+
+    @property
+    def effective_relay_format(self) -> str:
+        """The relay's second-hop format (``relay_format`` with its default resolved)."""
+        if self.relay_format is not None:
+            return self.relay_format
+        return self.format if self.format in PASSTHROUGH_FORMATS else RELAY_DEFAULT_FORMAT
+
+    def relay_codec_options(self) -> dict:
+        """``formats.get_format`` keywords of the relay's second-hop codec (checked by its class)."""
+        fmt = self.effective_relay_format
+        options = dict(rounding=self.rounding, seed=self.seed)
+        if fmt not in PASSTHROUGH_FORMATS:
+            options["block_size"] = resolved_block_size(fmt, None)
+        format_class(fmt)(**options)
+        return dict(options, name=fmt)
 
     def fingerprint(self) -> str:
         """Canonical JSON of every setting; ranks compare it before training starts."""

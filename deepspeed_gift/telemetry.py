@@ -25,6 +25,7 @@ TELEMETRY_KEYS: Dict[str, str] = {
     "bytes_recv_max": "gradient bytes the busiest rank received (each collective's largest, summed)",
     "bytes_recv_max_internode": "the same, of what arrives from other nodes",
     "relay_buckets": "buckets that took the relay route",
+    "rounds": "ZeRO-1 (gift.stage1_rounds): balanced rounds the step's reduction ran in, in place of DeepSpeed's buckets",
     "bytes_internode": "payload + headers this rank sent to ranks of other nodes",
     "geometry_version": "refreshes so far",
     "geometry_layers": "layers whose transform is in use",
@@ -85,6 +86,7 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
         "bytes_recv_max": t.recv_max,
         "bytes_recv_max_internode": t.recv_max_internode,
         "relay_buckets": t.relay_buckets,
+        "rounds": t.rounds,
         "bytes_internode": t.bytes_internode,  # flat: by the detected topology
         "geometry_version": geometry.version,
         "geometry_layers": len(in_use),

@@ -32,6 +32,7 @@ from .core import metrics
 from .exchange.param_gather import ReplicaGather
 from .exchange.plan import GEO, HIGH, MAIN, ParamSlice
 from .exchange.reducer import GiftReducer
+from .exchange.rounds import OwnedParam, plan_rounds
 from .exchange.two_level import TwoLevelReducer
 from .exchange.stats import ByteKind, StepStats
 from .telemetry import TelemetryLog, step_record
@@ -74,6 +75,9 @@ ZERO_INTERNALS = (
     "grad_partition_insertion_offset", "partition_size", "params_in_partition", "single_partition_of_fp32_groups",
     "_get_compact_grad_partition_slice", "gradient_average", "sequence_parallel_size", "overlap_comm",
     "contiguous_gradients", "cpu_offload", "dp_process_group", "get_param_id", "optimizer",
+    # the ZeRO-1 rounds (gift.stage1_rounds)
+    "reduce_gradients", "partition_gradients", "get_gradient_for_reduction", "get_param_comm_dtype",
+    "reduce_bucket_size",
 )
 
 
@@ -138,6 +142,15 @@ def _main_codec(cfg: GiftConfig):
         return formats.get_format(cfg.format, rounding=cfg.rounding, seed=cfg.seed)
     return formats.get_format(cfg.format, block_size=cfg.effective_block_size, scale=cfg.scale,
                               rounding=cfg.rounding, seed=cfg.seed)
+
+
+def _relay_codec(cfg: GiftConfig):
+    """The codec of the relay's second hop (``gift.relay_format``); None when it is the main one."""
+    options = cfg.relay_codec_options()
+    name = options.pop("name")
+    if name == cfg.format and options.get("block_size", cfg.effective_block_size) == cfg.effective_block_size:
+        return None
+    return formats.get_format(name, **options)
 
 
 def _fingerprint_check(comm, cfg: GiftConfig) -> None:
@@ -206,13 +219,13 @@ class GiftState:
             inner = GiftReducer(slot_comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
                                 route=cfg.route, shared_seed=cfg.seed if cfg.rounding == Rounding.STOCHASTIC else None,
-                                tile_elements=cfg.tile_elements)
+                                tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                        ranks_per_node=self.ranks_per_node, defer_checks=True,
                                        fidelity_elements=cfg.telemetry.fidelity_elements, route=cfg.route,
-                                       tile_elements=cfg.tile_elements)
+                                       tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
@@ -237,6 +250,7 @@ class GiftState:
                                         optimizer=self.optimizer_state)
         self.param_names: Dict[int, str] = {opt.get_param_id(m.weight): name for name, m in modules.items()}
         self.native_average_tensor = opt.average_tensor
+        self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor)
@@ -292,6 +306,8 @@ class GiftState:
         k = self.k
         if k < 0:
             return self.native_average_tensor(tensor, communication_data_type)
+        if self._reduced_in_rounds:  # the bucket holds what the rounds reduced: nothing left to do
+            return None
         opt = self.opt
         bucket = opt.ipg_buckets[communication_data_type]
         slices, outputs, whiteners = [], [], {}
@@ -321,6 +337,84 @@ class GiftState:
             stats = self.reducer.reduce(tensor, slices, whiteners, divisor=divisor, step=k,
                                         outputs=outputs, sample=self.sampling(k))
         self._count(stats)
+
+    # ---- ZeRO-1: the step's reduction in balanced rounds (gift.stage1_rounds) -------------
+    def rounds_apply(self) -> bool:
+        """Stage 1 without ``overlap_comm``: every gradient exists when DeepSpeed reduces."""
+        opt = self.opt
+        return self.cfg.stage1_rounds and not opt.partition_gradients and not opt.overlap_comm
+
+    def reduce_gradients(self, native_reduce, *args, **kwargs):
+        """DeepSpeed's ZeRO-1 ``reduce_gradients`` (the boundary's reduction), with the gradients
+        reduced in balanced rounds first: DeepSpeed's walk then copies them through its buckets
+        and into the partitions as always, and its ``average_tensor`` passes."""
+        k = self.k
+        if k < 0 or not self.rounds_apply():
+            return native_reduce(*args, **kwargs)
+        self.reduce_in_rounds(k)
+        self._reduced_in_rounds = True
+        try:
+            return native_reduce(*args, **kwargs)
+        finally:
+            self._reduced_in_rounds = False
+
+    def _step_gradients(self) -> Dict[torch.dtype, list]:
+        """``(group, param, gradient)`` of every parameter DeepSpeed's walk will reduce, in its
+        order, by the dtype it communicates in (one bucket kind each)."""
+        opt = self.opt
+        out: Dict[torch.dtype, list] = {}
+        for g, group in enumerate(opt.bit16_groups):
+            for param in group:
+                grad = opt.get_gradient_for_reduction(param)
+                if param.numel() == 0 or grad is None or not getattr(param, "ds_grad_is_ready", True):
+                    continue
+                out.setdefault(opt.get_param_comm_dtype(param), []).append((g, param, grad))
+        return out
+
+    def reduce_in_rounds(self, k: int) -> None:
+        """Reduce every gradient of the step in rounds of at most ``reduce_bucket_size`` elements,
+        each a slice of every owner's partition (``exchange.rounds``): what DeepSpeed's
+        ``average_tensor`` would leave in the owner's slices of its buckets, written into the
+        gradients themselves (and into the compact fp32 partition, as there)."""
+        opt, me = self.opt, self.comm.rank
+        divisor = self.comm.world_size / float(opt.sequence_parallel_size) if opt.gradient_average else 1.0
+        for comm_dtype, entries in sorted(self._step_gradients().items(), key=lambda item: str(item[0])):
+            owned = []
+            for g, param, grad in entries:
+                param_id = opt.get_param_id(param)
+                runs = self.optimizer_state.partition_runs(g, param_id, param.numel())
+                name = self.param_names.get(param_id)
+                if name is not None and self.geometry.wants_capture(name):
+                    self.geometry.capture(name, grad.to(comm_dtype).view(param.shape))
+                owned.append(OwnedParam(param_id, param.numel(), tuple(runs),
+                                        param.shape[-1] if param.dim() >= 2 else 1,
+                                        bool(self.optimizer_state.copy_ranks(param, runs))))
+            for round_ in plan_rounds(owned, self.comm.world_size, int(opt.reduce_bucket_size)):
+                device = entries[0][2].device
+                staging = torch.empty(round_.numel, dtype=comm_dtype, device=device)
+                slices, outputs, whiteners, targets = [], [], {}, []
+                for piece in round_.pieces:
+                    g, param, grad = entries[piece.param]
+                    flat = grad.view(-1).narrow(0, piece.start, piece.numel)
+                    staging.narrow(0, piece.offset, piece.numel).copy_(flat)
+                    mode, whitener = self.mode_of(piece.key)
+                    if whitener is not None:
+                        whiteners[piece.key] = whitener
+                    run = next(r for r in owned[piece.param].runs if r[0] <= piece.start < r[1])
+                    copy_ranks = self.optimizer_state.copy_ranks(param, owned[piece.param].runs)
+                    slices.append(ParamSlice(piece.owner, piece.offset, piece.numel, piece.start, piece.key,
+                                             whitener.run_unit if mode == GEO else 0, mode, copy_ranks))
+                    out = opt._get_compact_grad_partition_slice(g, run[2], piece.key, run[1] - run[0])
+                    outputs.append(None if out is None else out.narrow(0, piece.start - run[0], piece.numel))
+                    if piece.owner == me or me in copy_ranks:
+                        targets.append((flat, piece.offset, piece.numel))
+                stats = self.reducer.reduce(staging, slices, whiteners, divisor=divisor, step=k, outputs=outputs,
+                                            sample=self.sampling(k))
+                stats.rounds = 1
+                self._count(stats)
+                for flat, offset, numel in targets:
+                    flat.copy_(staging.narrow(0, offset, numel))
+                del staging
 
     # ---- the parameter all-gather (gift.params) ----------------------------------------
     def params_exact_now(self, k: int) -> bool:
@@ -567,6 +661,12 @@ def attach(engine) -> Optional[GiftState]:
     state = GiftState(engine, cfg)
     engine.gift = state
     _replace(state, state.opt, "average_tensor", state.average_tensor)
+    native_reduce = state.opt.reduce_gradients
+
+    def reduce_gradients(*args, **kwargs):
+        return state.reduce_gradients(native_reduce, *args, **kwargs)
+
+    _replace(state, state.opt, "reduce_gradients", reduce_gradients)
     if state.params is not None:
         native_opt_step = state.opt.step
 

@@ -96,9 +96,11 @@ FP8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_i
 def test_the_busiest_link_carries_half_of_native_bf16_with_buckets_smaller_than_a_partition(stage):
     # 4 ranks, tiny Llama (119k parameters, partitions of ~30k): a 20k-element bucket reaches one
     # or two owners; a 2M one reaches all four (by_layout must then stay direct: no regression)
+    # (stage 1: DeepSpeed's buckets, with the balanced rounds turned off; they have a test of their own)
+    fp8 = dict(FP8, stage1_rounds=False)
     small, large = dict(BASE, stage=stage), dict(BASE, stage=stage, bucket=2_000_000)
-    specs = [small, dict(small, gift=dict(FP8, route="direct")), dict(small, gift=dict(FP8, route="by_layout")),
-             large, dict(large, gift=dict(FP8, route="by_layout"))]
+    specs = [small, dict(small, gift=dict(fp8, route="direct")), dict(small, gift=dict(fp8, route="by_layout")),
+             large, dict(large, gift=dict(fp8, route="by_layout"))]
     per_rank = run_ranks(train_many, 4, specs)
     busiest = [busiest_per_step([r[i]["grad_receives"] for r in per_rank], 2) for i in range(len(specs))]
     native, direct, auto, native_large, auto_large = busiest
@@ -120,7 +122,8 @@ def test_two_level_nics_carry_a_fifth_of_native_bf16_with_buckets_smaller_than_a
     # 0.17x balanced); the node stage and the forwards stay inside a node (all bytes: 0.87x, 0.80x)
     two = {"hierarchy": "two_level", "ranks_per_node": 2}
     base = dict(BASE, stage=stage, count_recv=2)
-    specs = [base, dict(base, gift=dict(FP8, route="direct", **two)), dict(base, gift=dict(FP8, route="by_layout", **two))]
+    fp8 = dict(FP8, stage1_rounds=False)
+    specs = [base, dict(base, gift=dict(fp8, route="direct", **two)), dict(base, gift=dict(fp8, route="by_layout", **two))]
     per_rank = run_ranks(train_many, 4, specs)
     nic = [busiest_per_step([r[i]["grad_receives"] for r in per_rank], 2, internode=True) for i in range(3)]
     native, direct, auto = nic
@@ -143,7 +146,8 @@ def test_lossless_config_relayed_matches_deepspeed(stage):
     # 4 ranks, buckets smaller than a partition, gradient accumulation; fp32 sums in rank order
     # (a chunk's, then the owner's) are another order of native's sum: within native's own spread
     base = dict(stage=stage, steps=3, ga=2, bucket=12000)
-    results = run_ranks(train_many, 4, [base, native_perturbed(base, 4), dict(base, gift=LOSSLESS)])
+    gift = dict(LOSSLESS, stage1_rounds=False)  # stage 1 through DeepSpeed's buckets, relayed
+    results = run_ranks(train_many, 4, [base, native_perturbed(base, 4), dict(base, gift=gift)])
     for native, perturbed, gift in results:
         assert_within_native_spread(native, perturbed, gift)
         assert all(r["relay_buckets"] > 0 and r["fidelity_rel_err"] < 1e-6 for r in gift["records"])

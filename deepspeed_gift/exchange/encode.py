@@ -35,19 +35,28 @@ class SectionEncoder:
     rounding) a shared section is rounded with a generator seeded from (that seed, this rank =
     the node, step, parameters), so the same node partial encoded by the node's ranks of
     different slot groups gives the same bytes. ``tile_elements`` bounds the codec's
-    temporaries and the sample that sampled steps measure."""
+    temporaries and the sample that sampled steps measure. ``relay_codec`` (``gift.relay_format``)
+    encodes the relay route's sums on their way to the owner (None: the main codec)."""
 
     def __init__(self, rank: int, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
-                 shared_seed: Optional[int] = None, tile_elements: int = DEFAULT_TILE_ELEMENTS) -> None:
+                 shared_seed: Optional[int] = None, tile_elements: int = DEFAULT_TILE_ELEMENTS,
+                 relay_codec=None) -> None:
         self.rank = rank
         self.tile_elements = tile_elements
         self.main_codec = main_codec
         self.high_codec = high_codec
+        self.relay_codec = relay_codec
         self.generator = generator
         self.shared_seed = shared_seed
 
     def codec_of(self, section: Section):
         return self.high_codec if section.high else self.main_codec
+
+    def forward_codec_of(self, section: Section):
+        """The codec of a section's relayed sums (the relay's second hop)."""
+        if section.high:
+            return self.high_codec
+        return self.relay_codec if self.relay_codec is not None else self.main_codec
 
     def generator_for(self, sec: Section, step: int):
         if self.shared_seed is None or not sec.shared or self.generator is None:
@@ -59,12 +68,13 @@ class SectionEncoder:
         return gen
 
     def encode(self, sec: Section, values, stats: StepStats, sample: bool, generator, *,
-               decode: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+               decode: bool, codec=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The wire bytes of ``values`` (a tensor, or a source read tile by tile: see
         ``plan.SectionSource``) in the section's codec and, with ``decode``, what the receiver
         will decode from them. Sampled steps count the quantization on an evenly strided sample
-        of whole blocks of at most ``QUANT_SAMPLE_ELEMENTS`` (``quantized`` counts the sample)."""
-        codec, tile = self.codec_of(sec), self.tile_elements
+        of whole blocks of at most ``QUANT_SAMPLE_ELEMENTS`` (``quantized`` counts the sample).
+        ``codec``: another than the section's own (the relay's second hop)."""
+        codec, tile = codec or self.codec_of(sec), self.tile_elements
         src = TensorSource(values.reshape(-1)) if isinstance(values, torch.Tensor) else values
         if sec.high:
             payload = codec.encode_source(src, tile_elements=tile)
@@ -79,10 +89,11 @@ class SectionEncoder:
                 stats.quantized += q["numel"]
         return codec.payload_to_bytes(payload), codec.decode(payload, tile_elements=tile) if decode else None
 
-    def count_sent(self, sec: Section, wire: torch.Tensor, numel: int, copies: int, stats: StepStats) -> None:
+    def count_sent(self, sec: Section, wire: torch.Tensor, numel: int, copies: int, stats: StepStats,
+                   codec=None) -> None:
         stats.elements_sent += copies * numel
         if sec.high:
             stats.bytes_high += copies * wire.numel()
         else:
             stats.bytes_main += copies * wire.numel()
-            stats.bytes_scales += copies * self.codec_of(sec).scale_nbytes(numel)
+            stats.bytes_scales += copies * (codec or self.codec_of(sec)).scale_nbytes(numel)

@@ -229,11 +229,14 @@ def section_sample(plan: BucketPlan, index: int, stride: int, device) -> Tuple[t
 
 
 def plan_route(plan: "BucketPlan", route: str, codec_of: Callable[["Section"], object], align: int,
-               ranks_per_node: int = 1) -> None:
+               ranks_per_node: int = 1, forward_codec_of: Optional[Callable[["Section"], object]] = None) -> None:
     """Direct (every rank sends each owner its part: one all-to-all) or relay (two balanced
     ones, one more quantization): by ``route``, or for ``by_layout`` the one whose busiest
     rank receives fewer bytes. The same on every rank: it depends on the plan only. Sets the
-    plan's route, sizes and busiest receives (in all, and from other nodes)."""
+    plan's route, sizes and busiest receives (in all, and from other nodes).
+    ``forward_codec_of``: the codec of the relay's sums on their way to the owner (default
+    ``codec_of``)."""
+    forward_codec_of = forward_codec_of or codec_of
     world, L = plan.world_size, ranks_per_node
     plan.message_sizes = [message_nbytes(plan, d, codec_of) for d in range(world)]
     direct_max = max((world - 1) * n for n in plan.message_sizes) if world > 1 else 0
@@ -250,7 +253,7 @@ def plan_route(plan: "BucketPlan", route: str, codec_of: Callable[["Section"], o
         for i in owned:
             d, n = plan.sections[i].dests[0], chunks[i][j][1]
             if d != j and n:
-                forward_sizes[j][d] += codec_of(plan.sections[i]).nbytes(n)
+                forward_sizes[j][d] += forward_codec_of(plan.sections[i]).nbytes(n)
         for d in range(world):
             if forward_sizes[j][d]:
                 forward_sizes[j][d] += CONTROL_HEADER_BYTES

@@ -41,12 +41,13 @@ class GiftReducer:
     ``ranks_per_node`` is for accounting only (which messages leave the node).
     ``tile_elements`` (``gift.tile_elements``): staging, transforms, codecs and the owner's sum
     work in tiles of at most about this many elements, so their temporaries never grow with a
-    section; the results do not depend on it."""
+    section; the results do not depend on it. ``relay_codec``: the codec of the relay route's
+    sums on their way to the owner (None: the main codec)."""
 
     def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
                  error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False,
                  fidelity_elements: int = 65536, route: str = "direct", shared_seed: Optional[int] = None,
-                 tile_elements: int = DEFAULT_TILE_ELEMENTS) -> None:
+                 tile_elements: int = DEFAULT_TILE_ELEMENTS, relay_codec=None) -> None:
         if route not in ROUTES:
             raise ValueError(f"gift.route: got {route!r}; allowed: {', '.join(ROUTES)}")
         self.route = route
@@ -57,7 +58,8 @@ class GiftReducer:
         self.defer_checks = defer_checks
         self.ranks_per_node = ranks_per_node
         self.encoder = SectionEncoder(comm.rank, main_codec, high_codec, generator=generator,
-                                      shared_seed=shared_seed, tile_elements=self.tile_elements)
+                                      shared_seed=shared_seed, tile_elements=self.tile_elements,
+                                      relay_codec=relay_codec)
         self.error_feedback = error_feedback
         self.feedback = ErrorFeedback()
         self._plans: Dict[tuple, BucketPlan] = {}
@@ -78,7 +80,7 @@ class GiftReducer:
         """A plan with its sizes and route, not cached (two-level plans every slot group's)."""
         plan = BucketPlan(slices, self.comm.world_size, versions)
         plan_route(plan, self.route, self.encoder.codec_of, max(self.encoder.main_codec.block_size, 1),
-                   self.ranks_per_node)
+                   self.ranks_per_node, self.encoder.forward_codec_of)
         return plan
 
     # ---- the reduction --------------------------------------------------------------

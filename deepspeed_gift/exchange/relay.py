@@ -26,7 +26,10 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
        (its own chunk exact) into the section's sum.
 
     The busiest link then carries about twice its share of one quantized copy, whatever the
-    bucket's owners; the sum is quantized a second time on the way to its owner. Chunks are made
+    bucket's owners; the sum is quantized a second time on the way to its owner, in the relay's
+    own codec (``gift.relay_format``: by default int8, whose error on a sum of many ranks is a
+    fraction of fp8's or nvfp4's at the same or more bytes, so that the second quantization does not
+    undo what averaging the first over the ranks gained). Chunks are made
     and encoded tile by tile (whole with error feedback, whose residual is whole), and decoded
     into the sums tile by tile."""
     me, world, device = r.comm.rank, r.comm.world_size, tensor.device
@@ -122,10 +125,12 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
         value = sums[i]
         if feedback:  # the relay's own residual: the second quantization is fed back too
             value = r.feedback.add_relayed(plan, i, value)
-        wire, decoded = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=feedback)
+        codec = r.encoder.forward_codec_of(sec)
+        wire, decoded = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=feedback,
+                                         codec=codec)
         if feedback:
             r.feedback.keep_relayed(plan, i, value.sub_(decoded))
-        r.encoder.count_sent(sec, wire, sums[i].numel(), 1, stats)
+        r.encoder.count_sent(sec, wire, sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
     stats.codec_s += r.now() - t0
     recv = r.send(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
@@ -154,7 +159,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             if j == me:
                 total.narrow(0, start, n).copy_(sums[i])
             else:
-                r.decode_at(r.encoder.codec_of(sec), sums_from[j], offsets, j, n, total.narrow(0, start, n))
+                r.decode_at(r.encoder.forward_codec_of(sec), sums_from[j], offsets, j, n, total.narrow(0, start, n))
         totals.append((sec, total, None))
     stats.codec_s += r.now() - t0
     return totals

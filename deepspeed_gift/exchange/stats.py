@@ -42,6 +42,7 @@ class StepStats:
     bytes_node: int = 0  # two-level: the node stage (bucket dtype, inside the node)
     recv_max: int = 0  # gradient bytes the busiest rank received (each collective's largest receive, summed)
     relay_buckets: int = 0  # buckets reduced by the relay route (two balanced all-to-alls)
+    rounds: int = 0  # ZeRO-1 balanced rounds (gift.stage1_rounds), in place of DeepSpeed's buckets
     recv_max_internode: int = 0  # the same, of the messages that cross between nodes
     balanced_buckets: int = 0  # two-level: buckets split over the node's ranks in equal runs
     bytes_geometry: int = 0  # statistics, sketches and factors (the comm's GEOMETRY meter, once per step)
