@@ -23,6 +23,11 @@ NIC (a rank's messages to ranks on its own node take NVLink):
 - GIFT flat direct: owner d receives its part from the W - G ranks off its node: (W-G) N_d b;
 - GIFT flat relay: chunk j of every owner's part to rank j, then the sums to the owners:
   (W-G)/W N b + (W-G)/W max N_d b;  flat by_layout: the smaller, per bucket;
+- GIFT ZeRO-1 rounds (``gift.stage1_rounds``): the step cut by the plugin's own
+  ``exchange.rounds.plan_rounds`` into rounds of at most a bucket, each a slice of every owner's
+  partition, each direct (flat) or by the lighter two-level split; the relay's second hop
+  (``gift.relay_format`` int8, fp32 scale per 128) has FP8's bytes per element, so the relay
+  columns hold for it;
 - GIFT two-level (G > 1), after a node stage on NVLink, the exchange among the nodes in each
   slot group: ``owner_slot`` (the slot of a part's owner carries it): direct (n-1) max N_d b,
   relay (n-1)/n max N_s b + (n-1)/n max N_d b; ``balanced`` (every slot carries 1/G of each
@@ -119,6 +124,44 @@ def buckets_of(sizes: List[int], arrival: List[int], world: int, bucket_size: in
     return out
 
 
+def parameter_units(config: dict) -> List[int]:
+    """Each parameter's row length (a matrix's ``shape[-1]``, else 1), in ``parameter_layout``'s
+    order: where ZeRO-1's balanced rounds may cut it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    return [p.shape[-1] if p.dim() >= 2 else 1 for p in model.parameters()]
+
+
+def rounds_of(sizes: List[int], units: List[int], world: int, bucket_size: int) -> List[Dict[int, int]]:
+    """ZeRO-1's balanced rounds (``gift.stage1_rounds``), as the plugin plans them
+    (``deepspeed_gift.exchange.rounds.plan_rounds`` on DeepSpeed's partitions): per round,
+    elements per owning partition."""
+    from deepspeed_gift.exchange.rounds import OwnedParam, plan_rounds
+
+    align = 2 * world
+    partition = -(-sum(sizes) // align) * align // world
+    params, flat = [], 0
+    for key, (numel, unit) in enumerate(zip(sizes, units)):
+        runs, pos = [], 0
+        while pos < numel:
+            d = (flat + pos) // partition
+            end = min(numel, (d + 1) * partition - flat)
+            runs.append((pos, end, d))
+            pos = end
+        params.append(OwnedParam(key, numel, tuple(runs), unit))
+        flat += numel
+    out = []
+    for rnd in plan_rounds(params, world, bucket_size):
+        owners: Dict[int, int] = {}
+        for piece in rnd.pieces:
+            owners[piece.owner] = owners.get(piece.owner, 0) + piece.numel
+        out.append(owners)
+    return out
+
+
 def bucket_link_bytes(owners: Dict[int, int], world: int, per_node: int, b: float) -> Dict[str, Tuple[float, float]]:
     """Per scheme, (bytes into the busiest NIC, bytes into the busiest GPU over NVLink in stages
     that run before or after the NIC's) of one bucket (see the module docstring)."""
@@ -170,7 +213,7 @@ def bucket_seconds(scheme: str, nic: float, nvlink: float, n: int, world: int, p
 
 
 def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit: float = 400.0,
-               nvlink_gbyte: float = 450.0) -> List[dict]:
+               nvlink_gbyte: float = 450.0, units: List[int] = None) -> List[dict]:
     sizes, arrival = layout_of_model
     rows = []
     params = sum(sizes)
@@ -179,6 +222,7 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
         layout = buckets_of(sizes, arrival, world, bucket_size)
         layout = [o for o in layout if o]  # empty reductions move nothing
         owners_per_bucket = [len(o) for o in layout]
+        rounds = rounds_of(sizes, units, world, bucket_size) if units is not None else []
         for per_node in PER_NODE:
             if per_node > world:
                 continue
@@ -189,10 +233,18 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                     nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nic
                     seconds[scheme] = seconds.get(scheme, 0.0) + bucket_seconds(
                         scheme, nic, nvlink, sum(owners.values()), world, per_node, nic_bps, nvlink_bps)
+            for owners in rounds:  # ZeRO-1's balanced rounds: each direct (flat) or by_layout (two-level)
+                schemes = bucket_link_bytes(owners, world, per_node, b)
+                for scheme, key in (("rounds", "direct"), ("two_level_rounds", "two_level_by_layout")):
+                    if key in schemes:
+                        nic, nvlink = schemes[key]
+                        nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nic
+                        seconds[scheme] = seconds.get(scheme, 0.0) + bucket_seconds(
+                            scheme, nic, nvlink, sum(owners.values()), world, per_node, nic_bps, nvlink_bps)
             base, base_s = nic_totals["bf16"], seconds["bf16"]
             biggest = max(sum(o.values()) for o in layout)
             row = {"model": name, "params": params, "world": world, "per_node": per_node,
-                   "buckets": len(layout), "owners_min": min(owners_per_bucket), "owners_max": max(owners_per_bucket),
+                   "buckets": len(layout), "rounds": len(rounds), "owners_min": min(owners_per_bucket), "owners_max": max(owners_per_bucket),
                    "bf16_nic_gb": base / 1e9, "bf16_s": base_s,
                    **{f"{k}_vs_bf16": (v / base if base else float("nan")) for k, v in nic_totals.items() if k != "bf16"},
                    **{f"{k}_time_vs_bf16": (v / base_s if base_s else float("nan")) for k, v in seconds.items()
@@ -216,7 +268,8 @@ def main(argv=None) -> List[dict]:
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)
     rows = []
     for name, config in MODELS.items():
-        rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte)
+        rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte,
+                           units=parameter_units(config))
 
     def ratio(r, key):
         return f"{r[key]:.2f}x" if key in r else "-"
@@ -224,22 +277,24 @@ def main(argv=None) -> List[dict]:
     print(f"reduce_bucket_size {args.bucket:.0e}; FP8 e4m3 block 128 at {b:.4f} B/element; per step")
     print("\nBusiest NIC's received bytes against DeepSpeed's bf16 all-reduce (NVLink not counted):")
     print("| model | W | G | buckets | owners per bucket | bf16 GB/NIC | flat direct | flat relay | flat by_layout |"
-          " two-level direct (today) | two-level owner_slot | two-level balanced | two-level by_layout |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          " two-level direct | two-level owner_slot | two-level balanced | two-level by_layout |"
+          " ZeRO-1 rounds | ZeRO-1 rounds two-level |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows_with_nics(rows):
         cells = [ratio(r, k + "_vs_bf16") for k in ("direct", "relay", "by_layout", "two_level_direct",
                                                     "two_level_owner_slot", "two_level_balanced",
-                                                    "two_level_by_layout")]
+                                                    "two_level_by_layout", "rounds", "two_level_rounds")]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {r['buckets']} | {r['owners_min']}-{r['owners_max']} | "
               f"{r['bf16_nic_gb']:.2f} | {' | '.join(cells)} |")
     print(f"\nGradient time against DeepSpeed's (bandwidth only; {args.nic_gbit:g} Gbit/s NIC, "
           f"{args.nvlink_gbyte:g} GB/s NVLink per GPU; two-level's NVLink stages not overlapped with its NICs),"
           " and what the new exchange holds per GPU:")
-    print("| model | W | G | bf16 ms | flat by_layout | two-level direct (today) | two-level by_layout |"
-          " holds GB (+EF residuals) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| model | W | G | bf16 ms | flat by_layout | two-level direct | two-level by_layout | ZeRO-1 rounds |"
+          " ZeRO-1 rounds two-level | holds GB (+EF residuals) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows_with_nics(rows):
-        cells = [ratio(r, k + "_time_vs_bf16") for k in ("by_layout", "two_level_direct", "two_level_by_layout")]
+        cells = [ratio(r, k + "_time_vs_bf16") for k in ("by_layout", "two_level_direct", "two_level_by_layout",
+                                                         "rounds", "two_level_rounds")]
         hold = r["two_level_hold_gb"] if r["per_node"] > 1 else r["relay_hold_gb"]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {1e3 * r['bf16_s']:.1f} | {' | '.join(cells)} | "
               f"{hold:.2f} (+{r['relay_ef_gb']:.2f}) |")

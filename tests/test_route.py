@@ -205,6 +205,10 @@ def test_the_layout_model_finds_the_funnel_and_the_relay_removes_it():
     assert eight[("13B", 64)]["two_level_owner_slot_vs_bf16"] > 1.2
     assert all(r["two_level_by_layout_vs_bf16"] <= 0.55 for r in eight.values())
     assert all(r["two_level_by_layout_vs_bf16"] <= r["two_level_owner_slot_vs_bf16"] for r in eight.values())
+    # ZeRO-1's balanced rounds (gift.stage1_rounds): a quarter of bf16 on every layout, as one
+    # bucket over every owner would be (flat with a NIC per GPU; two-level with 8 per node)
+    assert all(r["rounds_vs_bf16"] <= 0.30 for r in one_nic.values())
+    assert all(r["two_level_rounds_vs_bf16"] <= 0.30 for r in eight.values())
 
 
 def test_a_nan_in_a_relayed_bucket_reaches_deepspeed_as_natively():
