@@ -65,6 +65,16 @@ def _check_engine(engine, cfg: GiftConfig):
              "remove zero_optimization.offload_optimizer or set gift.enabled to false")
     _require(not getattr(opt, "has_moe_layers", False), "gift.enabled: MoE expert parallelism is not supported")
     _require(not getattr(opt, "zenflow", False), "gift.enabled: ZenFlow is not supported")
+    if not opt.partition_gradients and opt.overlap_comm and cfg.stage1_rounds:
+        # ZeRO-1 with overlap_comm reduces during the boundary micro-batch's backward, bucket by
+        # bucket as gradients arrive: the rounds need every gradient first.
+        _require("stage1_rounds" not in cfg.model_fields_set,
+                 "gift.stage1_rounds: got true, but zero_optimization.overlap_comm is true: ZeRO-1 then reduces "
+                 "during the backward, bucket by bucket, and the balanced rounds need every gradient of the step "
+                 "first (allowed: overlap_comm false for the rounds, or stage1_rounds false for DeepSpeed's buckets)")
+        logger.info("gift: ZeRO-1 with overlap_comm reduces DeepSpeed's buckets as the backward fills them "
+                    "(gift.route decides funnel or relay); with overlap_comm false it reduces in balanced rounds "
+                    "after the backward (gift.stage1_rounds), each element quantized once")
     return opt
 
 

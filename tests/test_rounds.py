@@ -171,3 +171,14 @@ def test_rounds_with_stochastic_rounding_and_error_feedback_resume_exactly(tmp_p
     assert first["losses"] == full["losses"][:3]
     assert resumed["losses"] == full["losses"][3:]
     assert full["losses"][-1] < full["losses"][0]
+
+
+def test_overlap_comm_keeps_deepspeeds_buckets_and_an_explicit_true_fails_at_initialize():
+    from tests.harness import initialize_error
+
+    # ZeRO-1 with overlap_comm reduces in its backward hooks: the default falls back to the buckets
+    spec = dict(stage=1, steps=2, bucket=20000, overlap=True, gift=dict(LOSSLESS, route="direct"))
+    (run,) = run_ranks(train_many, 2, [spec])[0]
+    assert all(r["rounds"] == 0 for r in run["records"]) and len(run["records"]) == 2
+    messages = run_ranks(initialize_error, 2, dict(spec, gift=dict(LOSSLESS, stage1_rounds=True)))
+    assert all("gift.stage1_rounds: got true, but zero_optimization.overlap_comm is true" in m for m in messages)
