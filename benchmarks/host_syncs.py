@@ -67,7 +67,8 @@ def _has_bool_tensor(index) -> bool:
 def count_bucket_syncs(gift) -> list:
     """Wrap the optimizer's ``average_tensor`` (GIFT's, once ``gift``, a ``GiftState``, is
     attached) so every bucket's reduction runs under a :class:`HostSyncCounter`; returns the
-    list it appends ``{"step", "ordinary", "counts"}`` to. With ``gift.params``, each step's
+    list it appends ``{"step", "ordinary", "counts"}`` to. ZeRO-1's balanced rounds are counted
+    whole, once a step, as an entry marked ``"where": "rounds"`` (the buckets then pass). With ``gift.params``, each step's
     parameter all-gather is counted too, its entries marked ``"where": "params"`` (ordinary: not a
     telemetry sample, which reads the replica-target gap)."""
     seen: list = []
@@ -82,6 +83,16 @@ def count_bucket_syncs(gift) -> list:
         seen.append({"step": k, "ordinary": ordinary, "counts": dict(counter.counts)})
 
     gift.opt.average_tensor = counted
+    native_rounds = gift.reduce_in_rounds
+
+    def counted_rounds(k):  # ZeRO-1's balanced rounds (gift.stage1_rounds): the step's reduction, one entry
+        geometry = gift.geometry
+        ordinary = not (gift.sampled(k) or geometry.refresh_due(k) or geometry.collecting())
+        with HostSyncCounter() as counter:
+            native_rounds(k)
+        seen.append({"step": k, "ordinary": ordinary, "counts": dict(counter.counts), "where": "rounds"})
+
+    gift.reduce_in_rounds = counted_rounds
     if gift.params is not None:  # gift.params: the step's parameter all-gather too, as "where": "params"
         native_gather = gift.gather_params
 

@@ -33,6 +33,21 @@ def test_ordinary_steps_make_no_host_conversion_in_a_bucket(world):
             assert r["losses"][-1] < r["losses"][0]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_ordinary_steps_make_no_host_conversion_in_zero1_rounds(world):
+    # ZeRO-1's balanced rounds (gift.stage1_rounds, 20k-element buckets: several rounds a step),
+    # counted whole per step, flat and (4 ranks) two-level as 2 x 2
+    configs = [FP8_KFAC_EF] + ([dict(NVFP4, hierarchy="two_level", ranks_per_node=2)] if world == 4 else [])
+    specs = [dict(spec, stage=1) for spec in _specs(configs)]
+    for per_config in run_ranks(train_many, world, specs):
+        for r in per_config:
+            rounds = [e for e in r["host_syncs"] if e.get("where") == "rounds"]
+            assert [e["step"] for e in rounds] == [0, 1, 2, 3]
+            assert all(sum(e["counts"].values()) == 0 for e in rounds if e["ordinary"]), rounds
+            assert any(sum(e["counts"].values()) > 0 for e in rounds if not e["ordinary"])  # not blind
+            assert r["losses"][-1] < r["losses"][0]
+
+
 @pytest.mark.parametrize("world, hierarchy", [(2, "flat"), (4, "two_level")])
 def test_ordinary_steps_make_no_host_read_in_the_parameter_all_gather(world, hierarchy):
     # gift.params with fp8 deltas, the partitions cut into several all-gathers (ZERO_CHUNKED): the
