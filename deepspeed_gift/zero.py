@@ -381,6 +381,19 @@ class GiftState:
                 out.setdefault(opt.get_param_comm_dtype(param), []).append((g, param, grad))
         return out
 
+    def _round_staging(self, comm_dtype: torch.dtype, numel: int, grad: torch.Tensor) -> torch.Tensor:
+        """Where a round is staged, in the gradients' dtype (as DeepSpeed's bucket buffer is): that
+        buffer itself, idle until DeepSpeed's walk refills it after the rounds (so the rounds
+        hold no bucket of their own), or, for a round longer than a bucket (a row's slack, a
+        whole shared matrix), a buffer of its own."""
+        bucket = self.opt.ipg_buckets.get(comm_dtype)
+        buffers = getattr(bucket, "buffer", None) or []
+        if buffers:
+            idle = buffers[bucket.index]
+            if idle.numel() >= numel and idle.dtype == grad.dtype and idle.device == grad.device:
+                return idle.narrow(0, 0, numel)
+        return torch.empty(numel, dtype=grad.dtype, device=grad.device)
+
     def reduce_in_rounds(self, k: int) -> None:
         """Reduce every gradient of the step in rounds of at most ``reduce_bucket_size`` elements,
         each a slice of every owner's partition (``exchange.rounds``): what DeepSpeed's
@@ -395,13 +408,12 @@ class GiftState:
                 runs = self.optimizer_state.partition_runs(g, param_id, param.numel())
                 name = self.param_names.get(param_id)
                 if name is not None and self.geometry.wants_capture(name):
-                    self.geometry.capture(name, grad.to(comm_dtype).view(param.shape))
+                    self.geometry.capture(name, grad.view(param.shape))
                 owned.append(OwnedParam(param_id, param.numel(), tuple(runs),
                                         param.shape[-1] if param.dim() >= 2 else 1,
                                         bool(self.optimizer_state.copy_ranks(param, runs))))
             for round_ in plan_rounds(owned, self.comm.world_size, int(opt.reduce_bucket_size)):
-                device = entries[0][2].device
-                staging = torch.empty(round_.numel, dtype=comm_dtype, device=device)
+                staging = self._round_staging(comm_dtype, round_.numel, entries[0][2])
                 slices, outputs, whiteners, targets = [], [], {}, []
                 for piece in round_.pieces:
                     g, param, grad = entries[piece.param]
