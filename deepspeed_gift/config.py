@@ -50,7 +50,9 @@ GeometryKindName = Literal[tuple(k.value for k in GeometryKind)]
 FormatName = Literal[FORMAT_NAMES]  # the codecs in ``formats`` name the formats
 FP8_FORMATS = tuple(n for n in FORMAT_NAMES if n.startswith("fp8_"))
 PASSTHROUGH_FORMATS = tuple(n for n in FORMAT_NAMES if format_class(n).default_block_size == 0)
-RELAY_DEFAULT_FORMAT = "int8"  # gift.relay_format's default under a quantized gift.format
+# gift.relay_format's default under a quantized gift.format, and its block (docs/benchmarks.md,
+# "Route fidelity": in GIFT's coordinates a block of 128 erred 1.42x direct's at 32 ranks, of 32 1.35x)
+RELAY_DEFAULT_FORMAT, RELAY_DEFAULT_BLOCK = "int8", 32
 DEFAULT_BLOCK_SIZE = {n: format_class(n).default_block_size for n in FORMAT_NAMES if n not in PASSTHROUGH_FORMATS}
 NVFP4_BLOCK = format_class("nvfp4").default_block_size
 E8M0_BLOCK = 32  # the OCP MX block of E8M0-scaled FP8 (formats._Fp8Codec)
@@ -302,12 +304,18 @@ class GiftConfig(_GiftModel):
     """The wire format of the relay route's second hop: the fp32 sums that relay j sends on to
     each owner. Those sums are of every rank's gradient, so quantizing them in the main format
     adds an error that does not average down over the ranks as the first quantization's does
-    (fp8_e4m3 at 32 ranks: 2.4x the direct route's error). ``null``: ``int8`` (fp32 scale per
-    128, 1.03 B per element, as fp8) when ``format`` is quantized: on a sum of many ranks its
-    error is a fraction of fp8's or nvfp4's; the main format itself when that is ``bf16`` or
-    ``fp32``. Any format name sets it (the format's default block size, ``rounding`` as the
-    main format's); the main format's name gives the old single-format relay. Error against bytes
-    per route: docs/benchmarks.md, "Route fidelity"."""
+    (fp8_e4m3 at 32 ranks: 2.9x the direct route's error on real gradients). ``null``: ``int8``
+    with an fp32 scale per 32 elements (``relay_block_size``; 1.125 B per element) when
+    ``format`` is quantized: at 32 ranks its relay errs 1.0-1.35x as much as the direct route
+    where the main format's errs 2.1-3.5x, at 0.54x of bf16's busiest-link bytes under fp8
+    (0.52x with an fp8 second hop) and 0.42x under nvfp4 (0.28x); the main format itself when
+    that is ``bf16`` or ``fp32``. Any format name sets it (``rounding`` as the main format's); the
+    main format's name gives the single-format relay. Error against bytes per route:
+    docs/benchmarks.md, "Route fidelity"."""
+
+    relay_block_size: Optional[int] = Field(None, ge=0)
+    """Elements per scale of the relay's second hop: ``null`` = 32 for the default ``int8`` hop,
+    else the format's default (as ``block_size``); ``bf16``/``fp32`` take only ``null`` or ``0``."""
 
     ranks_per_node: Optional[int] = Field(None, ge=1)
     """Data-parallel ranks per node. ``null``: detected (``LOCAL_WORLD_SIZE`` when data
@@ -335,7 +343,8 @@ class GiftConfig(_GiftModel):
                               scale=self.scale, rounding=self.rounding, seed=self.seed)
         except ValueError as exc:
             raise ValueError(f"gift.rounding: got {self.rounding!r} with format '{fmt}': {exc}") from None
-        if self.relay_format is not None:
+        if self.relay_format is not None or self.relay_block_size is not None:
+            _check_block_size(self.effective_relay_format, self.relay_block_size, "gift.relay_block_size")
             try:
                 self.relay_codec_options()
             except ValueError as exc:
@@ -373,7 +382,10 @@ class GiftConfig(_GiftModel):
         fmt = self.effective_relay_format
         options = dict(rounding=self.rounding, seed=self.seed)
         if fmt not in PASSTHROUGH_FORMATS:
-            options["block_size"] = resolved_block_size(fmt, None)
+            block = self.relay_block_size
+            if block is None and self.relay_format is None:
+                block = RELAY_DEFAULT_BLOCK
+            options["block_size"] = resolved_block_size(fmt, block)
         format_class(fmt)(**options)
         return dict(options, name=fmt)
 

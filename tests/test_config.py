@@ -46,6 +46,11 @@ def test_defaults_resolve():
     assert get_gift_config({"gift": {"format": "nvfp4"}}).effective_block_size == 16
     assert get_gift_config({"gift": {"scale": "e8m0"}}).effective_block_size == 32
     assert get_gift_config({"gift": {"format": "bf16"}}).effective_block_size == 0
+    # the relay's second hop: int8 per 32 under a quantized format, the main format when exact
+    assert cfg.relay_codec_options() == {"name": "int8", "block_size": 32, "rounding": "nearest", "seed": 0}
+    assert get_gift_config({"gift": {"format": "nvfp4"}}).relay_codec_options()["name"] == "int8"
+    assert get_gift_config({"gift": {"format": "fp32"}}).relay_codec_options()["name"] == "fp32"
+    assert get_gift_config({"gift": {"relay_format": "fp8_e4m3"}}).relay_codec_options()["block_size"] == 128
     assert get_gift_config({"gift": {"layers": "measured"}}).layers == "measured"
 
 
@@ -60,6 +65,10 @@ BAD = [
     ({"block_size": 12.0}, "gift.block_size", "integer"),
     ({"format": "nvfp4", "block_size": 32}, "gift.block_size", "needs block_size 16"),
     ({"format": "bf16", "block_size": 128}, "gift.block_size", "no scales"),
+    ({"relay_format": "int9"}, "gift.relay_format", "'int8'"),
+    ({"relay_format": "nvfp4", "relay_block_size": 32}, "gift.relay_block_size", "needs block_size 16"),
+    ({"format": "fp32", "relay_block_size": 32}, "gift.relay_block_size", "no scales"),
+    ({"relay_format": "fp32", "rounding": "stochastic"}, "gift.relay_format", "exact"),
     ({"scale": "e8m0", "format": "int8"}, "gift.scale", "fp8"),
     ({"scale": "e8m0", "block_size": 128}, "gift.block_size", "needs block_size 32"),
     ({"scale": "fp16"}, "gift.scale", "e8m0"),
