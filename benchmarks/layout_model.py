@@ -139,20 +139,12 @@ def rounds_of(sizes: List[int], units: List[int], world: int, bucket_size: int) 
     """ZeRO-1's balanced rounds (``gift.stage1_rounds``), as the plugin plans them
     (``deepspeed_gift.exchange.rounds.plan_rounds`` on DeepSpeed's partitions): per round,
     elements per owning partition."""
-    from deepspeed_gift.exchange.rounds import OwnedParam, plan_rounds
+    from deepspeed_gift.exchange.rounds import OwnedParam, contiguous_runs, plan_rounds
 
     align = 2 * world
     partition = -(-sum(sizes) // align) * align // world
-    params, flat = [], 0
-    for key, (numel, unit) in enumerate(zip(sizes, units)):
-        runs, pos = [], 0
-        while pos < numel:
-            d = (flat + pos) // partition
-            end = min(numel, (d + 1) * partition - flat)
-            runs.append((pos, end, d))
-            pos = end
-        params.append(OwnedParam(key, numel, tuple(runs), unit))
-        flat += numel
+    params = [OwnedParam(key, numel, runs, unit)
+              for key, (numel, unit, runs) in enumerate(zip(sizes, units, contiguous_runs(sizes, partition)))]
     out = []
     for rnd in plan_rounds(params, world, bucket_size):
         owners: Dict[int, int] = {}

@@ -192,14 +192,18 @@ def test_relay_under_muon_keeps_shared_matrices_whole():
     assert len({r[2]["digests"][-1] for r in results}) == 1  # every replica identical
 
 
-def test_relay_with_stochastic_rounding_and_error_feedback_resumes_exactly(tmp_path):
-    gift = {"format": "int4", "rounding": "stochastic", "error_feedback": True, "layers": "all", "route": "relay",
+@pytest.mark.parametrize("stage,route,counter", [(2, "relay", "relay_buckets"), (1, "by_layout", "rounds")],
+                         ids=["relay", "zero1 rounds"])
+def test_relay_and_rounds_with_stochastic_rounding_and_error_feedback_resume_exactly(tmp_path, stage, route, counter):
+    # the relay's residuals (both hops), and ZeRO-1's balanced rounds (their layout, and with it the
+    # residuals' keys, the same every step)
+    gift = {"format": "int4", "rounding": "stochastic", "error_feedback": True, "layers": "all", "route": route,
             "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1}}
     save_dir = str(tmp_path / "ckpt")
-    base = dict(stage=2, steps=5, bucket=20000, gift=gift)
+    base = dict(stage=stage, steps=5, bucket=20000, gift=gift)
     full, first = run_ranks(train_many, 3, [base, dict(base, steps=3, save_at=3, save_dir=save_dir)])[0]
     (resumed,) = run_ranks(train_many, 3, [dict(base, resume=save_dir)])[0]
-    assert all(r["relay_buckets"] > 0 for r in full["records"])
+    assert all(r[counter] > 0 for r in full["records"])
     assert first["losses"] == full["losses"][:3]
     assert resumed["losses"] == full["losses"][3:]  # residuals saved right after a refresh: moved, read at step 3
     assert full["losses"][-1] < full["losses"][0]

@@ -56,6 +56,22 @@ class Round:
     numel: int
 
 
+def contiguous_runs(sizes: Sequence[int], partition: int) -> List[Tuple[Tuple[int, int, int], ...]]:
+    """The ``(start, end, owner)`` runs of parameters of ``sizes`` elements, flattened in order,
+    over contiguous partitions of ``partition`` elements each (ZeRO's layout)."""
+    out, flat = [], 0
+    for numel in sizes:
+        runs, pos = [], 0
+        while pos < numel:
+            owner = (flat + pos) // partition
+            end = min(numel, (owner + 1) * partition - flat)
+            runs.append((pos, end, owner))
+            pos = end
+        out.append(tuple(runs))
+        flat += numel
+    return out
+
+
 def round_count(params: Sequence[OwnedParam], world: int, round_elements: int) -> int:
     """Rounds needed so that the owners' shares of one round add up to at most about
     ``round_elements`` (the largest owner's share sets it)."""
