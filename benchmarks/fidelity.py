@@ -84,7 +84,12 @@ scales by Adam's whole ``v`` instead of its factors: what the factorization leav
 ``nvfp4/up`` is NVFP4 with the block-scale rule of earlier versions (the smallest E4M3 scale
 that clips nothing) instead of the per-block choice among three scales.
 ``--all-quantized`` also puts the owner's contribution through the codec (an all-reduce,
-as in the paper). Saturation counts elements coded at the format's largest magnitude: with
+as in the paper). ``--route relay`` (3+ ranks) reduces every layer owned by one rank through the
+relay, as ZeRO-2's default route (``by_layout``) does a bucket that reaches one owner: chunk j of
+every rank's ``Z_r`` to rank j, summed there in fp32, the sum encoded again on its way to the
+owner in the second-hop codec the default config resolves for the format (``zero._relay_codec``)
+or ``--relay-format NAME[/BLOCK]``'s; shared sections (``--all-quantized``) stay direct, as in
+the plugin. The aggregate's ``relay_layers`` in the JSON counts the layers that took the relay. Saturation counts elements coded at the format's largest magnitude: with
 per-block amax scales every nonzero block has one (about 1/block_size).
 
 Prints three tables: aggregate (format x geometry), per layer for ``--per-layer-format``,
@@ -539,33 +544,39 @@ class WhitenerFactory:
 # ----------------------------------------------------------------------------- the reduction
 
 
-def reduce_ranks(G: Tensor, codec, whitener: geo.Whitener, *, owner: Optional[int],
-                 stats: bool = True) -> Tuple[Tensor, Dict[str, int]]:
+def reduce_ranks(G: Tensor, codec, whitener: geo.Whitener, *, owner: Optional[int], stats: bool = True,
+                 route: str = "direct", relay_codec=None) -> Tuple[Tensor, Dict[str, int]]:
     """The plugin's reduction of one layer, ``G`` (ranks, out, in) -> averaged (out, in), run by
     the plugin's own :class:`GiftReducer` on ``G.shape[0]`` ranks simulated as threads.
 
-    Every rank but ``owner`` sends ``Z_r = G_r S`` encoded once; the owner decodes, sums in
-    fp32, maps back with ``S^{-1}``, adds its own exact gradient and divides by the number of
-    ranks. ``owner=None`` quantizes every rank (the layer is a shared section: every rank
-    receives it whole, as Muon's copy ranks do). ``stats`` adds the codec counters
-    (elements sent, saturated, underflow) of every payload.
+    ``route="direct"``: every rank but ``owner`` sends ``Z_r = G_r S`` encoded once; the owner
+    decodes, sums in fp32, maps back with ``S^{-1}``, adds its own exact gradient and divides by
+    the number of ranks. ``route="relay"`` (3+ ranks): chunk j of ``Z_r`` goes to rank j, which
+    sums the chunks in fp32 (its own exact) and sends the sum on to the owner encoded again in
+    ``relay_codec`` (None: ``codec``), as ZeRO-2's default route (``by_layout``) does with a
+    bucket that reaches one owner. ``owner=None`` quantizes every rank (the layer is a shared
+    section: every rank receives it whole, as Muon's copy ranks do; direct on either route, as
+    in the plugin). ``stats`` adds the codec counters (elements sent, saturated, underflow) of
+    every payload; ``relay_buckets`` is 1 where the relay ran.
     """
     world, numel = G.shape[0], G[0].numel()
     dst = 0 if owner is None else owner
     copies = tuple(range(world)) if owner is None else ()
     slices = [ParamSlice(dst, 0, numel, 0, 0, whitener.run_unit, GEO, copies)]
+    route = "direct" if owner is None else route
 
     def rank_body(comm):
         bucket = G[comm.rank].reshape(-1).to(torch.float32, copy=True)
-        counters = GiftReducer(comm, codec).reduce(bucket, slices, {0: whitener}, divisor=float(world),
-                                                   sample=stats)
+        reducer = GiftReducer(comm, codec, route=route, relay_codec=relay_codec)
+        counters = reducer.reduce(bucket, slices, {0: whitener}, divisor=float(world), sample=stats)
         return bucket if comm.rank == dst else None, counters
 
     per_rank = run_local(world, rank_body)
     total = StepStats()
     for _, counters in per_rank:
         total.add(counters)
-    counts = {"sent": total.quantized, "saturated": total.saturated, "underflow": total.underflow}
+    counts = {"sent": total.quantized, "saturated": total.saturated, "underflow": total.underflow,
+              "relay_buckets": per_rank[dst][1].relay_buckets}
     return per_rank[dst][0].view(G.shape[1:]), counts
 
 
@@ -648,6 +659,7 @@ def metrics(parts: List[dict]) -> dict:
         "saturation_rate": s["saturated"] / s["sent"] if s["sent"] else 0.0,
         "underflow_rate": s["underflow"] / s["sent"] if s["sent"] else 0.0,
         "elements_sent": int(s["sent"]),
+        "relay_layers": sum(p.get("relay_buckets", 0) for p in parts),
         "layers_per_column": {key: sum(key in p["rel"] for p in parts) for key in COLUMNS},
     })
     return out
@@ -808,6 +820,13 @@ def parse_args(argv):
     p.add_argument("--min-gain", type=float, default=0.05, help="selection.min_gain of layers: auto")
     p.add_argument("--all-quantized", action="store_true",
                    help="quantize the owner's contribution too (all-reduce; the plugin keeps it exact)")
+    p.add_argument("--route", default="direct", choices=("direct", "relay"),
+                   help="direct: every rank sends the owner its layer, encoded once; relay (3+ ranks): through "
+                        "every rank, the sums encoded again on their way to the owner (what ZeRO-2's default "
+                        "by_layout route does with a bucket that reaches one owner)")
+    p.add_argument("--relay-format", default=None, metavar="NAME[/BLOCK]",
+                   help="the relay's second hop (gift.relay_format / relay_block_size), e.g. int8/128 or bf16; "
+                        "default: what the default config resolves for each format (zero._relay_codec)")
     p.add_argument("--plugin-stats", type=int, default=None, metavar="RANK",
                    help="also the kfac geometry of this rank as the plugin holds and fits it (sketched "
                         "statistics, Nystrom refits from step 0): rows 'kfac SOLVER rRANK plugin'")
@@ -821,10 +840,43 @@ def parse_args(argv):
             or args.train_steps < 0 or not 0.0 <= args.stats_decay < 1.0:
         raise SystemExit("need --ranks, --micro, --refresh-interval, --collect-interval >= 1, --seq >= 2, "
                          "--train-steps >= 0, 0 <= --stats-decay < 1")
+    if args.relay_format is not None:
+        name, _, block = args.relay_format.partition("/")
+        if args.route != "relay":
+            raise SystemExit(f"--relay-format {args.relay_format}: the second hop is the relay's; add --route relay")
+        if name not in FORMAT_NAMES or (block and not block.isdigit()):
+            raise SystemExit(f"--relay-format: got {args.relay_format!r}; NAME[/BLOCK] with NAME one of "
+                             f"{list(FORMAT_NAMES)} and BLOCK elements per scale")
     if not 0.0 <= args.muon_momentum < 1.0 or not args.damping > 0:
         raise SystemExit(f"need 0 <= --muon-momentum < 1 and --damping > 0, got {args.muon_momentum} and "
                          f"{args.damping}")
     return args
+
+
+def relay_codecs_of(codecs: Dict[str, object], relay_format: Optional[str]) -> Dict[str, object]:
+    """Each format's relay second-hop codec, as the plugin makes it (``zero._relay_codec``) from a
+    config of that format with ``--relay-format`` (NAME[/BLOCK]) or, without it, every other key at its
+    default; the format's own codec where that resolves to the main one."""
+    from deepspeed_gift.config import GiftConfig
+    from deepspeed_gift.zero import _relay_codec
+
+    keys = {}
+    if relay_format is not None:
+        name, _, block = relay_format.partition("/")
+        keys = {"relay_format": name, "relay_block_size": int(block) if block else None}
+    out = {}
+    for f, codec in codecs.items():
+        try:
+            cfg = GiftConfig(format=f.split("/")[0], **keys)  # nvfp4/up: nvfp4's
+        except ValueError as exc:
+            raise SystemExit(f"--relay-format {relay_format} with format {f}: {exc}") from None
+        out[f] = _relay_codec(cfg) or codec
+    return out
+
+
+def codec_label(codec) -> str:
+    """``int8/32``: a codec's format and elements per scale (none for bf16, fp32 or one scale per tensor)."""
+    return f"{codec.name}/{codec.block_size}" if codec.block_size else codec.name
 
 
 def select_layers(local: Dict[str, Tensor], codec, whiteners: Dict[str, geo.Whitener],
@@ -897,9 +949,12 @@ def train_and_capture(args) -> TrainedRun:
                       opt_note, time.perf_counter() - t_start)
 
 
-def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner_of, ruler_key: str):
-    """Step 2: every format x geometry reduced at t2 with the whiteners fitted at t1.
+def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner_of, ruler_key: str,
+                 route: str = "direct", relay_codecs: Optional[Dict[str, object]] = None):
+    """Step 2: every format x geometry reduced at t2 with the whiteners fitted at t1, on ``route``
+    (``relay_codecs``: format -> the relay's second-hop codec).
     Returns (results as printed, per-layer ``compare`` parts: format -> geometry -> layer)."""
+    relay_codecs = relay_codecs or {}
     names = [n for n, _ in run.layers]
     G2 = run.caps[2].grads
     whiteners_t1 = {g.key: factory.build(g, 1, run.caps[1]) for g in geoms}
@@ -910,7 +965,8 @@ def reduce_at_t2(run: TrainedRun, factory: WhitenerFactory, geoms, codecs, owner
         ws = whiteners_t1[g.key]
         for n in names:
             for f, codec in codecs.items():
-                avg, counts = reduce_ranks(G2[n], codec, ws[n], owner=owner_of[n])
+                avg, counts = reduce_ranks(G2[n], codec, ws[n], owner=owner_of[n], route=route,
+                                           relay_codec=relay_codecs.get(f))
                 parts[f][g.key][n] = compare(avg, refs[n], counts)
     results = {f: {g.key: {"aggregate": metrics(list(parts[f][g.key].values())),
                            "layers": {n: metrics([parts[f][g.key][n]]) for n in names}} for g in geoms}
@@ -983,6 +1039,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if auto_key not in {g.key for g in kfac}:
         raise SystemExit(f"--auto-geometry {auto_key!r} is not one of {[g.key for g in kfac]}")
     auto_spec = next(g for g in kfac if g.key == auto_key)
+    relay_codecs = relay_codecs_of(codecs, args.relay_format) if args.route == "relay" else {}
+    second_hop = {f: codec_label(c) for f, c in relay_codecs.items()}
+    route_note = "route direct"
+    if args.route == "relay":
+        hops = set(second_hop.values())
+        route_note = ("route relay, second hop " + (next(iter(hops)) if len(hops) == 1 else
+                                                     ", ".join(f"{f} {h}" for f, h in second_hop.items()))
+                      + f" ({'--relay-format' if args.relay_format else 'the default config'}'s"
+                      + (", shared sections direct)" if args.all_quantized else ")"))
 
     run = train_and_capture(args)
     layers, names = run.layers, [n for n, _ in run.layers]
@@ -1000,17 +1065,19 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"captures t0, t1, t2 at steps {', '.join(map(str, run.capture_at))}; loss {run.losses[0]:.3f} -> "
           f"{run.losses[-1]:.3f}; kfac statistics: {stats_note}, damping floor {damping_note}; model + captures "
           f"{run.seconds:.1f} s")
+    print(f"{route_note}" + ("; relay needs 3+ ranks: every layer goes direct" if args.route == "relay"
+                             and args.ranks < 3 else ""))
 
     factory = WhitenerFactory(layers, run.key_of, args.damping, args.damping_mode)
-    results, parts = reduce_at_t2(run, factory, geoms, codecs, owner_of, auto_key)
+    results, parts = reduce_at_t2(run, factory, geoms, codecs, owner_of, auto_key, args.route, relay_codecs)
     t_reduce = time.perf_counter() - t_start - run.seconds
     choice_specs = [auto_spec, ADAM_SPEC]
     auto = simulate_auto(run, factory, kfac + [ADAM_SPEC], choice_specs, codecs, parts, args)
     judged = kfac + [ADAM_SPEC, GeometrySpec("choice", "choice")]
 
     coverage = results[formats[0]]["identity"]["aggregate"]["layers_per_column"]
-    print_aggregate(results, formats, geoms, args.ranks, owner_note, args.optimizer, auto_spec.label, coverage,
-                    len(names))
+    print_aggregate(results, formats, geoms, args.ranks, f"{owner_note}, {route_note}", args.optimizer,
+                    auto_spec.label, coverage, len(names))
     print_per_layer(results, auto, args.per_layer_format, layers, auto_key, run.trained_by,
                     SELECTION_COLUMN[args.selection_metric])
     print_auto(auto, formats, judged, len(names), args.min_gain, args.selection_metric, args.optimizer)
@@ -1031,6 +1098,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "auto_gain": f"t0 whitener judged on t1's owner-local gradient (metrics.judge_geometry, "
                                       f"one round trip) in {args.selection_metric}, 1 - err_geo / err_euclid",
                          "owner_exact": not args.all_quantized,
+                         "route": args.route,
+                         "relay_second_hop": second_hop,
+                         "relay_second_hop_from": (args.relay_format or "default config") if second_hop else None,
                          "aggregate": {k: how for k, (_, how) in COLUMNS.items()},
                          "muon_ns": "relative error of NS5(G), fp32 Newton-Schulz, no momentum",
                          "muon_update": "relative error of NS5(lerp(g, lerp(m, g, 1-beta), beta)), momentum before "

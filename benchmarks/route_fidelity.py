@@ -27,10 +27,14 @@ What it does, in order:
      Which rank's contribution is the exact one changes the error by up to ~10-20% at W = 4 on small
      models (ranks' gradients differ in size), so ``direct`` is the rms over every rotation of the owners
      (``per_rotation`` in the JSON);
-   * ``relay``: the same layout, ``route="relay"``: chunk j of each owner's section to rank j, summed
-     there in fp32, the sum quantized a second time on its way to the owner, in the main codec;
+   * ``relay default``: the same layout, ``route="relay"``: chunk j of each owner's section to rank j,
+     summed there in fp32, the sum quantized a second time on its way to the owner in the second-hop
+     codec the default config resolves for the format (``zero._relay_codec(GiftConfig(format=...))``,
+     ``gift.relay_format`` / ``relay_block_size`` unset; the main codec where it returns None). This is
+     what the plugin's ``by_layout`` route does with a bucket that reaches one owner;
+   * ``relay main`` (JSON ``relay``): the relay with its second hop in the main codec;
    * ``relay int8/128``, ``relay int8/32``, ``relay bf16``: the relay with its second hop in that codec
-     (``GiftReducer(relay_codec=...)``); the first hop is the same bits as ``relay``'s;
+     (``GiftReducer(relay_codec=...)``); the first hop is the same bits as every relay's;
    * ``balanced`` (the ZeRO-1 route of issue 32): every layer's rows cut into W near-equal contiguous
      runs, run d owned by rank d, ``route="direct"``: every rank owns a slice of every layer and each
      element is quantized once;
@@ -38,7 +42,8 @@ What it does, in order:
      the node and slot-group comms of ``split_by_node`` (as ``zero.py`` builds it): the node stage sums
      exactly in fp32, then the nodes' partials go through an inner ``GiftReducer`` of route ``direct``
      (the owner_slot split) or ``relay`` (the balanced split, relayed among the nodes: direct at two
-     nodes), any second hop in the main codec.
+     nodes), its second hop the default config's, as the plugin runs it; ``2L balanced main``: the
+     same with the second hop in the main codec.
 
    One bucket, not one per layer: an element's error depends only on its own path (which ranks
    quantize it, how often, whose contribution is exact), which is the same, and the reducer's work per
@@ -47,7 +52,7 @@ What it does, in order:
    layers of one owner, and a relay chunk of an owner's section covers parts of its layers, not 1/W of
    each (so its exact contributions are spread less evenly than ``balanced``'s; the relays run one
    rotation: up to ~15% of noise at W = 4 on the tiny preset). The ``by_layout`` routes choose by the
-   bucket's layout, so they are planned (below), not reduced.
+   bucket's layout, so they are planned (below), not reduced, with the default config's second hop.
 
    Codecs: each format as the default config makes it (``GiftConfig(format=...)`` through
    ``zero._main_codec``: fp8_e4m3 and int4 block 128, nvfp4 16). Coordinates: Euclidean (``MAIN``
@@ -70,12 +75,15 @@ What it does, in order:
      ``bucket_link_bytes``) for 7B and 13B at W = 64 and 512, G = 1 and 8, ``--bucket`` elements a
      bucket. ``bucket_link_bytes`` takes one byte rate for both relay hops, so a relay whose second hop
      is in another codec is its docstring's formula, ``(W-G)/W N b + (W-G)/W max N_d b2`` per bucket
-     (``b2`` that codec's bytes per element); ``balanced`` is the rule's flat ``direct`` of one bucket
+     (``b2`` that codec's bytes per element; ``by_layout`` the lighter of it with the default second hop
+     and ``direct``, per bucket; ``by_layout main`` the rule's own); ``balanced`` is the rule's flat
+     ``direct`` of one bucket
      holding the whole model (every owner's partition once a step), ``2L balanced, one bucket`` its
      ``two_level_by_layout``.
 
-Prints the error tables (per coordinates and format, rows W), GIFT / Euclidean, the planned and the
-layout-rule busiest-link tables; ``--json PATH`` writes every number (per-layer errors too).
+Prints the error tables (per coordinates and format, rows W), GIFT / Euclidean, ``relay default``
+against ``direct`` in every ruler with its planned link (one table for the docs), the planned and the
+layout-rule busiest-link tables (markdown, ready to paste); ``--json PATH`` writes every number (per-layer errors too).
 ``--worlds 4 8 16 32 64`` adds W = 64 (its capture holds 64 copies of the model's gradients).
 Smoke run (seconds): ``--preset tiny --worlds 4 8 --formats fp8_e4m3 --micro 2 --seq 64 --train-steps 3
 --refresh-interval 1 --layout-models 7B``.
@@ -84,7 +92,6 @@ Smoke run (seconds): ``--preset tiny --worlds 4 8 --formats fp8_e4m3 --micro 2 -
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import platform
@@ -118,13 +125,15 @@ DEFAULT_WORLDS = (4, 8, 16, 32)
 # the relay's second hops besides the main codec: name -> (format, block size)
 SECOND_HOPS: Dict[str, Tuple[str, Optional[int]]] = {"int8/128": ("int8", 128), "int8/32": ("int8", 32),
                                                      "bf16": ("bf16", None)}
+# RouteSpec.second_hop of the plugin's default: whatever gift.relay_format / relay_block_size resolve
+# to with every key at its default under the format (zero._relay_codec), not a fixed codec
+DEFAULT_HOP = "default"
 LAYOUT_WORLDS = (64, 512)
 LAYOUT_PER_NODE = (1, 8)
 # A sub-comm's exchange waits at most this long for its group: run_local aborts only the world's
 # barrier when a rank fails, so a group's barrier must time out instead of hanging its other ranks.
 GROUP_BARRIER_TIMEOUT_S = 300.0
 GIL_SWITCH_S = 1e-4  # sys.setswitchinterval while the ranks run (see main)
-HAS_RELAY_CODEC = "relay_codec" in inspect.signature(GiftReducer.__init__).parameters
 
 
 @dataclass(frozen=True)
@@ -135,20 +144,24 @@ class RouteSpec:
     label: str  # printed
     layout: str = "one_owner"  # one_owner | balanced (rows cut into W slices, slice d to rank d)
     route: str = "direct"  # GiftReducer route (the inner one for two-level)
-    second_hop: Optional[str] = None  # a SECOND_HOPS key; None: the main codec
+    second_hop: Optional[str] = None  # a SECOND_HOPS key, DEFAULT_HOP (the default config's); None: the main codec
     two_level: bool = False
     reduced: bool = True  # False: planned only (its choice depends on the bucket layout; see the docstring)
 
 
 ROUTES: Tuple[RouteSpec, ...] = (
     RouteSpec("direct", "direct"),
-    RouteSpec("relay", "relay", route="relay"),
+    RouteSpec("relay_default", "relay default", route="relay", second_hop=DEFAULT_HOP),
+    RouteSpec("relay", "relay main", route="relay"),
     *(RouteSpec(f"relay_{k.replace('/', '_')}", f"relay {k}", route="relay", second_hop=k) for k in SECOND_HOPS),
     RouteSpec("balanced", "balanced", layout="balanced"),
-    RouteSpec("two_level_owner_slot", "2L owner_slot", two_level=True),
-    RouteSpec("two_level_balanced", "2L balanced", route="relay", two_level=True),
-    RouteSpec("by_layout", "by_layout", route="by_layout", reduced=False),
-    RouteSpec("two_level_by_layout", "2L by_layout", route="by_layout", two_level=True, reduced=False),
+    # two-level as the plugin runs it: the inner reducer's relay with the default config's second hop
+    RouteSpec("two_level_owner_slot", "2L owner_slot", two_level=True, second_hop=DEFAULT_HOP),
+    RouteSpec("two_level_balanced", "2L balanced", route="relay", two_level=True, second_hop=DEFAULT_HOP),
+    RouteSpec("two_level_balanced_main", "2L balanced main", route="relay", two_level=True),
+    RouteSpec("by_layout", "by_layout", route="by_layout", second_hop=DEFAULT_HOP, reduced=False),
+    RouteSpec("two_level_by_layout", "2L by_layout", route="by_layout", two_level=True, second_hop=DEFAULT_HOP,
+              reduced=False),
 )
 
 
@@ -223,9 +236,44 @@ def main_codec(fmt: str):
     return _main_codec(GiftConfig(format=fmt))
 
 
+def default_relay_codec(fmt: str):
+    """The relay's second-hop codec of ``gift.format: fmt`` with every other key at its default, as
+    the plugin makes it (``zero._relay_codec``; it returns None where that is the main codec)."""
+    from deepspeed_gift.config import GiftConfig
+    from deepspeed_gift.zero import _relay_codec
+
+    return _relay_codec(GiftConfig(format=fmt)) or main_codec(fmt)
+
+
 def second_hop_codec(name: str):
     fmt, block = SECOND_HOPS[name]
     return formats.get_format(fmt, block_size=block) if block is not None else formats.get_format(fmt)
+
+
+def codec_label(codec) -> str:
+    """``int8/32``: a codec's format and elements per scale (none for bf16 / fp32)."""
+    return f"{codec.name}/{codec.block_size}" if codec.block_size else codec.name
+
+
+class Hops:
+    """The codec of each route's relay second hop, per format."""
+
+    def __init__(self, fmts: Sequence[str]) -> None:
+        self.main = {f: main_codec(f) for f in fmts}
+        self.default = {f: default_relay_codec(f) for f in fmts}
+        self.fixed = {k: second_hop_codec(k) for k in SECOND_HOPS}
+
+    def of(self, spec: RouteSpec, fmt: str):
+        if spec.second_hop is None:
+            return self.main[fmt]
+        return self.default[fmt] if spec.second_hop == DEFAULT_HOP else self.fixed[spec.second_hop]
+
+    def default_is(self, fmt: str) -> Optional[str]:
+        """What the default second hop equals: "main", a SECOND_HOPS key, or None."""
+        c = self.default[fmt]
+        if c is self.main[fmt] or (type(c) is type(self.main[fmt]) and c.block_size == self.main[fmt].block_size):
+            return "main"
+        return next((k for k, h in self.fixed.items() if type(h) is type(c) and h.block_size == c.block_size), None)
 
 
 def bytes_per_element(codec) -> float:
@@ -238,15 +286,15 @@ def bytes_per_element(codec) -> float:
 def make_reducer(spec: RouteSpec, comm, codec, relay_codec, per_node: int, groups: Optional["LocalGroups"]):
     """The reducer of ``spec`` for one rank: flat, or two-level over comms split as zero.py splits
     them (``groups`` None: for planning only, comms that never exchange)."""
-    extra = {"relay_codec": relay_codec} if HAS_RELAY_CODEC else {}
     if not spec.two_level:
-        return GiftReducer(comm, codec, route=spec.route, **extra)
+        return GiftReducer(comm, codec, route=spec.route, relay_codec=relay_codec)
     if groups is None:
         node_comm = LocalComm(comm.rank % per_node, per_node, [], None)
         slot_comm = LocalComm(comm.rank // per_node, comm.world_size // per_node, [], None)
     else:
         node_comm, slot_comm = split_by_node(LocalSplitter(comm, groups), per_node)
-    return TwoLevelReducer(node_comm, GiftReducer(slot_comm, codec, route=spec.route, **extra), per_node)
+    inner = GiftReducer(slot_comm, codec, route=spec.route, relay_codec=relay_codec)
+    return TwoLevelReducer(node_comm, inner, per_node)
 
 
 def reduce_model(grads: Dict[str, Tensor], shapes: Dict[str, Tuple[int, int]], names: List[str], spec: RouteSpec,
@@ -394,7 +442,7 @@ def train_and_capture(args, ranks: int) -> Captured:
 def layout_link_rows(models: Sequence[str], fmts: Sequence[str], bucket: int) -> List[dict]:
     """Busiest NIC's received bytes per step against bf16 by route, from layout_model's rules."""
     rows = []
-    b2 = {k: bytes_per_element(second_hop_codec(k)) for k in SECOND_HOPS}
+    fixed = {k: bytes_per_element(second_hop_codec(k)) for k in SECOND_HOPS}
     for model in models:
         sizes, arrival = layout_model.parameter_layout(layout_model.MODELS[model])
         for world in LAYOUT_WORLDS:
@@ -404,6 +452,7 @@ def layout_link_rows(models: Sequence[str], fmts: Sequence[str], bucket: int) ->
                 off = world - per_node
                 for fmt in fmts:
                     b = bytes_per_element(main_codec(fmt))
+                    b2 = dict(fixed, default=bytes_per_element(default_relay_codec(fmt)))
                     tot: Dict[str, float] = {}
                     for owners in buckets:
                         got = layout_model.bucket_link_bytes(owners, world, per_node, b)
@@ -412,7 +461,11 @@ def layout_link_rows(models: Sequence[str], fmts: Sequence[str], bucket: int) ->
                             tot[k] = tot.get(k, 0.0) + nic
                         for hop, rate in b2.items():  # the docstring's relay, second hop at its own rate
                             key = f"relay_{hop.replace('/', '_')}"
-                            tot[key] = tot.get(key, 0.0) + off / world * n * b + off / world * biggest * rate
+                            relay = off / world * n * b + off / world * biggest * rate
+                            tot[key] = tot.get(key, 0.0) + relay
+                            if hop == "default":  # by_layout as the plugin runs it: the lighter, per bucket
+                                tot["by_layout_default"] = tot.get("by_layout_default", 0.0) + min(
+                                    got["direct"][0], relay)
                     whole_links = [layout_model.bucket_link_bytes(o, world, per_node, b) for o in whole]
                     tot["balanced"] = sum(links["direct"][0] for links in whole_links)
                     if all("two_level_by_layout" in links for links in whole_links):
@@ -494,6 +547,30 @@ def print_gain_table(results: dict, fmts: List[str], worlds: List[int], routes) 
                 print("| " + " | ".join(cells) + " |")
 
 
+def print_default_table(results: dict, planned: dict, geoms: List[str], fmts: List[str], worlds: List[int],
+                        hops: "Hops") -> None:
+    """The plugin's relay (default second hop) against direct, every ruler at once: one table for the docs."""
+    print("\nrelay default (what by_layout sends a bucket that reaches one owner) against direct: error / direct's "
+          "at the same W, format and coordinates, L2 and whitened; busiest link / DeepSpeed's bf16 ring (the "
+          "reducer's plans, per-layer buckets)")
+    cols = [(g, m) for g in geoms for m in ("rel_l2", "whitened")]
+    head = (["format", "second hop", "W"]
+            + [f"{'GIFT' if g == 'gift' else 'Euclidean'} {'L2' if m == 'rel_l2' else m} x" for g, m in cols]
+            + ["link relay default", "link direct"])
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|---:|" + "---:|" * (len(head) - 3))
+    for f in fmts:
+        for w in worlds:
+            cells = [f, codec_label(hops.default[f]), str(w)]
+            for g, m in cols:
+                row = results[g][f][str(w)]
+                e, d = row.get("relay_default", {}).get(m), row["direct"][m]
+                cells.append(_cell(None if e is None or not d else e / d, 2))
+            link = planned[f][str(w)]
+            cells += [_cell(link[k]["busiest_vs_bf16"], 3) if k in link else "-" for k in ("relay_default", "direct")]
+            print("| " + " | ".join(cells) + " |")
+
+
 def print_planned_bytes(planned: dict, fmts: List[str], worlds: List[int], routes) -> None:
     print("\nThe reducer's plans for this model in per-layer buckets (each reaching one owner; balanced: every "
           "rank): busiest NIC's receive / DeepSpeed's bf16 ring's (two-level: among the nodes, against the ring's "
@@ -511,8 +588,9 @@ def print_planned_bytes(planned: dict, fmts: List[str], worlds: List[int], route
             print("| " + " | ".join(cells) + " |")
 
 
-LAYOUT_COLUMNS = (("direct", "direct"), ("relay", "relay"), ("relay_int8_128", "relay int8/128"),
-                  ("relay_int8_32", "relay int8/32"), ("relay_bf16", "relay bf16"), ("by_layout", "by_layout"),
+LAYOUT_COLUMNS = (("direct", "direct"), ("relay_default", "relay default"), ("relay", "relay main"),
+                  ("relay_int8_128", "relay int8/128"), ("relay_int8_32", "relay int8/32"),
+                  ("relay_bf16", "relay bf16"), ("by_layout_default", "by_layout"), ("by_layout", "by_layout main"),
                   ("balanced", "balanced"), ("two_level_owner_slot", "2L owner_slot"),
                   ("two_level_balanced", "2L balanced"), ("two_level_by_layout", "2L by_layout"),
                   ("two_level_zero1", "2L balanced, one bucket"))
@@ -521,11 +599,14 @@ LAYOUT_COLUMNS = (("direct", "direct"), ("relay", "relay"), ("relay_int8_128", "
 def print_layout_table(rows: List[dict], bucket: int) -> None:
     print(f"\nLayout rules (benchmarks/layout_model.py), reduce_bucket_size {bucket:.0e}: busiest NIC's received bytes "
           "per step / DeepSpeed's bf16 all-reduce. G = 1: every GPU its own NIC (flat routes); G = 8: 8 GPUs share "
-          "a node (flat routes off the node, two-level among nodes). relay <codec>: second hop in that codec; "
-          "by_layout: the lighter of direct and relay per bucket (ZeRO-2 today); balanced: one exchange of every "
-          "owner's partition per step (ZeRO-1, issue 32), flat; 2L owner_slot / balanced / by_layout: layout_model's "
-          "two-level schemes (each split on its lighter inner route, not the forced direct / relay of the error "
-          "tables); 2L balanced, one bucket: ZeRO-1's one bucket through the two-level exchange (its by_layout)")
+          "a node (flat routes off the node, two-level among nodes). relay default: second hop the default config's "
+          "(per format, as printed above); relay main: in the main codec; relay <codec>: in that codec; by_layout: "
+          "the lighter of direct and relay default per bucket (ZeRO-2 as the plugin runs it); by_layout main: the "
+          "same with relay main (layout_model's own rule); balanced: one exchange of every owner's partition per "
+          "step (ZeRO-1, issue 32), flat; 2L owner_slot / balanced / by_layout: layout_model's two-level schemes "
+          "(each split on its lighter inner route, not the forced direct / relay of the error tables; one byte rate "
+          "for both relay hops: the main codec's); 2L balanced, one bucket: ZeRO-1's one bucket through the "
+          "two-level exchange (its by_layout)")
     head = ["model", "W", "G", "format", "B/elem", "bf16 GB/NIC"] + [label for _, label in LAYOUT_COLUMNS]
     print("| " + " | ".join(head) + " |")
     print("|---|---:|---:|---|" + "---:|" * (len(head) - 4))
@@ -602,11 +683,9 @@ def _run(args, argv) -> dict:
     worlds = sorted(set(args.worlds))
     fmts = list(dict.fromkeys(args.formats))
     G = args.ranks_per_node
-    routes = [r for r in ROUTES if HAS_RELAY_CODEC or r.second_hop is None]
-    if not HAS_RELAY_CODEC:
-        print("note: GiftReducer takes no relay_codec here; the relay routes with another second hop are left out")
-    codecs = {f: main_codec(f) for f in fmts}
-    hops = {k: second_hop_codec(k) for k in SECOND_HOPS}
+    hops = Hops(fmts)
+    codecs = hops.main
+    routes = list(ROUTES)
 
     cap = train_and_capture(args, max(worlds))
     names = cap.names
@@ -618,7 +697,10 @@ def _run(args, argv) -> dict:
           f"{args.micro} x {args.seq} tokens each; model + capture {cap.seconds:.1f} s")
     print("codecs: " + ", ".join(f"{f} block {c.block_size} ({bytes_per_element(c):.4f} B/elem)"
                                  for f, c in codecs.items())
-          + "; second hops: " + ", ".join(f"{k} ({bytes_per_element(c):.4f} B/elem)" for k, c in hops.items()))
+          + "; second hops: " + ", ".join(f"{k} ({bytes_per_element(c):.4f} B/elem)" for k, c in hops.fixed.items()))
+    print("the default config's second hop (relay default, the two-level and by_layout routes; zero._relay_codec): "
+          + ", ".join(f"{f} {codec_label(hops.default[f])} ({bytes_per_element(hops.default[f]):.4f} B/elem)"
+                      for f in fmts))
 
     geoms = ["euclidean"] + ([] if args.no_gift else ["gift"])
     results: dict = {g: {f: {} for f in fmts} for g in geoms}
@@ -633,8 +715,7 @@ def _run(args, argv) -> dict:
         mean_norm_ratio[str(w)] = math.sqrt(sum(float(e.square().sum()) for e in exact.values()) / one)
         here = [r for r in routes if not r.two_level or (w >= 2 * G and w % G == 0)]
         for f in fmts:
-            planned[f][str(w)] = {r.key: planned_link(r, w, cap.shapes, names, codecs[f],
-                                                      hops[r.second_hop] if r.second_hop else codecs[f],
+            planned[f][str(w)] = {r.key: planned_link(r, w, cap.shapes, names, codecs[f], hops.of(r, f),
                                                       G if r.two_level else 1, args.owners) for r in here}
         for g in geoms:
             whiteners = cap.whiteners if g == "gift" else None
@@ -644,14 +725,15 @@ def _run(args, argv) -> dict:
                 for r in here:
                     if not r.reduced:
                         continue
-                    relay_codec = hops[r.second_hop] if r.second_hop else codecs[f]
+                    t_route = time.perf_counter()
                     errs = []
                     for shift in range(min(w, args.owners) if r.key == "direct" else 1):
-                        reduced, stats = reduce_model(grads, cap.shapes, names, r, codecs[f], relay_codec, whiteners,
+                        reduced, stats = reduce_model(grads, cap.shapes, names, r, codecs[f], hops.of(r, f), whiteners,
                                                       w, G if r.two_level else 1, args.owners, shift)
                         errs.append(squared_errors(reduced, exact, cap.whiteners))
                     row[r.key] = route_errors(errs, refs)
-                    row[r.key].update(relay_buckets=stats.relay_buckets, balanced_buckets=stats.balanced_buckets)
+                    row[r.key].update(relay_buckets=stats.relay_buckets, balanced_buckets=stats.balanced_buckets,
+                                      seconds=time.perf_counter() - t_route)
                 print(f"  W={w} {g} {f}: " + ", ".join(f"{k} {v['rel_l2']:.4f}" for k, v in row.items())
                       + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     t_reduce = time.perf_counter() - t_start - cap.seconds
@@ -665,6 +747,7 @@ def _run(args, argv) -> dict:
     print_whitened_tables(results, geoms, fmts, worlds, reduced_routes)
     if "gift" in geoms:
         print_gain_table(results, fmts, worlds, reduced_routes)
+    print_default_table(results, planned, geoms, fmts, worlds, hops)
     print_planned_bytes(planned, fmts, worlds, routes)
     link_rows = layout_link_rows(args.layout_models, fmts, int(args.bucket)) if args.layout_models else []
     if link_rows:
@@ -685,7 +768,10 @@ def _run(args, argv) -> dict:
                        "the others rotation 0); balanced: each layer's rows in W near-equal runs, run d to rank d",
             "owner_exact": True,
             "gift": f"kfac {args.kfac} whitener fitted {args.refresh_interval} steps before the capture",
-            "two_level": f"G = {G}, node stage exact in fp32, second hops in the main codec",
+            "two_level": f"G = {G}, node stage exact in fp32; the inner reducer's relay second hop as the default "
+                         "config's (two_level_balanced_main: the main codec)",
+            "relay_default": "route relay, second hop the default config's for the format (zero._relay_codec of "
+                             "GiftConfig(format=...)); by_layout and the two-level routes take it too",
             "planned": "per-layer buckets planned by the reducer (not reduced): busiest receive from other nodes "
                        "(recv_max_internode) summed over the buckets, over 2 (W-1)/W N 2 B / G of DeepSpeed's bf16 "
                        "ring",
@@ -694,9 +780,11 @@ def _run(args, argv) -> dict:
         },
         "codecs": {f: {"block_size": c.block_size, "bytes_per_element": bytes_per_element(c)}
                    for f, c in codecs.items()},
-        "relay_codec_supported": HAS_RELAY_CODEC,
         "second_hops": {k: {"format": SECOND_HOPS[k][0], "block_size": c.block_size,
-                            "bytes_per_element": bytes_per_element(c)} for k, c in hops.items()},
+                            "bytes_per_element": bytes_per_element(c)} for k, c in hops.fixed.items()},
+        "default_second_hops": {f: {"format": c.name, "block_size": c.block_size,
+                                    "bytes_per_element": bytes_per_element(c), "same_as": hops.default_is(f)}
+                                for f, c in hops.default.items()},
         "layers": [{"name": n, "out": cap.shapes[n][0], "in": cap.shapes[n][1]} for n in names],
         "losses": cap.losses,
         "capture_loss": cap.capture_loss,

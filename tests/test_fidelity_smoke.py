@@ -136,9 +136,52 @@ def test_fidelity_smoke_muon(tmp_path):
         assert whitened[g] < whitened["identity"], whitened
 
 
+# The relay needs 3+ ranks; two formats keep it short: fp8 and fp32 (exact but for the sums' order).
+RELAY_RUN = ["--preset", "tiny", "--ranks", "4", "--micro", "1", "--seq", "32", "--train-steps", "2",
+             "--refresh-interval", "2", "--formats", "fp8_e4m3", "fp32", "--kfac", "structured:8", "structured:32"]
+
+
+def run_route(tmp_path, *extra):
+    out = tmp_path / f"fidelity_{len(extra)}.json"
+    proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", *RELAY_RUN, "--json", str(out), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_fidelity_smoke_relay(tmp_path):
+    from deepspeed_gift.config import GiftConfig
+    from deepspeed_gift.zero import _relay_codec
+
+    out, relay = run_route(tmp_path, "--route", "relay")
+    _, direct = run_route(tmp_path)
+    names = [layer["name"] for layer in relay["layers"]]
+    hop = _relay_codec(GiftConfig(format="fp8_e4m3"))  # the default config's second hop (int8/32 today)
+    assert hop is not None
+    label = f"{hop.name}/{hop.block_size}"
+    assert relay["protocol"]["route"] == "relay" and relay["protocol"]["relay_second_hop"]["fp8_e4m3"] == label
+    assert "route relay, second hop" in out and label in out, out[:2000]
+    assert direct["protocol"]["route"] == "direct" and not direct["protocol"]["relay_second_hop"]
+    for f in ("fp8_e4m3", "fp32"):
+        for g in ("identity", "kfac_s32"):
+            # every layer (owned by one rank) went through the relay, and none did on the direct route
+            assert relay["results"][f][g]["aggregate"]["relay_layers"] == len(names), (f, g)
+            assert direct["results"][f][g]["aggregate"]["relay_layers"] == 0, (f, g)
+    for g in ("identity", "kfac_s32"):
+        # fp32 stays exact through both hops (fp32's own codec is its default second hop)
+        assert relay["results"]["fp32"][g]["aggregate"]["rel_l2"] < FP32_MAX_REL_ERR, g
+        # the same trained model and captures, another path: another fp8 error, still an fp8 error
+        r, d = (x["results"]["fp8_e4m3"][g]["aggregate"]["rel_l2"] for x in (relay, direct))
+        assert r != d and r < (FP8_MAX_REL_ERR if g == "identity" else KFAC_MAX_REL_ERR), (g, r, d)
+    assert relay["losses"] == direct["losses"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--damping", "0"], "--damping > 0"),
     (["--auto-geometry", "kfac_x9"], "--auto-geometry"),
+    (["--relay-format", "int8/32"], "--route relay"),
+    (["--route", "relay", "--relay-format", "int9"], "--relay-format"),
+    (["--route", "relay", "--relay-format", "bf16/32"], "--relay-format bf16/32"),
 ])
 def test_fidelity_rejects_bad_flags(flags, message):
     proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", *TINY, *flags], cwd=ROOT,

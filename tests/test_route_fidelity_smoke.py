@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--worlds", "4", "8", "--formats", "fp8_e4m3", "fp32", "--micro", "2", "--seq", "64",
         "--train-steps", "3", "--refresh-interval", "1", "--layout-models", "7B"]
 ONE_HOP = ("direct", "balanced")  # every element quantized once
-RELAYS = ("relay", "relay_int8_128", "relay_int8_32", "relay_bf16")
-TWO_LEVEL = ("two_level_owner_slot", "two_level_balanced")
+RELAYS = ("relay_default", "relay", "relay_int8_128", "relay_int8_32", "relay_bf16")
+TWO_LEVEL = ("two_level_owner_slot", "two_level_balanced", "two_level_balanced_main")
 # balanced and direct (the rms over every rotation of the owners) quantize each element once and keep
 # one contribution exact: equal in distribution, not bit-equal. Over 5 seeds of this setting their
 # ratio measured 0.963-1.032 (either coordinates).
@@ -36,28 +36,33 @@ def test_route_fidelity_smoke(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for heading in ("Euclidean coordinates, fp8_e4m3", "GIFT (kfac) coordinates, fp8_e4m3", "GIFT / Euclidean",
-                    "The reducer's plans", "Layout rules"):
+                    "relay default (what by_layout sends", "The reducer's plans", "Layout rules"):
         assert heading in proc.stdout, proc.stdout[-3000:]
     data = json.loads(out.read_text())
     results = data["results"]
     names = [layer["name"] for layer in data["layers"]]
-    # the relays with another second hop need GiftReducer(relay_codec=...); without it they are left out
-    relays = RELAYS if data["relay_codec_supported"] else RELAYS[:1]
+    # the default config's second hop: int8 per 32 under fp8 today (whatever it is, one of the fixed hops
+    # the table also runs), fp32's own codec under fp32
+    default = {f: data["default_second_hops"][f]["same_as"] for f in ("fp8_e4m3", "fp32")}
+    assert default["fp8_e4m3"] in {"int8/128", "int8/32", "bf16"} and default["fp32"] == "main", default
+    same_hop = "relay_" + default["fp8_e4m3"].replace("/", "_")
 
     for geom in ("euclidean", "gift"):
         for w in ("4", "8"):
             fp8, fp32 = results[geom]["fp8_e4m3"][w], results[geom]["fp32"][w]
-            assert set(fp8) == set(ONE_HOP + relays + (TWO_LEVEL if w == "8" else ())), (geom, w, sorted(fp8))
+            assert set(fp8) == set(ONE_HOP + RELAYS + (TWO_LEVEL if w == "8" else ())), (geom, w, sorted(fp8))
             for route, got in fp8.items():
                 assert 0 < got["rel_l2"] < FP8_MAX_REL_ERR[geom], (geom, w, route, got["rel_l2"])
                 assert set(got["layers"]) == set(names)
                 assert all(math.isfinite(e) and e > 0 for e in got["layers"].values()), (geom, w, route)
             # the layouts deliver every element to its owner and the assembly puts it back where it was
-            for route in ONE_HOP + ("relay",) + (TWO_LEVEL if w == "8" else ()):
+            for route in ONE_HOP + ("relay", "relay_default") + (TWO_LEVEL if w == "8" else ()):
                 assert fp32[route]["rel_l2"] < FP32_MAX_REL_ERR, (geom, w, route, fp32[route]["rel_l2"])
-            if len(relays) > 1:  # a lossy second hop after an exact first one: its own error, coarser codec more
-                assert FP32_MAX_REL_ERR < fp32["relay_bf16"]["rel_l2"] < fp32["relay_int8_32"]["rel_l2"] \
-                    < fp32["relay_int8_128"]["rel_l2"], (geom, w)
+            # the default config's codec reaches the reducer: the same bits as the fixed hop it equals
+            assert fp8["relay_default"]["rel_l2"] == fp8[same_hop]["rel_l2"], (geom, w, same_hop)
+            # a lossy second hop after an exact first one: its own error, the coarser codec more
+            assert FP32_MAX_REL_ERR < fp32["relay_bf16"]["rel_l2"] < fp32["relay_int8_32"]["rel_l2"] \
+                < fp32["relay_int8_128"]["rel_l2"], (geom, w)
 
             # direct is the rms over every rotation of the owners (min(W, --owners) of them)
             rot = fp8["direct"]["per_rotation"]
@@ -68,12 +73,11 @@ def test_route_fidelity_smoke(tmp_path):
         direct = w4["direct"]["rel_l2"]
         assert abs(w4["balanced"]["rel_l2"] / direct - 1) < BALANCED_TOL, (geom, w4["balanced"]["rel_l2"], direct)
         assert w4["relay"]["rel_l2"] > RELAY_FP8_MIN_RATIO * direct, (geom, w4["relay"]["rel_l2"], direct)
-        assert all(w4[r]["relay_buckets"] == 1 for r in relays) and w4["direct"]["relay_buckets"] == 0
-        if len(relays) > 1:
-            assert w4["relay_bf16"]["rel_l2"] < RELAY_BF16_MAX_RATIO * direct, (geom, w4["relay_bf16"], direct)
-            # one first hop (the same bits), the second in ever finer codecs: relay_codec reaches the relay
-            assert w4["relay"]["rel_l2"] > w4["relay_int8_128"]["rel_l2"] > w4["relay_int8_32"]["rel_l2"] \
-                > w4["relay_bf16"]["rel_l2"], geom
+        assert all(w4[r]["relay_buckets"] == 1 for r in RELAYS) and w4["direct"]["relay_buckets"] == 0
+        assert w4["relay_bf16"]["rel_l2"] < RELAY_BF16_MAX_RATIO * direct, (geom, w4["relay_bf16"], direct)
+        # one first hop (the same bits), the second in ever finer codecs: relay_codec reaches the relay
+        assert w4["relay"]["rel_l2"] > w4["relay_int8_128"]["rel_l2"] > w4["relay_int8_32"]["rel_l2"] \
+            > w4["relay_bf16"]["rel_l2"], geom
 
     # the reducer's plans: per-layer buckets, each reaching one owner, at W = 4 (B = 1.03 per element):
     # direct W B / 4 of the ring, the relay about twice a balanced share, balanced B / 4
@@ -82,10 +86,11 @@ def test_route_fidelity_smoke(tmp_path):
     assert 4 * b / 4 <= plans["direct"]["busiest_vs_bf16"] < 1.05 * 4 * b / 4
     assert b / 4 <= plans["balanced"]["busiest_vs_bf16"] < 1.05 * b / 4
     assert 2 * b / 4 <= plans["relay"]["busiest_vs_bf16"] < 1.05 * 2 * b / 4
-    if len(relays) > 1:
-        assert plans["relay"]["busiest_vs_bf16"] < plans["relay_int8_32"]["busiest_vs_bf16"] \
-            < plans["relay_bf16"]["busiest_vs_bf16"]
+    assert plans["relay"]["busiest_vs_bf16"] < plans["relay_int8_32"]["busiest_vs_bf16"] \
+        < plans["relay_bf16"]["busiest_vs_bf16"]
+    assert plans["relay_default"]["busiest_vs_bf16"] == plans[same_hop]["busiest_vs_bf16"]
     assert plans["by_layout"]["relay_buckets"] == plans["by_layout"]["buckets"] == len(names)
+    assert plans["by_layout"]["busiest_vs_bf16"] == plans["relay_default"]["busiest_vs_bf16"]
     w8 = data["planned"]["fp8_e4m3"]["8"]
     assert w8["two_level_by_layout"]["balanced_buckets"] == len(names)
     assert w8["two_level_balanced"]["busiest_vs_bf16"] < w8["two_level_owner_slot"]["busiest_vs_bf16"]
@@ -97,6 +102,8 @@ def test_route_fidelity_smoke(tmp_path):
         # int8/128 has fp8/128's bytes per element: the same link
         assert abs(r["relay_int8_128_vs_bf16"] - r["relay_vs_bf16"]) < 1e-12
         assert r["relay_vs_bf16"] < r["relay_bf16_vs_bf16"]
+        assert abs(r["relay_default_vs_bf16"] - r[same_hop + "_vs_bf16"]) < 1e-12
+        assert r["by_layout_default_vs_bf16"] <= min(r["direct_vs_bf16"], r["relay_default_vs_bf16"]) + 1e-12
         assert r["balanced_vs_bf16"] <= r["by_layout_vs_bf16"] <= r["direct_vs_bf16"]
         if r["per_node"] == 1:  # one exchange of every partition: (W-1)/W N b against 2 (W-1)/W N 2
             assert abs(r["balanced_vs_bf16"] - b / 4) < 1e-3, r
