@@ -189,7 +189,7 @@ class LocalGroups:
 
 
 class LocalSplitter:
-    """What ``split_by_node`` needs of a comm (``world_size``, ``split``) for one rank of a
+    """What ``split_by_node`` needs of a comm (``world_size``, ``split``, ``split_many``) for one rank of a
     :class:`LocalComm` world; every rank calls ``split`` with the same groups in the same order."""
 
     def __init__(self, comm: LocalComm, groups: LocalGroups) -> None:
@@ -199,6 +199,10 @@ class LocalSplitter:
     def split(self, groups: Sequence[Sequence[int]]) -> LocalComm:
         self._calls += 1
         return self._groups.comm(self.rank, self.world_size, groups, self._calls)
+
+    def split_many(self, partitions: Sequence[Sequence[Sequence[int]]]) -> List[LocalComm]:
+        """``split`` by each partition in order (``Comm.split_many``: what ``split_by_node`` may call)."""
+        return [self.split(groups) for groups in partitions]
 
 
 def layer_slices(spec: RouteSpec, world: int, owner: int, out: int, cols: int, key: int, whitened: bool,
