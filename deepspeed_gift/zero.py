@@ -232,6 +232,7 @@ class GiftState:
                                 tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
         else:
+            self.comm.split_many([])  # other data-parallel groups (pipeline, tensor parallelism) may split
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
                                        ranks_per_node=self.ranks_per_node, defer_checks=True,
                                        fidelity_elements=cfg.telemetry.fidelity_elements, route=cfg.route,

@@ -55,6 +55,55 @@ def ds_config(spec: dict) -> dict:
     return cfg
 
 
+class GroupsMpu:
+    """A model-parallel unit as Megatron-style frameworks hand DeepSpeed one (``mpu``): ``tp``
+    consecutive ranks form a tensor-parallel group, the ranks with the same tensor-parallel rank a
+    data-parallel group ({0, 2} and {1, 3} at tp 2 of 4), so the data-parallel group is not the
+    world. The model here is replicated on the tensor-parallel peers (no layer is split): what is
+    tested is GIFT over one data-parallel group of several."""
+
+    def __init__(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(), dist.get_rank()
+        self.tp = tp
+        self.tp_groups = [list(range(s, s + tp)) for s in range(0, world, tp)]
+        self.dp_groups = [list(range(j, world, tp)) for j in range(tp)]
+        made = {tuple(g): dist.new_group(ranks=g) for g in self.tp_groups + self.dp_groups}  # all, in order
+        self.tp_ranks = next(g for g in self.tp_groups if me in g)
+        self.dp_ranks = next(g for g in self.dp_groups if me in g)
+        self.tp_group, self.dp_group = made[tuple(self.tp_ranks)], made[tuple(self.dp_ranks)]
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_rank(self):
+        import torch.distributed as dist
+
+        return dist.get_rank(group=self.tp_group)
+
+    def get_model_parallel_world_size(self):
+        return self.tp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_rank(self):
+        import torch.distributed as dist
+
+        return dist.get_rank(group=self.dp_group)
+
+    def get_data_parallel_world_size(self):
+        return len(self.dp_ranks)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.tp_ranks[0]
+
+
 def build_engine(spec: dict):
     import sys
 
@@ -93,7 +142,8 @@ def build_engine(spec: dict):
     # builder "deepspeed": DeepSpeed's own initialize even with a gift block (the install switch's tests)
     use_gift = spec.get("gift") is not None and spec.get("builder", "gift") == "gift"
     init = deepspeed_gift.initialize if use_gift else deepspeed.initialize
-    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec))
+    mpu = GroupsMpu(spec["tp"]) if spec.get("tp") else None  # tests: data parallelism over one group of several
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec), mpu=mpu)
     return engine
 
 

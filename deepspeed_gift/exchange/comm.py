@@ -23,7 +23,7 @@ import enum
 import datetime
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,6 +75,13 @@ class Comm:
         the same list, at the same point (backends build every group collectively)."""
         raise NotImplementedError(f"{type(self).__name__}.split")
 
+    def split_many(self, partitions: Sequence[Sequence[Sequence[int]]]) -> List["Comm"]:
+        """:meth:`split` by each partition, in order. Every rank of the *job* calls it once at the
+        same point, also where this comm's group (one data-parallel group of several: pipeline or
+        tensor parallelism) wants no split at all (``[]``): a backend that builds groups over the
+        whole job does so for every group that any rank asks for (:class:`TorchComm`)."""
+        return [self.split(groups) for groups in partitions]
+
     def _count(self, kind: "ByteKind", nbytes: int) -> None:
         self.bytes_sent[ByteKind(kind)] += int(nbytes)  # a kind outside the vocabulary fails here
 
@@ -116,6 +123,21 @@ def device_for_backend(backend: str) -> torch.device:
     return torch.device(kind, module.current_device())
 
 
+def agreed_groups(dist, mine: Sequence[Sequence[int]], **kwargs) -> Dict[Tuple[int, ...], object]:
+    """Process groups of the global ranks in ``mine``, made on every rank of the job.
+
+    ``torch.distributed.new_group`` is collective over the whole job: every rank must call it for
+    every group, members or not, in the same order (torch names a group by a counter and meets
+    its members under that name; NCCL with a bound device splits the world's communicator). With
+    several data-parallel groups (pipeline or tensor parallelism) each rank knows only its own
+    group's wishes, so every rank first gathers what every rank asks for, over the whole job,
+    then all make the union in one sorted order. Returns the groups by their sorted members."""
+    asked: List[Optional[list]] = [None] * dist.get_world_size()
+    dist.all_gather_object(asked, sorted(tuple(sorted(int(r) for r in g)) for g in mine))
+    union = sorted({tuple(g) for wishes in asked for g in wishes})
+    return {members: dist.new_group(ranks=list(members), **kwargs) for members in union}
+
+
 class TorchComm(Comm):
     name = "torch"
 
@@ -126,13 +148,11 @@ class TorchComm(Comm):
         self._dist = dist
         if timeout is not None:
             # A group of our own, so the deadline applies to GIFT's exchanges whatever
-            # timeout the data-parallel group was created with (DeepSpeed's new_group: 30 min).
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            if len(ranks) != dist.get_world_size():
-                raise ValueError(f"gift.comm_timeout_s: got {timeout}; a timeout of its own needs data "
-                                 f"parallelism over all {dist.get_world_size()} ranks, this group has {len(ranks)}; "
-                                 "leave it null to use the group's timeout")
-            group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout))
+            # timeout the data-parallel group was created with (DeepSpeed's new_group: 30 min);
+            # every data-parallel group's, made on every rank of the job.
+            ranks = tuple(sorted(dist.get_process_group_ranks(group) if group is not None
+                                 else range(dist.get_world_size())))
+            group = agreed_groups(dist, [ranks], timeout=datetime.timedelta(seconds=timeout))[ranks]
         self.group = group
         self.timeout = timeout
         self.rank = dist.get_rank(group=group)
@@ -140,20 +160,23 @@ class TorchComm(Comm):
         self.device = device_for_backend(dist.get_backend(group))
 
     def split(self, groups):
+        return self.split_many([groups])[0]
+
+    def split_many(self, partitions):
         dist = self._dist
-        mine = group_of(groups, self.rank, self.world_size)
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(dist.get_world_size()))
         kwargs = {} if self.timeout is None else {"timeout": datetime.timedelta(seconds=self.timeout)}
-        made = None
-        for i, members in enumerate(groups):  # new_group is collective over the whole job: all, in order
-            g = dist.new_group(ranks=[ranks[r] for r in sorted(members)], **kwargs)
-            if i == mine:
-                made = g
-        sub = TorchComm.__new__(TorchComm)
-        Comm.__init__(sub)
-        sub._dist, sub.group, sub.timeout, sub.device = dist, made, self.timeout, self.device
-        sub.rank, sub.world_size = dist.get_rank(group=made), dist.get_world_size(group=made)
-        return sub
+        mine = [tuple(sorted(ranks[r] for r in groups[group_of(groups, self.rank, self.world_size)]))
+                for groups in partitions]
+        made = agreed_groups(dist, mine, **kwargs)
+        subs = []
+        for members in mine:
+            sub = TorchComm.__new__(TorchComm)
+            Comm.__init__(sub)
+            sub._dist, sub.group, sub.timeout, sub.device = dist, made[members], self.timeout, self.device
+            sub.rank, sub.world_size = dist.get_rank(group=sub.group), dist.get_world_size(group=sub.group)
+            subs.append(sub)
+        return subs
 
     def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind=ByteKind.PAYLOAD):
         send_splits = [int(s) for s in send_splits]
@@ -421,8 +444,8 @@ def split_by_node(comm: Comm, per_node: int):
     """(the node's comm, the slot group's comm: the same local rank on every node) for ranks
     numbered node by node. Every rank calls it at the same point."""
     nodes = comm.world_size // per_node
-    node_comm = comm.split([[n * per_node + j for j in range(per_node)] for n in range(nodes)])
-    slot_comm = comm.split([[n * per_node + j for n in range(nodes)] for j in range(per_node)])
+    node_comm, slot_comm = comm.split_many([[[n * per_node + j for j in range(per_node)] for n in range(nodes)],
+                                            [[n * per_node + j for n in range(nodes)] for j in range(per_node)]])
     return node_comm, slot_comm
 
 
