@@ -1,4 +1,5 @@
-"""GIFT's part of a DeepSpeed checkpoint: one ``gift_rank<r>.pt`` per rank beside DeepSpeed's
+"""GIFT's part of a DeepSpeed checkpoint: one ``gift_rank<r>.pt`` per rank (``r`` the global
+rank: with pipeline or tensor parallelism every process holds its own layers' state) beside DeepSpeed's
 files in the tag folder, holding the geometry (statistics, factors, selection) and counters of
 that rank and the index of its error-feedback residuals, whose bytes are in
 ``gift_rank<r>_residuals.bin``: written one tensor at a time as each is copied off the device
@@ -78,6 +79,13 @@ class _TensorReader:
         return out
 
 
+def _groups(state) -> int:
+    """How many data-parallel groups the job has."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() // state.comm.world_size
+
+
 def _residuals_file(rank: int) -> str:
     return f"gift_rank{rank}_residuals.bin"
 
@@ -92,7 +100,7 @@ def gift_state(state, sink=None) -> dict:
     """Everything GIFT keeps for an engine (a ``GiftState``), as plain data; each residual tensor
     goes through ``sink`` (default: a host copy, all of them in the dict)."""
     return {"format": CHECKPOINT_FORMAT, "world_size": state.comm.world_size, "rank": state.comm.rank,
-            "exchange": state.exchange, "fingerprint": state.cfg.fingerprint(),
+            "global_rank": state.global_rank, "dp_ranks": list(state.dp_ranks), "exchange": state.exchange, "fingerprint": state.cfg.fingerprint(),
             "geometry": state.geometry.state_dict(),
             "reducer": state.reducer.state_dict(current=_current_transforms(state), sink=sink),
             "run_totals": dict(state.run_totals)}
@@ -132,7 +140,7 @@ def load_gift_state(state, saved: dict, source=None) -> None:
 def save_files(state, save_dir: str, tag: str) -> None:
     folder = os.path.join(save_dir, str(tag))
     os.makedirs(folder, exist_ok=True)
-    name = _residuals_file(state.comm.rank)
+    name = _residuals_file(state.global_rank)
     writer = _TensorWriter(os.path.join(folder, name))
     try:
         saved = gift_state(state, sink=writer)
@@ -144,7 +152,7 @@ def save_files(state, save_dir: str, tag: str) -> None:
         saved["reducer"]["residuals_file"] = name
     elif os.path.exists(writer.path):  # an earlier save of this tag had residuals; this one has none
         os.remove(writer.path)
-    torch.save(saved, os.path.join(folder, f"gift_rank{state.comm.rank}.pt"))
+    torch.save(saved, os.path.join(folder, f"gift_rank{state.global_rank}.pt"))
 
 
 def load_files(state, load_dir: str, tag: str) -> None:
@@ -153,9 +161,14 @@ def load_files(state, load_dir: str, tag: str) -> None:
     if not saved:
         raise ValueError(f"gift: checkpoint {folder} has no gift_rank*.pt files: it was saved without GIFT "
                          "attached; start from it with gift.start_step past its step, or without the gift block")
-    mine = f"gift_rank{state.comm.rank}.pt"
-    if mine not in saved or len(saved) != state.comm.world_size:
-        mine = saved[state.comm.rank % len(saved)]
+    mine = f"gift_rank{state.global_rank}.pt"
+    if mine not in saved or len(saved) != state.comm.world_size * (1 if state.whole_job else _groups(state)):
+        if not state.whole_job:
+            raise ValueError(f"gift: checkpoint {folder} has {len(saved)} gift_rank*.pt files, and this run's "
+                             f"{_groups(state)} data-parallel groups of {state.comm.world_size} need one per process "
+                             f"with its own layers' state; GIFT's state of a pipeline or tensor-parallel run resumes "
+                             f"on the same layout only (or start without it: gift.start_step past its step)")
+        mine = saved[state.comm.rank % len(saved)]  # another world size: geometry carries over
     path = os.path.join(folder, mine)
     try:
         # GIFT's state is tensors, numbers, strings and containers: nothing in it needs
@@ -167,5 +180,11 @@ def load_files(state, load_dir: str, tag: str) -> None:
                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"gift: {path} holds a {type(loaded).__name__}, not GIFT's state dict")
+    group = loaded.get("dp_ranks")  # absent before the files were named by the global rank: the whole job
+    if (group is not None or not state.whole_job) and group != list(state.dp_ranks) \
+            and len(saved) == state.comm.world_size * _groups(state):
+        raise ValueError(f"gift: {path} was saved by a process of data-parallel group {group}, and this process "
+                         f"(global rank {state.global_rank}) reduces over {list(state.dp_ranks)}: its layers' "
+                         "geometry would be another's; resume on the layout that saved it")
     name = loaded.get("reducer", {}).get("residuals_file")
     load_gift_state(state, loaded, _TensorReader(os.path.join(folder, name)) if name else None)

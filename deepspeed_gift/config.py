@@ -145,7 +145,10 @@ class TelemetryConfig(_GiftModel):
     sampled element to each owner (``fidelity_bytes``)."""
 
     jsonl: Optional[str] = None
-    """Path of a JSONL file (one record per step, written by rank 0); ``null``: no file."""
+    """Path of a JSONL file (one record per step, written by the data-parallel group's rank 0);
+    ``null``: no file. Where data parallelism is one group of several (pipeline or tensor
+    parallelism), each group writes its own, the writer's global rank before the extension
+    (``telemetry.jsonl`` -> ``telemetry.rank1.jsonl``)."""
 
     monitor: bool = True
     """Also write to DeepSpeed's monitor (tensorboard/csv/wandb) when configured."""

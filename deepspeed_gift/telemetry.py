@@ -6,6 +6,7 @@ tests check records against it, and docs/telemetry.md is generated from it."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Dict, List, Optional
 
 from .config import Hierarchy
@@ -136,10 +137,16 @@ class TelemetryLog:
 
     KEEP = 1000
 
-    def __init__(self, jsonl: Optional[str], rank: int, monitor: bool) -> None:
+    def __init__(self, jsonl: Optional[str], rank: int, monitor: bool, writer: Optional[int] = None) -> None:
+        """``writer``: the global rank of this data-parallel group's rank 0 where the group is one of
+        several (its file is then named by it, see ``TelemetryConfig.jsonl``); None: the whole job."""
         self.records: List[dict] = []
         self.rank = rank
         self.monitor = monitor
+        if jsonl and writer is not None:
+            stem, ext = os.path.splitext(jsonl)
+            jsonl = f"{stem}.rank{writer}{ext}"
+        self.path = jsonl if rank == 0 else None
         self._file = open(jsonl, "a", buffering=1) if jsonl and rank == 0 else None
 
     def write(self, record: dict, engine) -> None:

@@ -154,6 +154,15 @@ def _main_codec(cfg: GiftConfig):
                               rounding=cfg.rounding, seed=cfg.seed)
 
 
+def _job_coordinates(group):
+    """(this process's global rank, the global ranks of its data-parallel group in group order,
+    whether that group is the whole job)."""
+    import torch.distributed as dist
+
+    ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    return dist.get_rank(), ranks, len(ranks) == dist.get_world_size()
+
+
 def _relay_codec(cfg: GiftConfig):
     """The codec of the relay's second hop (``gift.relay_format``); None when it is the main one."""
     options = cfg.relay_codec_options()
@@ -212,6 +221,9 @@ class GiftState:
         self.cfg = cfg
         self.opt = opt = _check_engine(engine, cfg)
         self.comm = make_comm(cfg.backend, group=opt.dp_process_group, timeout=cfg.comm_timeout_s)
+        # where this rank sits in the job: files are named by the global rank, and checked by the
+        # data-parallel group (with pipeline or tensor parallelism one group of several)
+        self.global_rank, self.dp_ranks, self.whole_job = _job_coordinates(opt.dp_process_group)
         _fingerprint_check(self.comm, cfg)
         device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
         self.main_codec = _main_codec(cfg)
@@ -264,7 +276,8 @@ class GiftState:
         self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
-        self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor)
+        self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor,
+                                      writer=None if self.whole_job else self.dp_ranks[0])
         self.replaced: List[tuple] = []  # (object, attribute, what the instance held) that attach set
         # each forward begins the geometry's step (statistics hooks are armed then)
         self._forward_hook = engine.module.register_forward_pre_hook(lambda module, inputs: self.on_forward())
