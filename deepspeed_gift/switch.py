@@ -80,9 +80,12 @@ def after_engine_init(engine) -> None:
     if not isinstance(raw, dict) or GIFT_BLOCK not in raw or getattr(engine, "gift", None) is not None:
         return
     log_like_deepspeed()
-    if type(engine) is not DeepSpeedEngine:  # pipeline or hybrid engines are still being built
-        logger.warning("gift: the DeepSpeed config has a \"gift\" block, but GIFT does not attach to %s "
-                       "(only to DeepSpeed's ZeRO-1/2 DeepSpeedEngine); it runs natively", type(engine).__name__)
+    if type(engine) is not DeepSpeedEngine:  # a pipeline or hybrid engine: still being built here
+        if _attaching:  # deepspeed_gift.initialize attaches once it is built
+            return
+        logger.warning("gift: the DeepSpeed config has a \"gift\" block, but GIFT attaches to a %s only when "
+                       "it is built by deepspeed_gift.initialize (or by deepspeed_gift.attach(engine) once built); "
+                       "this one runs natively", type(engine).__name__)
         return
     if _attaching or installed():
         attach(engine)

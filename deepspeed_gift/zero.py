@@ -712,20 +712,25 @@ def attach(engine) -> Optional[GiftState]:
         _replace(state, state.opt, "step", optimizer_step)
         _route_param_gather(state)
 
-    native_step = engine.step
+    # The optimizer step of both engines: DeepSpeedEngine.step calls it at the accumulation
+    # boundary, PipelineEngine's OptimizerStep instruction directly (its step() only raises).
+    native_model_step = getattr(engine, "_take_model_step", None)
+    _require(callable(native_model_step), "gift.enabled: this DeepSpeed engine has no _take_model_step, where GIFT "
+             "runs its per-step work (built and tested against DeepSpeed 0.19.8); install a DeepSpeed in the range "
+             "setup.py names, or set gift.enabled to false")
 
-    def step(*args, **kwargs):
+    def take_model_step(*args, **kwargs):
         # The headers of this step's messages were compared on the device; read them before the
         # optimizer uses what they carried (one host read per step, not one per bucket).
         state.reducer.verify_checks()
         before = engine.global_steps
-        result = native_step(*args, **kwargs)
-        state.reducer.verify_checks()  # reductions DeepSpeed ran inside its step
+        result = native_model_step(*args, **kwargs)
+        state.reducer.verify_checks()  # reductions DeepSpeed ran inside the optimizer step
         if engine.global_steps != before:
             state.on_optimizer_step(before - cfg.start_step)
         return result
 
-    _replace(state, engine, "step", step)
+    _replace(state, engine, "_take_model_step", take_model_step)
     native_save, native_load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):

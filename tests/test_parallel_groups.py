@@ -54,3 +54,77 @@ def test_checkpoints_and_telemetry_of_each_data_parallel_group_are_their_own(tmp
         with open(tmp_path / name) as f:
             steps = [json.loads(line)["step"] for line in f]
         assert steps == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]  # the full run, its first part, the resumed part
+
+
+def _pipe_body(rank, world, specs):
+    """DP = 2 x PP = 2: a PipelineModule (a tied embedding on both stages, linear blocks between)
+    trained by DeepSpeed's PipelineEngine, natively or with GIFT; per run the losses, this
+    stage's parameters and GIFT's records."""
+    import sys
+
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from torch import nn
+
+    import deepspeed_gift
+    from tests.harness import batches, ds_config, param_digest
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    vocab, width = 256, 48
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def logits(embedding, x):  # the tied output layer: the embedding's transpose
+        return x @ embedding.weight.t()
+
+    out = []
+    for spec in specs:
+        torch.manual_seed(0)
+        layers = [TiedLayerSpec("embed", nn.Embedding, vocab, width), *[LayerSpec(Block) for _ in range(4)],
+                  TiedLayerSpec("embed", nn.Embedding, vocab, width, forward_fn=logits)]
+        model = PipelineModule(layers=layers, num_stages=2, partition_method="uniform",
+                               loss_fn=lambda y, t: nn.functional.cross_entropy(y.reshape(-1, vocab), t.reshape(-1)))
+        config = dict(ds_config(dict(spec, micro=2, ga=2)), train_batch_size=2 * 2 * 2)
+        init = deepspeed_gift.initialize if spec.get("gift") else deepspeed.initialize
+        engine, _, _, _ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                               config=config)
+        dp = engine.grid.get_data_parallel_id()
+        data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in batches(dp, 2 * spec["steps"], 2, 17)]
+        it = iter(data)
+        losses = [float(engine.train_batch(it)) for _ in range(spec["steps"])]
+        gift = getattr(engine, "gift", None)
+        out.append({"losses": losses, "digest": param_digest(engine.module),
+                    "params": {k: v.detach().clone() for k, v in engine.module.named_parameters()},
+                    "records": list(gift.records) if gift is not None else [],
+                    "version": gift.geometry.version if gift is not None else None,
+                    "stage": engine.stage_id, "dp": dp})
+    return out
+
+
+def test_pipeline_engine_runs_gifts_step_and_lossless_equals_native():
+    # DP = 2 x PP = 2, ZeRO-1 (PipelineEngine takes stage 0/1): GIFT's reduction ran under
+    # PipelineEngine before, but its per-step work never did (no refresh, no telemetry)
+    base = dict(stage=1, steps=4, bucket=3000)
+    fp8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 4, "refresh_interval": 2, "collect_interval": 1},
+           "telemetry": {"every": 1}}
+    results = run_ranks(_pipe_body, 4, [base, dict(base, gift=LOSSLESS), dict(base, gift=fp8)], timeout=300)
+    for native, lossless, quantized in results:
+        assert lossless["losses"] == native["losses"]
+        assert all(bool((native["params"][k] == lossless["params"][k]).all()) for k in native["params"])
+        assert [r["step"] for r in lossless["records"]] == [0, 1, 2, 3]
+        assert [r["step"] for r in quantized["records"]] == [0, 1, 2, 3] and quantized["version"] == 2
+        assert all(r["rounds"] > 0 for r in quantized["records"])  # ZeRO-1's rounds under the pipeline
+        assert quantized["losses"][-1] < quantized["losses"][0]
+    stages = {(r[0]["stage"], r[0]["dp"]) for r in results}
+    assert stages == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for stage in (0, 1):  # the data-parallel copies of a stage stay identical
+        assert len({r[2]["digest"] for r in results if r[2]["stage"] == stage}) == 1
