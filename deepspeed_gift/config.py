@@ -288,7 +288,8 @@ class GiftConfig(_GiftModel):
     ``direct``: every rank sends each owner its part, one all-to-all; a bucket that reaches a
     few owners (buckets smaller than a partition: models past ~1B parameters) funnels into
     their links. ``relay``: two balanced all-to-alls: chunk j of every owner's part goes to
-    rank j, which sums it in fp32 and sends the sum, quantized once more, to the owner.
+    rank j, which sums it in fp32 and sends the sum, quantized once more (in ``relay_format``),
+    to the owner.
     ``by_layout``: per bucket, the one whose busiest rank receives fewer bytes (relay needs
     3+ ranks)."""
 
