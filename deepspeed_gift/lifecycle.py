@@ -70,10 +70,31 @@ class NoOptimizer:
         return None
 
 
-def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Linear]:
-    """The layers ``gift.layers`` names: trainable ``nn.Linear`` modules by name."""
-    linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and m.weight.requires_grad}
+# Linear layers of tensor-parallel frameworks, which are not nn.Linear: Megatron's and GPT-NeoX's
+# ColumnParallelLinear / RowParallelLinear, DeepSpeed AutoTP's LinearLayer / LinearAllreduce. Their
+# weight is (out, in) of this rank's shard and their input this rank's (row-parallel: its slice of
+# the features; column-parallel: all of them): the input statistic of a shard is its own input's.
+TENSOR_PARALLEL_LINEARS = ("ColumnParallelLinear", "RowParallelLinear", "LinearLayer", "LinearAllreduce")
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A trainable linear layer GIFT can give geometry: an ``nn.Linear``, or a tensor-parallel
+    framework's linear (by class name, ``TENSOR_PARALLEL_LINEARS``) with a 2-D ``weight``."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not weight.requires_grad:
+        return False
+    return isinstance(module, nn.Linear) or type(module).__name__ in TENSOR_PARALLEL_LINEARS
+
+
+def input_width(module: nn.Module) -> int:
+    """The features a linear layer reads: its weight's second dimension (``in_features`` of an
+    ``nn.Linear``; of a tensor-parallel shard, what this rank's shard reads)."""
+    return int(module.weight.shape[1])
+
+
+def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Module]:
+    """The layers ``gift.layers`` names: trainable linear layers (:func:`is_linear`) by name."""
+    linears = {n: m for n, m in model.named_modules() if is_linear(m)}
     layers = cfg.layers
     if layers in (Layers.MEASURED, Layers.ALL):
         return linears
@@ -81,7 +102,8 @@ def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Linear]:
     unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
     if unmatched:
         sample = sorted(linears)[:6]
-        raise ValueError(f"gift.layers: pattern(s) {unmatched} match no trainable nn.Linear module; "
+        raise ValueError(f"gift.layers: pattern(s) {unmatched} match no trainable linear module (nn.Linear or "
+                         f"{', '.join(TENSOR_PARALLEL_LINEARS)}); "
                          f"module names look like {sample}")
     return chosen
 
@@ -110,7 +132,7 @@ class GeometryManager:
         self.capture_rank: Dict[str, int] = dict(self.optimizer.capture_rank)
         self.profile: Optional[dict] = None  # summary of the latest profile, until telemetry takes it
         self._check_widths()
-        self.owner_of = balance_over_ranks({n: self.modules[n].in_features for n in self.names},
+        self.owner_of = balance_over_ranks({n: input_width(self.modules[n]) for n in self.names},
                                            self.comm.world_size)
         self.kfac = KfacRefresh(self.gcfg, cfg.seed, comm, self.names, self.owner_of)
         self.moments = InputMoments({n: self.modules[n] for n in self.names}, cfg.geometry.stats_tokens,
@@ -121,7 +143,7 @@ class GeometryManager:
             build = geo.FIXED_KINDS.get(kind)
             if build is not None:
                 for i, name in enumerate(self.names):
-                    self.transforms[kind][name] = build(self.modules[name].in_features, cfg.seed * 1_000_003 + i)
+                    self.transforms[kind][name] = build(input_width(self.modules[name]), cfg.seed * 1_000_003 + i)
         if not self.kinds or self.cfg.layers != Layers.MEASURED:
             self.active = {name: self.kinds[0] if self.kinds else K.IDENTITY.value for name in self.names}
 
@@ -139,7 +161,7 @@ class GeometryManager:
         if K.KFAC_INPUT not in self.kinds:
             return
         for name in self.names:
-            width = self.modules[name].in_features
+            width = input_width(self.modules[name])
             if self.gcfg.rank > width:
                 raise ValueError(f"gift.geometry.rank: got {self.gcfg.rank}; layer '{name}' has only "
                                  f"{width} input features, rank must be <= the narrowest selected layer "
