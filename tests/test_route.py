@@ -182,13 +182,17 @@ def test_lossless_config_relayed_matches_deepspeed(stage):
 
 
 @pytest.mark.isa
-def test_relay_under_muon_keeps_shared_matrices_whole():
-    # Muon matrices cut by a partition travel whole to their copy ranks (direct), the rest relayed
-    base = dict(stage=2, steps=3, bucket=20000, optimizer="muon", lr=2e-2, muon_ns_fp32=True)
-    results = run_ranks(train_many, 3, [base, native_perturbed(base, 3), dict(base, gift=LOSSLESS)])
+@pytest.mark.parametrize("stage,route,counter", [(2, "relay", "relay_buckets"), (1, "by_layout", "rounds")],
+                         ids=["relay", "zero1 rounds"])
+def test_relay_and_rounds_under_muon_keep_shared_matrices_whole(stage, route, counter):
+    # Muon matrices cut by a partition travel whole to their copy ranks (direct), the rest relayed;
+    # or, ZeRO-1's balanced rounds, each shared matrix whole in one round
+    base = dict(stage=stage, steps=3, bucket=20000, optimizer="muon", lr=2e-2, muon_ns_fp32=True)
+    results = run_ranks(train_many, 3, [base, native_perturbed(base, 3), dict(base, gift=dict(LOSSLESS, route=route))])
     for native, perturbed, gift in results:
         assert gift["split_muon"]
         assert_within_native_spread(native, perturbed, gift)
+        assert all(r[counter] > 0 for r in gift["records"])
     assert len({r[2]["digests"][-1] for r in results}) == 1  # every replica identical
 
 
