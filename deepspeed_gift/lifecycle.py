@@ -92,19 +92,27 @@ def input_width(module: nn.Module) -> int:
     return int(module.weight.shape[1])
 
 
-def find_candidates(cfg, model: nn.Module) -> Dict[str, nn.Module]:
-    """The layers ``gift.layers`` names: trainable linear layers (:func:`is_linear`) by name."""
+def find_candidates(cfg, model: nn.Module, gather=None) -> Dict[str, nn.Module]:
+    """The layers ``gift.layers`` names: trainable linear layers (:func:`is_linear`) by name. A
+    pattern must match somewhere: here, or, with ``gather`` (every process's view of an object,
+    all-gathered over the job: pipeline stages hold different layers), on some process of the job;
+    then every process raises alike instead of one stage dying while the others wait."""
     linears = {n: m for n, m in model.named_modules() if is_linear(m)}
     layers = cfg.layers
     if layers in (Layers.MEASURED, Layers.ALL):
         return linears
     chosen = {n: m for n, m in linears.items() if any(fnmatch.fnmatchcase(n, p) for p in layers)}
-    unmatched = [p for p in layers if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
+    matched = [p for p in layers if any(fnmatch.fnmatchcase(n, p) for n in linears)]
+    names = sorted(linears)[:6]
+    if gather is not None:
+        views = gather((matched, names))
+        matched = sorted({p for found, _ in views for p in found})
+        names = sorted({n for _, sample in views for n in sample})[:6]
+    unmatched = [p for p in layers if p not in matched]
     if unmatched:
-        sample = sorted(linears)[:6]
         raise ValueError(f"gift.layers: pattern(s) {unmatched} match no trainable linear module (nn.Linear or "
-                         f"{', '.join(TENSOR_PARALLEL_LINEARS)}); "
-                         f"module names look like {sample}")
+                         f"{', '.join(TENSOR_PARALLEL_LINEARS)}){' on any process of the job' if gather else ''}; "
+                         f"module names look like {names}")
     return chosen
 
 

@@ -163,6 +163,15 @@ def _job_coordinates(group):
     return dist.get_rank(), ranks, len(ranks) == dist.get_world_size()
 
 
+def _gather_over_job(obj) -> list:
+    """``obj`` of every process of the job, in global rank order (a collective of all of them)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _relay_codec(cfg: GiftConfig):
     """The codec of the relay's second hop (``gift.relay_format``); None when it is the main one."""
     options = cfg.relay_codec_options()
@@ -267,7 +276,7 @@ class GiftState:
                          and dist.get_rank(group=opt.real_dp_process_group[g]) == self.comm.rank,
                          "gift.params: DeepSpeed's partitions of the parameters do not follow GIFT's data-parallel "
                          "ranks; remove gift.params")
-        modules = find_candidates(cfg, engine.module)
+        modules = find_candidates(cfg, engine.module, gather=None if self.whole_job else _gather_over_job)
         self.optimizer_state = ZeroOptimizerState(opt, modules, self.comm.rank)
         self.geometry = GeometryManager(cfg, modules, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)

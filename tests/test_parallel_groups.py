@@ -244,3 +244,18 @@ def test_tensor_parallel_linears_take_geometry_and_lossless_equals_native(stage)
         assert all(r["geometry_layers"] == 4 for r in quantized["records"])
         # fp8 + kfac follows the native run (FP8's ~2% gradient error moves 4 steps of a loss by far less)
         assert all(abs(q - n) < 0.01 * n for q, n in zip(quantized["losses"], native["losses"]))
+
+
+def test_a_pattern_that_matches_on_one_stage_only_is_fine_and_one_that_matches_nowhere_fails_everywhere():
+    # DP = 2 x PP = 2: PipelineModule names layers by index, blocks 1-2 on stage 0 and 3-4 on stage 1.
+    # Before, a pattern naming stage 1's layers only killed stage 0 at initialize (stage 1 waited).
+    base = dict(stage=1, steps=2, bucket=3000)
+    one_stage = {"format": "fp8_e4m3", "layers": ["4.*"], "geometry": {"rank": 4}, "telemetry": {"every": 1}}
+    results = run_ranks(_pipe_body, 4, [dict(base, gift=one_stage)], timeout=300)
+    layers = {r[0]["stage"]: r[0]["records"][-1]["geometry_layers"] for r in results}
+    assert layers[0] == 0 and layers[1] == 2
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_pipe_body, 4, [dict(base, gift=dict(one_stage, layers=["9.*"]))], timeout=300)
+    lines = [line for line in str(info.value).splitlines() if line.startswith("rank ")]
+    assert len(lines) == 4 and all("gift.layers: pattern(s) ['9.*'] match no trainable linear module" in line
+                                   for line in lines), lines  # every stage raised, none waits
