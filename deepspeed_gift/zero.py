@@ -283,6 +283,7 @@ class GiftState:
         self.param_names: Dict[int, str] = {opt.get_param_id(m.weight): name for name, m in modules.items()}
         self.native_average_tensor = opt.average_tensor
         self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
+        self._rounds_plan = None  # (the layout it was planned for, the rounds): the same step after step
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor,
@@ -365,13 +366,18 @@ class GiftState:
         if offset != tensor.numel():
             raise RuntimeError(f"deepspeed_gift: bucket holds {tensor.numel()} elements but its parameters "
                                f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
-        divisor = self.comm.world_size / float(opt.sequence_parallel_size) if opt.gradient_average else 1.0
+        divisor = self._divisor()
         with _reduction_stream(opt, communication_data_type):
             stats = self.reducer.reduce(tensor, slices, whiteners, divisor=divisor, step=k,
                                         outputs=outputs, sample=self.sampling(k))
         self._count(stats)
 
     # ---- ZeRO-1: the step's reduction in balanced rounds (gift.stage1_rounds) -------------
+    def _divisor(self) -> float:
+        """What DeepSpeed divides a reduced gradient by (its ``average_tensor``'s rule)."""
+        opt = self.opt
+        return self.comm.world_size / float(opt.sequence_parallel_size) if opt.gradient_average else 1.0
+
     def rounds_apply(self) -> bool:
         """Stage 1 without ``overlap_comm``: every gradient exists when DeepSpeed reduces."""
         opt = self.opt
@@ -423,19 +429,22 @@ class GiftState:
         ``average_tensor`` would leave in the owner's slices of its buckets, written into the
         gradients themselves (and into the compact fp32 partition, as there)."""
         opt, me = self.opt, self.comm.rank
-        divisor = self.comm.world_size / float(opt.sequence_parallel_size) if opt.gradient_average else 1.0
+        divisor = self._divisor()
         for comm_dtype, entries in sorted(self._step_gradients().items(), key=lambda item: str(item[0])):
-            owned = []
+            owned, copies = [], []
             for g, param, grad in entries:
                 param_id = opt.get_param_id(param)
                 runs = self.optimizer_state.partition_runs(g, param_id, param.numel())
                 name = self.param_names.get(param_id)
                 if name is not None and self.geometry.wants_capture(name):
                     self.geometry.capture(name, grad.view(param.shape))
+                copies.append(self.optimizer_state.copy_ranks(param, runs))
                 owned.append(OwnedParam(param_id, param.numel(), tuple(runs),
-                                        param.shape[-1] if param.dim() >= 2 else 1,
-                                        bool(self.optimizer_state.copy_ranks(param, runs))))
-            for round_ in plan_rounds(owned, self.comm.world_size, int(opt.reduce_bucket_size)):
+                                        param.shape[-1] if param.dim() >= 2 else 1, bool(copies[-1])))
+            key = (tuple(owned), self.comm.world_size, int(opt.reduce_bucket_size))
+            if self._rounds_plan is None or self._rounds_plan[0] != key:  # the same layout every step
+                self._rounds_plan = (key, plan_rounds(*key))
+            for round_ in self._rounds_plan[1]:
                 staging = self._round_staging(comm_dtype, round_.numel, entries[0][2])
                 slices, outputs, whiteners, targets = [], [], {}, []
                 for piece in round_.pieces:
@@ -446,7 +455,7 @@ class GiftState:
                     if whitener is not None:
                         whiteners[piece.key] = whitener
                     run = next(r for r in owned[piece.param].runs if r[0] <= piece.start < r[1])
-                    copy_ranks = self.optimizer_state.copy_ranks(param, owned[piece.param].runs)
+                    copy_ranks = copies[piece.param]
                     slices.append(ParamSlice(piece.owner, piece.offset, piece.numel, piece.start, piece.key,
                                              whitener.run_unit if mode == GEO else 0, mode, copy_ranks))
                     out = opt._get_compact_grad_partition_slice(g, run[2], piece.key, run[1] - run[0])
