@@ -8,7 +8,7 @@ import pytest
 
 from launch.spawn import run_ranks
 from tests.harness import train_many
-from tests.spread import max_param_diff
+from tests.spread import assert_within_native_spread, max_param_diff, native_perturbed
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
 
@@ -259,3 +259,136 @@ def test_a_pattern_that_matches_on_one_stage_only_is_fine_and_one_that_matches_n
     lines = [line for line in str(info.value).splitlines() if line.startswith("rank ")]
     assert len(lines) == 4 and all("gift.layers: pattern(s) ['9.*'] match no trainable linear module" in line
                                    for line in lines), lines  # every stage raised, none waits
+
+
+def _ulysses_body(rank, world, specs):
+    """Sequence parallelism of 2 on 4 ranks, in one of two layouts. ``"ulysses"``: DeepSpeed's own
+    Ulysses ``mpu`` (``parallel_state_sp``, what its Hugging Face integration hands
+    ``deepspeed.initialize``): SP pairs {0, 1} and {2, 3}, DP = 2, one sequence-data-parallel group
+    of all 4. ``"tp_sp"``: a Megatron-style ``mpu`` with TP pairs {0, 1} and {2, 3} (the model
+    replicated on them, as ``GroupsMpu`` does), SP pairs {0, 2} and {1, 3}, DP = 1: the
+    sequence-data-parallel group is an SP pair. The model works token by token (no attention, so no
+    all-to-all) and each SP rank takes its half of the positions; per run the losses, this rank's
+    parameters, what the ZeRO optimizer was handed and GIFT's records."""
+    import sys
+
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import deepspeed_gift
+    from tests.harness import GroupsMpu, batches, ds_config, param_digest, perturb_gradients
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    sp, vocab, width = 2, 256, 32
+
+    class TensorAndSequenceMpu(GroupsMpu):
+        """``GroupsMpu(2)``'s data-parallel pairs as sequence-parallel pairs; DP = 1."""
+
+        def __init__(self):
+            super().__init__(2)
+            self.sp_group = self.dp_group
+            singles = [dist.new_group(ranks=[r]) for r in range(world)]  # every rank makes every group
+            self.dp_group, self.dp_ranks = singles[rank], [rank]
+
+        def get_sequence_parallel_group(self):
+            return self.sp_group
+
+        def get_sequence_parallel_rank(self):
+            return dist.get_rank(group=self.sp_group)
+
+        def get_sequence_parallel_world_size(self):
+            return sp
+
+        get_sequence_data_parallel_group = get_sequence_parallel_group
+        get_sequence_data_parallel_rank = get_sequence_parallel_rank
+        get_sequence_data_parallel_world_size = get_sequence_parallel_world_size
+
+    mpus = {}
+
+    def layout_mpu(layout):  # once per process: parallel_state_sp is module state
+        if layout not in mpus:
+            if layout == "ulysses":
+                from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+                parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp)
+                mpus[layout] = parallel_state_sp
+            else:
+                mpus[layout] = TensorAndSequenceMpu()
+        return mpus[layout]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                       nn.Linear(4 * width, width)) for _ in range(2)])
+            self.head = nn.Linear(width, vocab)
+
+        def forward(self, x, y):
+            x = self.embed(x)
+            for block in self.blocks:
+                x = x + block(x)
+            return nn.functional.cross_entropy(self.head(x).reshape(-1, vocab), y.reshape(-1))
+
+    out = []
+    for spec in specs:
+        mpu = layout_mpu(spec["layout"])
+        sp_rank, dp_rank = mpu.get_sequence_parallel_rank(), mpu.get_sequence_data_parallel_rank() // sp
+        torch.manual_seed(0)
+        model = Model()
+        init = deepspeed_gift.initialize if spec.get("gift") else deepspeed.initialize
+        engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec), mpu=mpu)
+        if spec.get("perturb_ulps"):
+            perturb_gradients(engine.module, spec["perturb_ulps"], rank)
+        losses = []
+        for ids in batches(dp_rank, spec["steps"], 2, 17):  # 16 positions, 8 on each SP rank
+            x, y = (t.chunk(sp, dim=1)[sp_rank].contiguous() for t in (ids[:, :-1], ids[:, 1:]))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        opt, gift = engine.optimizer, getattr(engine, "gift", None)
+        out.append({"losses": losses, "digest": param_digest(engine.module),
+                    "params": {k: v.detach().clone() for k, v in engine.module.named_parameters()},
+                    "zero_group": dist.get_process_group_ranks(opt.dp_process_group),
+                    "sp_size": opt.sequence_parallel_size,
+                    "divisor": gift._divisor() if gift is not None else None,
+                    "records": list(gift.records) if gift is not None else []})
+    return out
+
+
+# SGD, not Adam: Adam divides by sqrt(v), so a gradient off by a constant factor (a wrong divisor)
+# would move its steps only through eps
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ulysses_sequence_parallel_lossless_equals_native(stage):
+    # DeepSpeed's ZeRO reduces over the sequence-data-parallel group and divides by its size over
+    # sequence_parallel_size (the SP parts of a sequence add up, the DP copies average); GIFT must
+    # take that group and divisor. TP x SP (a group of 2, divisor 1): the very bits of native (one
+    # addition); without the SP factor GIFT would halve every gradient. DeepSpeed's own Ulysses
+    # (a group of 4, divisor 2): GIFT sums 4 ranks in rank order and gloo in its own, as plain
+    # DP = 4 does (1 ulp apart there too), so within native's spread (tests/spread.py)
+    base = dict(stage=stage, steps=3, bucket=4000, extra=SGD)
+    ulysses, tp_sp = dict(base, layout="ulysses"), dict(base, layout="tp_sp")
+    specs = [tp_sp, dict(tp_sp, gift=LOSSLESS), ulysses, dict(ulysses, gift=LOSSLESS), native_perturbed(ulysses, 4)]
+    results = run_ranks(_ulysses_body, 4, specs, timeout=300)
+    for rank, (native, lossless, u_native, u_lossless, u_perturbed) in enumerate(results):
+        assert native["zero_group"] == lossless["zero_group"] == [rank % 2, rank % 2 + 2]
+        assert native["sp_size"] == lossless["sp_size"] == 2 and lossless["divisor"] == 1.0
+        assert lossless["losses"] == native["losses"] and max_param_diff(native, lossless) == 0.0
+        assert u_native["zero_group"] == u_lossless["zero_group"] == [0, 1, 2, 3]
+        assert u_native["sp_size"] == u_lossless["sp_size"] == 2 and u_lossless["divisor"] == 2.0
+        assert_within_native_spread(u_native, u_perturbed, u_lossless)
+        for gift in (lossless, u_lossless):
+            assert [r["step"] for r in gift["records"]] == [0, 1, 2]
+    for run in range(len(specs)):  # SP peers see different halves; every rank holds one model
+        tp_peer, sp_peer = (1, 2) if specs[run]["layout"] == "tp_sp" else (None, 1)
+        assert results[0][run]["losses"] != results[sp_peer][run]["losses"]
+        assert tp_peer is None or results[0][run]["losses"] == results[tp_peer][run]["losses"]
+        assert len({r[run]["digest"] for r in results}) == 1
