@@ -1,15 +1,20 @@
 """    .venv/bin/python benchmarks/host_syncs.py [--worlds 2 4 8] [--steps 6] [--json out.json]
 
-Host conversions inside one bucket's reduction, per bucket, on real DeepSpeed ZeRO-2 engines
-(the tiny Llama of ``tests/harness.py``, ranks forked on this machine over gloo): every call
-of ``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a tensor, ``cpu()``,
-``numpy()``, ``torch.equal``, ``nonzero``, ``masked_select`` or a boolean-mask index
-made while GIFT's ``average_tensor`` runs. On a GPU each one waits for DeepSpeed's reduction
-stream, which runs behind the backward. Steps are split into *ordinary* ones (no telemetry
-sample, no geometry refresh, no statistics collection: these must make none) and the others,
-which may sync and are printed beside them. Configs: fp8 + kfac + error feedback, nvfp4, and fp8
-with ``gift.params`` (whose parameter all-gathers, in ``allgather_bucket_size`` chunks, are counted
-too: ordinary steps are those without a telemetry sample); flat and two-level (nodes of 2 ranks).
+Host conversions and host-to-device copies inside one bucket's reduction, per bucket, on real
+DeepSpeed ZeRO-2 engines (the tiny Llama of ``tests/harness.py``, ranks forked on this machine
+over gloo): every call of ``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a
+tensor, ``cpu()``, ``numpy()``, ``torch.equal``, ``nonzero``, ``masked_select`` or a
+boolean-mask index, and every tensor made from host data (``torch.tensor``, ``as_tensor``,
+``new_tensor``: on an accelerator a pageable copy) or copied from unpinned host memory to an
+accelerator, made while GIFT's ``average_tensor`` runs. On a GPU each one waits for
+DeepSpeed's reduction stream, which runs behind the backward. Steps are split into *ordinary*
+ones (no telemetry sample, no geometry refresh, no statistics collection, no new plan: these
+must make none) and the others, which may sync and are printed beside them; a bucket's first
+reduction under a new plan (its first step, the first after a refresh) agrees on the plan with
+the other ranks, one host read. Configs: fp8 + kfac + error feedback, nvfp4, fp8 over the relay,
+and fp8 with ``gift.params`` (whose parameter all-gathers, in ``allgather_bucket_size`` chunks,
+are counted too: ordinary steps are those without a telemetry sample); flat and two-level
+(nodes of 2 ranks).
 """
 
 from __future__ import annotations
@@ -36,10 +41,20 @@ HOST_SYNCS = {_T.item: "item", _T.tolist: "tolist", _T.__bool__: "bool", _T.__in
               _T.masked_select: "masked_select"}
 
 
+# What puts host memory on the device path: a tensor made from Python data is host memory, and on
+# an accelerator it reaches the device by a pageable copy (a synchronizing one); counted on every
+# run. A copy of an unpinned host tensor to an accelerator is counted where it happens (on a
+# CPU run every device is the host: only the constructors can be seen there, and the code makes
+# its per-step values on the device by fills, so a constructor in a reduction is a copy a GPU
+# run would make).
+HOST_DATA = {torch.tensor: "tensor", torch.as_tensor: "as_tensor", _T.new_tensor: "new_tensor"}
+HOST_COPIES = ("tensor", "as_tensor", "new_tensor", "pageable_copy")
+
+
 class HostSyncCounter(TorchFunctionMode):
-    """Counts, by name, the calls in ``HOST_SYNCS`` (and indexing by a boolean tensor) made while
-    the mode is active on this thread. (A ``.to()`` of the host cannot be told from a no-op on a
-    CPU run, where every device is the host: not counted.)"""
+    """Counts, by name, the calls in ``HOST_SYNCS`` (and indexing by a boolean tensor) and the
+    host data of ``HOST_DATA`` and pageable host-to-accelerator copies (``HOST_COPIES``) made
+    while the mode is active on this thread."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,9 +62,11 @@ class HostSyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = HOST_SYNCS.get(func)
+        name = HOST_SYNCS.get(func) or HOST_DATA.get(func)
         if name is None and func is _T.__getitem__ and len(args) > 1 and _has_bool_tensor(args[1]):
             name = "bool_index"
+        if name is None and _pageable_to_accelerator(func, args, kwargs):
+            name = "pageable_copy"
         if name is not None:
             self.counts[name] += 1
         return func(*args, **kwargs)
@@ -57,6 +74,32 @@ class HostSyncCounter(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def copies(self) -> int:
+        """Of :attr:`total`, the host data and pageable copies (``HOST_COPIES``)."""
+        return sum(n for name, n in self.counts.items() if name in HOST_COPIES)
+
+
+def _pageable_to_accelerator(func, args, kwargs) -> bool:
+    """``func`` copies an unpinned host tensor to an accelerator (``.to``, ``.cuda``, ``copy_``)."""
+    if func is _T.to or func is _T.cuda:
+        src = args[0]
+        if func is _T.cuda:
+            target = torch.device("cuda")
+        else:
+            target = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})[0]
+        return (isinstance(src, torch.Tensor) and target is not None and target.type != "cpu"
+                and src.device.type == "cpu" and not src.is_pinned())
+    if func is _T.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        dst, src = args[0], args[1]
+        return dst.device.type != "cpu" and src.device.type == "cpu" and not src.is_pinned()
+    return False
+
+
+def copies_of(counts: dict) -> int:
+    """The host data and pageable copies in a ``counts`` record."""
+    return sum(n for name, n in counts.items() if name in HOST_COPIES)
 
 
 def _has_bool_tensor(index) -> bool:
@@ -67,30 +110,33 @@ def _has_bool_tensor(index) -> bool:
 def count_bucket_syncs(gift) -> list:
     """Wrap the optimizer's ``average_tensor`` (GIFT's, once ``gift``, a ``GiftState``, is
     attached) so every bucket's reduction runs under a :class:`HostSyncCounter`; returns the
-    list it appends ``{"step", "ordinary", "counts"}`` to. ZeRO-1's balanced rounds are counted
+    list it appends ``{"step", "ordinary", "planned", "counts"}`` to: a reduction that made a new plan
+    (a bucket's first step, the first after a refresh) agrees on it with the other ranks, one host
+    read, and is not ordinary (``planned``). ZeRO-1's balanced rounds are counted
     whole, once a step, as an entry marked ``"where": "rounds"`` (the buckets then pass). With ``gift.params``, each step's
     parameter all-gather is counted too, its entries marked ``"where": "params"`` (ordinary: not a
     telemetry sample, which reads the replica-target gap)."""
     seen: list = []
     native = gift.opt.average_tensor
 
-    def counted(tensor, dtype):
-        k = gift.k
+    def counted_call(run, k, **where):
         geometry = gift.geometry
         ordinary = not (gift.sampled(k) or geometry.refresh_due(k) or geometry.collecting())
+        agreed = gift.reducer.plans_agreed
         with HostSyncCounter() as counter:
-            native(tensor, dtype)
-        seen.append({"step": k, "ordinary": ordinary, "counts": dict(counter.counts)})
+            run()
+        planned = gift.reducer.plans_agreed != agreed  # a new plan, agreed by the ranks: a host read
+        seen.append({"step": k, "ordinary": ordinary and not planned, "planned": planned,
+                     "counts": dict(counter.counts), **where})
+
+    def counted(tensor, dtype):
+        counted_call(lambda: native(tensor, dtype), gift.k)
 
     gift.opt.average_tensor = counted
     native_rounds = gift.reduce_in_rounds
 
     def counted_rounds(k):  # ZeRO-1's balanced rounds (gift.stage1_rounds): the step's reduction, one entry
-        geometry = gift.geometry
-        ordinary = not (gift.sampled(k) or geometry.refresh_due(k) or geometry.collecting())
-        with HostSyncCounter() as counter:
-            native_rounds(k)
-        seen.append({"step": k, "ordinary": ordinary, "counts": dict(counter.counts), "where": "rounds"})
+        counted_call(lambda: native_rounds(k), k, where="rounds")
 
     gift.reduce_in_rounds = counted_rounds
     if gift.params is not None:  # gift.params: the step's parameter all-gather too, as "where": "params"
@@ -115,7 +161,9 @@ NVFP4 = {"format": "nvfp4", "layers": "all", "geometry": {"rank": 8, "refresh_in
 # of 1e6 holds a 2-rank partition of its Llama whole, so the runs below cut it (ZERO_CHUNKED)
 FP8_PARAMS = dict(FP8_KFAC_EF, params={})
 ZERO_CHUNKED = {"allgather_bucket_size": 8192}
-CONFIGS = {"fp8+kfac+ef": FP8_KFAC_EF, "nvfp4": NVFP4, "fp8+params": FP8_PARAMS}
+# the relay route forced (by_layout picks it only for buckets that reach few owners)
+FP8_RELAY = dict(FP8_KFAC_EF, route="relay")
+CONFIGS = {"fp8+kfac+ef": FP8_KFAC_EF, "nvfp4": NVFP4, "fp8+relay": FP8_RELAY, "fp8+params": FP8_PARAMS}
 
 
 def split_entries(entries: list) -> tuple:
@@ -123,9 +171,11 @@ def split_entries(entries: list) -> tuple:
     return ([e for e in entries if e.get("where") != "params"], [e for e in entries if e.get("where") == "params"])
 
 
-def per_bucket(buckets: list, ordinary: bool) -> float:
+def per_bucket(buckets: list, ordinary: bool, count=lambda counts: sum(counts.values())) -> float:
+    """Mean of ``count(counts)`` (default: everything counted) over the entries that are (not)
+    ordinary; nan where there are none."""
     chosen = [b for b in buckets if b["ordinary"] == ordinary]
-    return sum(sum(b["counts"].values()) for b in chosen) / len(chosen) if chosen else float("nan")
+    return sum(count(b["counts"]) for b in chosen) / len(chosen) if chosen else float("nan")
 
 
 def _rank_body(rank, world, specs):
@@ -154,6 +204,8 @@ def measure(world: int, steps: int) -> list:
                 kinds.update(b["counts"])
         rows.append({"world": world, "config": name, "hierarchy": hierarchy,
                      "buckets": len(buckets) // world, "ordinary_per_bucket": per_bucket(buckets, True),
+                     "ordinary_copies_per_bucket": per_bucket(buckets, True, copies_of),
+                     "planned_buckets": sum(bool(b.get("planned")) for b in buckets) // world,
                      "other_per_bucket": per_bucket(buckets, False), "ordinary_kinds": dict(kinds),
                      "ordinary_per_gather": per_bucket(gathers, True), "other_per_gather": per_bucket(gathers, False)})
     return rows
@@ -170,13 +222,13 @@ def main(argv=None) -> list:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = [row for world in args.worlds for row in measure(world, args.steps)]
-    print("| W | config | hierarchy | buckets/rank | syncs per bucket, ordinary steps | other steps | "
-          "per parameter all-gather, ordinary | other | ordinary by kind |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    print("| W | config | hierarchy | buckets/rank | of them new plans | syncs + copies per bucket, ordinary steps "
+          "| of them pageable copies | other steps | per parameter all-gather, ordinary | other | ordinary by kind |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['world']} | {r['config']} | {r['hierarchy']} | {r['buckets']} | {r['ordinary_per_bucket']:.2f} | "
-              f"{r['other_per_bucket']:.2f} | {_num(r['ordinary_per_gather'])} | {_num(r['other_per_gather'])} | "
-              f"{r['ordinary_kinds'] or '-'} |")
+        print(f"| {r['world']} | {r['config']} | {r['hierarchy']} | {r['buckets']} | {r['planned_buckets']} | "
+              f"{r['ordinary_per_bucket']:.2f} | {r['ordinary_copies_per_bucket']:.2f} | {r['other_per_bucket']:.2f} | "
+              f"{_num(r['ordinary_per_gather'])} | {_num(r['other_per_gather'])} | {r['ordinary_kinds'] or '-'} |")
     write_json(args.json, rows)
     return rows
 

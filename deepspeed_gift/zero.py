@@ -281,6 +281,11 @@ class GiftState:
         self.geometry = GeometryManager(cfg, modules, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)
         self.param_names: Dict[int, str] = {opt.get_param_id(m.weight): name for name, m in modules.items()}
+        # every trained parameter's name, for errors that say which one ranks disagree on
+        self._header_reducer().param_names = {opt.param_id[id(p)]: name for name, p in engine.module.named_parameters()
+                                              if id(p) in getattr(opt, "param_id", {})}
+        if device.type != "cpu":  # the codecs' tables on the device now, not at a first decode in a reduction
+            formats.warm_device_tables(device)
         self.native_average_tensor = opt.average_tensor
         self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
         self._rounds_plan = None  # (the layout it was planned for, the rounds): the same step after step
@@ -475,9 +480,13 @@ class GiftState:
         every = self.cfg.params.resync_interval
         return self.params_codec is None or (every is not None and (k + 1) % every == 0)
 
+    def _header_reducer(self) -> GiftReducer:
+        """The reducer that exchanges the quantized payloads (two-level: among the nodes)."""
+        return self.reducer.inner if isinstance(self.reducer, TwoLevelReducer) else self.reducer
+
     def _header_checks(self):
         """The reducer's header checks, read once a step before the optimizer uses what came."""
-        return self.reducer.inner.checks if isinstance(self.reducer, TwoLevelReducer) else self.reducer.checks
+        return self._header_reducer().checks
 
     def optimizer_step(self, native_step, *args, **kwargs):
         """DeepSpeed's optimizer step, with what its all-gather needs set aside: this rank's

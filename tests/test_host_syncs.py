@@ -5,7 +5,8 @@ sync, and do (the counter sees them, so it is not blind)."""
 
 import pytest
 
-from benchmarks.host_syncs import FP8_KFAC_EF, FP8_PARAMS, NVFP4, ZERO_CHUNKED, per_bucket, split_entries
+from benchmarks.host_syncs import (FP8_KFAC_EF, FP8_PARAMS, FP8_RELAY, NVFP4, ZERO_CHUNKED, copies_of, per_bucket,
+                                   split_entries)
 from launch.spawn import run_ranks
 from tests.harness import train_many
 
@@ -16,20 +17,27 @@ def _specs(configs):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ordinary_steps_make_no_host_conversion_in_a_bucket(world):
-    # 4 ranks: two-level as 2 x 2 beside flat; every config refreshes, collects and samples at
-    # steps 0 and 3 (interval 3), so steps 1 and 2 are ordinary
+    # 4 ranks: two-level as 2 x 2 and the relay beside flat; every config refreshes, collects and
+    # samples at steps 0 and 3 (interval 3); a bucket's first reduction under a new plan (step 0,
+    # and step 1 where the refresh changed its whiteners) agrees on the plan, a host read: step 2
+    # and step 1's other buckets are ordinary. Pageable host-to-device copies are counted with them.
     configs = [FP8_KFAC_EF, NVFP4]
     if world == 4:
         configs += [dict(FP8_KFAC_EF, hierarchy="two_level", ranks_per_node=2),
-                    dict(NVFP4, hierarchy="two_level", ranks_per_node=2)]
+                    dict(NVFP4, hierarchy="two_level", ranks_per_node=2), FP8_RELAY]
     results = run_ranks(train_many, world, _specs(configs))
     for per_config in results:
         for gift, r in zip(configs, per_config):
             buckets = r["host_syncs"]
+            per_step = len(buckets) // 4
             ordinary = [b for b in buckets if b["ordinary"]]
-            assert {b["step"] for b in ordinary} == {1, 2} and len(ordinary) == len(buckets) // 2
+            assert [b["planned"] for b in buckets if b["step"] == 0] == [True] * per_step
+            assert {b["step"] for b in buckets if b["planned"]} <= {0, 1}
+            assert [b["step"] for b in ordinary].count(2) == per_step
+            assert any(b["planned"] for b in buckets if b["step"] == 1)  # the refresh made new plans
             assert per_bucket(buckets, True) == 0.0, [b["counts"] for b in ordinary if b["counts"]]
             assert per_bucket(buckets, False) > 0, gift  # sampled/refresh steps read values back
+            assert per_bucket(buckets, False, copies_of) > 0, gift  # and make host data: seen too
             assert r["losses"][-1] < r["losses"][0]
 
 
@@ -79,6 +87,7 @@ def _mismatch_body(rank, world):
     dist.init_process_group("gloo")
     reducer = GiftReducer(TorchComm(), formats.get_format("fp8_e4m3"), defer_checks=True)
     slices = [ParamSlice(d, d * 512, 512, d * 512, 0) for d in range(world)]
+    reducer.plan_for(slices, {})  # a new plan is agreed (a host read) when made, before its first exchange
     with HostSyncCounter() as counter:  # deferred: the reduction itself reads nothing back
         reducer.reduce(torch.randn(512 * world), slices, {}, divisor=world, step=5 + rank)
     try:

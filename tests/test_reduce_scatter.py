@@ -187,6 +187,68 @@ def test_ranks_that_disagree_on_whitener_versions_fail_loudly():
                for m in messages), messages
 
 
+def _selection_differs(rank, comm_of, world):
+    """Rank 1 believes parameter 2 (the vector) is not in the high-precision group: its messages to
+    that parameter's owners are shorter than the others expect."""
+    shapes, slices, total = _layout(world)
+    if rank == 1:
+        slices = [ParamSlice(s.dst, s.bucket_offset, s.numel, s.param_offset, s.param_key, s.row_len,
+                             MAIN if s.param_key == 2 else s.mode) for s in slices]
+    reducer = GiftReducer(comm_of(), formats.get_format("fp8_e4m3"), formats.get_format("bf16"), defer_checks=True)
+    reducer.param_names = {0: "layers.0.q_proj.weight", 1: "layers.0.o_proj.weight", 2: "layers.0.norm.weight"}
+    try:
+        reducer.reduce(torch.randn(total), slices, _whiteners(), divisor=world, step=3)
+        reducer.verify_checks()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def _selection_differs_gloo(rank, world):
+    import torch.distributed as dist
+
+    from deepspeed_gift.exchange.comm import TorchComm
+
+    dist.init_process_group("gloo")
+    return _selection_differs(rank, TorchComm, world)
+
+
+class _UncheckedComm:
+    """A thread rank's comm that, like NCCL, trusts the split sizes it is given: an all-to-all whose
+    sizes disagree between ranks would hang or deliver the wrong bytes; here it fails the test."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_to_all_bytes(self, send, send_splits, recv_splits, *, kind=None):
+        sent = self._comm._exchange([int(n) for n in send_splits])
+        if [sent[src][self._comm.rank] for src in range(self._comm.world_size)] != [int(n) for n in recv_splits]:
+            raise AssertionError("an all-to-all of unequal sizes ran: a backend that does not check them hangs here")
+        return self._comm.all_to_all_bytes(send, send_splits, recv_splits)
+
+
+def _expect_named_disagreement(messages):
+    assert len(set(messages)) == 1, messages  # every rank raises the same error
+    message = messages[0]
+    assert "ranks disagree on the bucket layout, the selected layers or the whitener versions" in message, message
+    assert "how 'layers.0.norm.weight' (parameter 2) travels" in message, message
+    assert "in the high-precision format on ranks [0, 2]; in the main format on ranks [1]" in message, message
+    assert "before its exchange" in message
+
+
+def test_ranks_that_plan_a_bucket_differently_fail_before_its_exchange_naming_the_parameter():
+    # rank 1 puts parameter 2 in the main format, the others in bf16 (others): the message sizes
+    # differ. The plan's fingerprint is agreed when it is made, so no all-to-all of unequal sizes
+    # ever runs: on gloo and on a comm that, like NCCL, does not check sizes
+    _expect_named_disagreement(run_ranks(_selection_differs_gloo, 3))
+    from deepspeed_gift.exchange.comm import run_local
+
+    _expect_named_disagreement(run_local(3, lambda comm: _selection_differs(comm.rank, lambda: _UncheckedComm(comm), 3)))
+
+
 def _shared_body(rank, world, fmt, error_feedback):
     import torch.distributed as dist
 

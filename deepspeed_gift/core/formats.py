@@ -71,6 +71,8 @@ from typing import ClassVar, Dict, List, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor
 
+from .devices import host_to_device
+
 __all__ = [
     "FORMAT_NAMES",
     "format_class",
@@ -478,7 +480,7 @@ class Codec:
         if got is None:
             if len(self._headers) >= 4096:  # layouts of earlier selections
                 self._headers.clear()
-            got = self._headers[key] = self._header_tensor(numel).to(device)
+            got = self._headers[key] = host_to_device(self._header_tensor(numel), device)
         return got
 
     def _views(self, buf: Tensor, numel: int, shape: torch.Size) -> Payload:
@@ -998,8 +1000,16 @@ def _table_on(table: Tensor, device: torch.device) -> Tensor:
         return table
     key = (id(table), device)
     if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = table.to(device)
+        _DEVICE_TABLES[key] = host_to_device(table, device)
     return _DEVICE_TABLES[key]
+
+
+def warm_device_tables(device) -> None:
+    """Every lookup table of the codecs made on ``device`` now (at attach), not at a first
+    decode inside a reduction."""
+    device = torch.device(device)
+    for table in (_FP4_KEY_VALUES, _FP4_KEY_LO, _FP4_KEY_HI, _FP4_TABLE):
+        _table_on(table, device)
 
 
 @_register

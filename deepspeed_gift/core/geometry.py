@@ -35,6 +35,8 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from .devices import host_to_device
+
 __all__ = [
     # statistics
     "CovarianceEMA",
@@ -601,10 +603,10 @@ def _sylvester(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     key = (n, device, dtype)
     h = _HADAMARD_CACHE.get(key)
     if h is None:
-        h = torch.ones(1, 1, dtype=dtype)
+        h = torch.ones(1, 1, dtype=dtype, device=device)  # built where it is used: no host copy
         while h.shape[0] < n:
             h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-        h = _HADAMARD_CACHE[key] = h.to(device)
+        _HADAMARD_CACHE[key] = h
     return h
 
 
@@ -684,7 +686,8 @@ class HadamardWhitener(Whitener):
     def signs_on(self, device) -> Tensor:
         key = str(device)
         if key not in self._signs_on:
-            self._signs_on[key] = self.signs.to(device)
+            self._signs_on[key] = host_to_device(self.signs, device) if self.signs.device.type == "cpu" \
+                else self.signs.to(device)
         return self._signs_on[key]
 
     def _transform(self, x: Tensor) -> Tensor:

@@ -9,12 +9,16 @@ per bucket.
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Dict
 
 import torch
 
+from .stats import ByteKind
+
 CONTROL_HEADER_BYTES = 16
+FINGERPRINT_BYTES = 8  # what each rank shows the others when a new plan is agreed (agree_on_plan)
 DISAGREE = "ranks disagree on the bucket layout, the selected layers or the whitener versions"
 
 
@@ -57,7 +61,7 @@ class HeaderChecks:
         got = self._cache.get(key)
         if got is None:
             self._cache = {k: v for k, v in self._cache.items() if k[0] == step}
-            got = self._cache[key] = torch.tensor([step], dtype=torch.int64).view(torch.uint8).to(device)
+            got = self._cache[key] = int64_bytes_on(step, device)
         return got
 
 
@@ -67,8 +71,15 @@ def control_header(plan_hash_bytes: torch.Tensor, step_bytes: torch.Tensor) -> t
     return torch.cat([plan_hash_bytes, step_bytes])
 
 
+def int64_bytes_on(value: int, device) -> torch.Tensor:
+    """``value`` as 8 little-endian bytes made on ``device`` by a fill: the value travels as a
+    kernel argument, never as host memory copied over (a pageable host-to-device copy
+    would make the host wait for the reduction stream)."""
+    return torch.full((1,), value, dtype=torch.int64, device=device).view(torch.uint8)
+
+
 def hash_bytes(plan_hash: int, device) -> torch.Tensor:
-    return torch.tensor([plan_hash], dtype=torch.int64).view(torch.uint8).to(device)
+    return int64_bytes_on(plan_hash, device)
 
 
 def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor, sender: str,
@@ -94,3 +105,26 @@ def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: i
         return f"deepspeed_gift: payload from {sender} has an unexpected header"
 
     checks.expect(buf, codec.header_on(numel, buf.device), explain)
+
+
+def agree_on_plan(comm, fingerprint: int, describe, explain, what: str) -> None:
+    """Every rank of ``comm`` shows the others its ``fingerprint`` of a plan just made, before
+    the plan's first exchange: ranks that planned differently would size their messages
+    differently, and a backend that does not check sizes (NCCL) would hang or mix the bytes
+    up before any header could be read. Once per new plan (a bucket's first step, and the
+    first after a refresh), never per reduction: one small gather and one host read. On a
+    disagreement every rank gathers ``describe()`` (JSON-able) and raises the same error, with
+    ``explain(everyone's descriptions)`` naming what differs."""
+    if comm.world_size == 1:
+        return
+    blob = int64_bytes_on(fingerprint, comm.device)
+    everyone = torch.cat(comm.all_gather_bytes(blob, kind=ByteKind.CONTROL, same_size=True))
+    prints = everyone.view(torch.int64).tolist()  # the one host read
+    if len(set(prints)) == 1:
+        return
+    mine = torch.frombuffer(bytearray(json.dumps(describe()).encode()), dtype=torch.uint8)
+    described = [json.loads(bytes(b.cpu().tolist()).decode())
+                 for b in comm.all_gather_bytes(mine, kind=ByteKind.CONTROL)]
+    raise RuntimeError(f"deepspeed_gift: {DISAGREE} ({what}): they differ in {explain(described)}. Stopped when "
+                       "the plan was made, before its exchange (messages of unequal sizes hang a backend that "
+                       "does not check them)")

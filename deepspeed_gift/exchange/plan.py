@@ -377,3 +377,63 @@ def scatter_section(tensor: torch.Tensor, total: torch.Tensor, sec: Section, pla
                     n = plan.slices[i].numel if p.slice_index < 0 else p.numel
                     outputs[i].narrow(0, into, n).add_(result.narrow(0, start, n))
         pos += p.numel
+
+
+# ---- agreement on a new plan ---------------------------------------------------------------
+MODE_WORDS = {GEO: "transformed (geometry)", MAIN: "in the main format", HIGH: "in the high-precision format"}
+
+
+def plan_fingerprint(plan: "BucketPlan") -> int:
+    """A plan's identity and every size its collectives use (signed 64 bits): what ranks
+    must agree on before the first exchange of a new plan. Sizes are in it as well as the
+    plan's hash because they also depend on the codecs."""
+    sizes = (plan.hash, plan.relay, plan.message_sizes, plan.relay_sizes, plan.forward_sizes)
+    digest = hashlib.blake2b(repr(sizes).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def describe_plan(plan: "BucketPlan", versions: Dict[int, int]) -> dict:
+    """What a rank believes about a bucket, in JSON terms, for :func:`plan_difference`."""
+    params: Dict[str, list] = {}
+    for s in plan.slices:
+        params.setdefault(str(s.param_key), [Mode(s.mode).value, s.row_len, list(s.copy_ranks)])
+    return {"layout": [[s.dst, s.bucket_offset, s.numel, s.param_key] for s in plan.slices], "params": params,
+            "versions": {str(k): v for k, v in sorted(versions.items())}, "relay": plan.relay,
+            "sizes": plan.message_sizes}
+
+
+def _ranks_by(values: Sequence) -> str:
+    """``value on ranks [..]; value on ranks [..]`` of each distinct value, in order of first rank."""
+    groups: Dict[str, List[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(str(v), []).append(rank)
+    return "; ".join(f"{v} on ranks {ranks}" for v, ranks in groups.items())
+
+
+def plan_difference(everyone: Sequence[dict], names: Optional[Dict[int, str]] = None) -> str:
+    """The first thing ranks disagree on about a bucket (``everyone``: :func:`describe_plan` of
+    each rank of the group, in rank order), in words; ``names`` turns parameter keys into names."""
+    names = names or {}
+
+    def called(key: str) -> str:
+        return f"{names[int(key)]!r} (parameter {key})" if int(key) in names else f"parameter {key}"
+
+    if len({repr(d["layout"]) for d in everyone}) > 1:
+        return ("the bucket's layout (which parameters it holds, where, for which owner): "
+                + _ranks_by([f"{len(d['layout'])} slices of parameters {sorted({s[3] for s in d['layout']})}"
+                             for d in everyone]))
+    for key in everyone[0]["params"]:
+        seen = [tuple(d["params"][key][:2]) for d in everyone]
+        if len(set(seen)) > 1:
+            words = [MODE_WORDS[Mode(m)] + (f", runs of {r}" if m == GEO.value else "") for m, r in seen]
+            return f"how {called(key)} travels (the selected layers): " + _ranks_by(words)
+        copies = [tuple(d["params"][key][2]) for d in everyone]
+        if len(set(copies)) > 1:
+            return f"the ranks that receive {called(key)} whole: " + _ranks_by(copies)
+    keys = sorted({k for d in everyone for k in d["versions"]}, key=int)
+    for key in keys:
+        seen = [d["versions"].get(key) for d in everyone]
+        if len(set(seen)) > 1:
+            return f"the whitener version of {called(key)}: " + _ranks_by([f"version {v}" for v in seen])
+    return ("the route and message sizes (the codecs): "
+            + _ranks_by([f"{'relay' if d['relay'] else 'direct'}, {d['sizes']} bytes" for d in everyone]))

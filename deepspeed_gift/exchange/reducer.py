@@ -23,10 +23,11 @@ from ..core.geometry import Transform, full_fp32_matmuls
 from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
-from .headers import CONTROL_HEADER_BYTES, DISAGREE, HeaderChecks, expect_codec_header, expect_control_header
+from .headers import (CONTROL_HEADER_BYTES, DISAGREE, FINGERPRINT_BYTES, HeaderChecks, agree_on_plan, expect_codec_header,
+                      expect_control_header)
 from ..core.formats import DEFAULT_TILE_ELEMENTS, check_tile_elements
-from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, SectionSource, gather_pieces,
-                   plan_route, scatter_section, transform_pieces)
+from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, SectionSource, describe_plan,
+                   gather_pieces, plan_difference, plan_fingerprint, plan_route, scatter_section, transform_pieces)
 from .relay import relay_totals
 from .stats import ByteKind, StepStats, clock
 
@@ -63,18 +64,33 @@ class GiftReducer:
         self.error_feedback = error_feedback
         self.feedback = ErrorFeedback()
         self._plans: Dict[tuple, BucketPlan] = {}
+        self.plans_agreed = 0  # new plans, each agreed by the ranks before its first exchange
+        self.agrees = True  # plan_for agrees on new plans (False: the caller does, two-level)
+        self.param_names: Dict[int, str] = {}  # parameter key -> name, for errors that name a layer
         self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
 
     # ---- planning -------------------------------------------------------------------
-    def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
+    def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int], agree: Optional[bool] = None
+                 ) -> BucketPlan:
+        """The bucket's plan, cached; a new one is agreed by the ranks before it is used (``agree``,
+        default :attr:`agrees`; two-level agrees on its slot groups' plans itself)."""
         key = (tuple(slices), tuple(sorted(versions.items())))
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = self.new_plan(slices, versions)
+            if self.agrees if agree is None else agree:
+                self.agree(plan, versions)
             while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older transform versions
                 self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan  # most recently used last
         return plan
+
+    def agree(self, plan: BucketPlan, versions: Dict[int, int]) -> None:
+        """Every rank made this plan the same way (see ``headers.agree_on_plan``)."""
+        what = f"a bucket of {sum(s.numel for s in plan.slices)} elements, {len(plan.slices)} slices"
+        agree_on_plan(self.comm, plan_fingerprint(plan), lambda: describe_plan(plan, versions),
+                      lambda everyone: plan_difference(everyone, self.param_names), what)
+        self.plans_agreed += 1
 
     def new_plan(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
         """A plan with its sizes and route, not cached (two-level plans every slot group's)."""
@@ -100,6 +116,7 @@ class GiftReducer:
         the result is added to it (DeepSpeed's compact fp32 gradient partition).
         Returns this rank's counters for telemetry (``sample``: with the quantization counts
         and the fidelity against an exact fp32 reduction)."""
+        agreed = self.plans_agreed
         plan = self.plan_for(slices, {key: t.version for key, t in whiteners.items()})  # the plan names the fits
         # On an accelerator the seconds mean something only with the device synchronized: on
         # sampled steps (a wait per section), not on ordinary ones (then left out of telemetry).
@@ -108,6 +125,10 @@ class GiftReducer:
         exact = (exact_sample_reduction(self.comm, tensor, plan, divisor, stats, self.fidelity_elements)
                  if sample else None)
         stats.recv_max, stats.recv_max_internode = plan.recv_max, plan.recv_max_internode
+        if self.plans_agreed != agreed:  # the plan was new: every rank showed the others its fingerprint
+            world, L = self.comm.world_size, self.ranks_per_node
+            stats.recv_max += FINGERPRINT_BYTES * (world - 1)
+            stats.recv_max_internode += FINGERPRINT_BYTES * (world - min(L, world))
         if plan.relay:
             stats.relay_buckets = 1
             totals = relay_totals(self, tensor, plan, whiteners, stats, sample, step)

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.geometry import Transform
-from .headers import CONTROL_HEADER_BYTES, expect_control_header
+from .headers import CONTROL_HEADER_BYTES, FINGERPRINT_BYTES, agree_on_plan, expect_control_header
 from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .reducer import GiftReducer
 from .stats import ByteKind, StepStats, clock
@@ -142,6 +142,7 @@ class NodePlan:
                  split: str) -> None:
         L = ranks_per_node
         self.split = split
+        self.all_slices = tuple(slices)
         self.slot, self.node = rank % L, rank // L
         self.runs_to_slot = [merged_runs([(slices[i].bucket_offset + at, n) for i, at, n in runs])
                              for runs in carried]
@@ -234,21 +235,49 @@ class TwoLevelReducer:
     def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int) -> None:
         self.node_comm = node_comm
         self.inner = inner
+        inner.agrees = False  # the slot groups' plans are agreed with the node plans (_agree)
         self.ranks_per_node = ranks_per_node
         self.rank = inner.comm.rank * ranks_per_node + node_comm.rank
         self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
+        self.plans_agreed = 0  # new plans, each agreed by the node and the slot group before its first use
 
-    def plan_for(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
+    def plan_for(self, slices: Sequence[ParamSlice], versions: Optional[Dict[int, int]] = None
+                 ) -> Tuple[NodePlan, int]:
         """The bucket's node plan, and the bytes the busiest rank among the nodes receives (the
-        slot groups differ: every slot's exchange is planned here, on every rank)."""
-        key = tuple(slices)
+        slot groups differ: every slot's exchange is planned here, on every rank). A new one
+        (``versions``: of the whiteners, which the slot group's exchange names) is agreed by
+        the node and by the slot group before it is used; every rank of the data-parallel group
+        meets the same keys in the same order, so all agree at the same reductions."""
+        key = (tuple(slices), tuple(sorted((versions or {}).items())))
         got = self._plans.pop(key, None)
         if got is None:
             got = self._choose(slices)
+            if versions is not None:
+                self._agree(got[0], versions)
             while len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
         self._plans[key] = got
         return got
+
+    def _agree(self, plan: "NodePlan", versions: Dict[int, int]) -> None:
+        """The node's ranks made this node plan the same way, and this rank's slot group its
+        exchange (``headers.agree_on_plan``, on both comms). The slot group's plan is made and
+        agreed here, not when ``inner`` first meets it: whether that is new differs between slot
+        groups (two buckets may give one slot the same slices), which would leave the ranks
+        with different numbers of collectives."""
+        if self.ranks_per_node > 1:
+            layout = [[s.dst, s.bucket_offset, s.numel, s.param_key] for s in plan.all_slices]
+
+            def explain(everyone):
+                if len({repr(d["layout"]) for d in everyone}) > 1:
+                    return "the bucket's layout (which parameters it holds, where, for which owner)"
+                return "the bucket's split over the node: " + ", ".join(
+                    f"{d['split']} on local rank {r}" for r, d in enumerate(everyone))
+
+            agree_on_plan(self.node_comm, plan.hash, lambda: {"layout": layout, "split": plan.split}, explain,
+                          f"the node stage of a bucket of {sum(s.numel for s in plan.all_slices)} elements")
+        self.inner.agree(self.inner.plan_for(plan.slices, versions, agree=False), versions)
+        self.plans_agreed += 1
 
     def _choose(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
         L, route = self.ranks_per_node, self.inner.route
@@ -268,7 +297,8 @@ class TwoLevelReducer:
                divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
-        plan, among_nodes = self.plan_for(slices)
+        agreed = self.plans_agreed
+        plan, among_nodes = self.plan_for(slices, {key: t.version for key, t in whiteners.items()})
         t0 = clock(tensor.device, sample)
         # the node's messages open with it (a node of one rank sends none)
         head = self.inner.checks.control_header(plan, step, tensor.device) if self.ranks_per_node > 1 else None
@@ -283,8 +313,11 @@ class TwoLevelReducer:
         stats.node_s = node_s + clock(tensor.device, sample) - t0
         stats.bytes_node = node_bytes
         stats.balanced_buckets = int(plan.split == "balanced")
-        stats.recv_max_internode = among_nodes
-        stats.recv_max = among_nodes + plan.busiest_node_receive(tensor.element_size())
+        # new plans: the fingerprints shown inside the node, and among the nodes (every slot group at once)
+        node_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.ranks_per_node - 1)
+        among_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
+        stats.recv_max_internode = among_nodes + among_agreed
+        stats.recv_max = among_nodes + among_agreed + plan.busiest_node_receive(tensor.element_size()) + node_agreed
         return stats
 
     def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, head: torch.Tensor) -> Tuple[torch.Tensor, int]:
