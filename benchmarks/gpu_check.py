@@ -15,12 +15,17 @@ writes a JSON and prints a table:
    seconds and round-trip error, with TF32 matmuls on and off, and inside the reducer's
    ``full_fp32_matmuls`` with TF32 on.
 4. ``reducer``: ``GiftReducer`` with W = 4 and 8 thread ranks (``comm.LocalComm``) on the
-   device, fp8 + kfac whitening + error feedback on ordinary steps: relative error against
-   the exact mean and the host conversions counted in the reduction (must be 0), and on CUDA
+   device, fp8 + kfac whitening + error feedback on ordinary steps (the plan agreed before):
+   relative error against the exact mean and the host conversions and pageable copies counted
+   in the reduction (must be 0), and on CUDA
    the syncs ``torch.cuda.set_sync_debug_mode`` reports.
 5. ``engine``: DeepSpeed ZeRO-2 engines with GIFT on the device, one process: the lossless
-   config equals native bit for bit, fp8 + kfac trains; on CUDA also 2 processes over a
-   process group that takes only CUDA tensors (``cuda:gloo``), which no host tensor may reach.
+   config equals native bit for bit, also with ``overlap_comm`` (the reduction stream); fp8 +
+   kfac trains, also with the new TF32 API set.
+6. ``processes``: 2 and 4 processes on the one device (on CUDA over ``cuda:gloo``, a group that
+   takes only CUDA tensors): two-level forced, the compressed parameter gather and
+   ``overlap_comm`` lossless == native bit for bit (2); the relay lossless within native's
+   spread and fp8 over it training (4).
 """
 
 from __future__ import annotations
@@ -148,6 +153,7 @@ def _reducer_rank(comm, device, steps, grads, whitener):
     # one weight (n / width rows) cut by every partition boundary: whole rows whitened, cut rows as is
     slices = [ParamSlice(d, bounds[d], bounds[d + 1] - bounds[d], bounds[d], 0, width, GEO) for d in range(world)]
     reducer = GiftReducer(comm, formats.get_format("fp8_e4m3"), error_feedback=True, defer_checks=True)
+    reducer.plan_for(slices, {0: whitener.version})  # agreed by the ranks when made (a host read), as at attach
     syncs, errs = 0, []
     for step in range(steps):
         bucket = grads[comm.rank].to(device)
@@ -195,25 +201,67 @@ def _engine_body(rank, world, specs, device_type):
     return out
 
 
+LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
+FP8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
+       "telemetry": {"every": 1}}
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
 def engine_check(device, steps: int) -> dict:
+    """World 1: lossless == native, without and with ``overlap_comm`` (DeepSpeed's reduction
+    stream, where GIFT's reduction then runs); fp8 + kfac trains, also under the new TF32 API
+    (``torch.backends.fp32_precision = "tf32"``, what transformers 5 sets for ``tf32=True``)."""
     from launch.spawn import run_ranks
 
-    lossless = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
-    fp8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 2},
-           "telemetry": {"every": 1}}
     base = dict(stage=2, steps=steps, bucket=20000)
-    native, exact, lowp = run_ranks(_engine_body, 1, [base, dict(base, gift=lossless), dict(base, gift=fp8)],
-                                    device.type, timeout=600)[0]
-    result = {"world1_lossless_equals_native": native["losses"] == exact["losses"] and all(
-        torch.equal(native["params"][k], exact["params"][k]) for k in native["params"]),
-        "world1_fp8_trains": lowp["losses"][-1] < lowp["losses"][0], "world1_fp8_losses": lowp["losses"]}
-    if device.type == "cuda":  # two ranks on the one GPU, in a group that rejects host tensors
-        spec = dict(base, gift=dict(fp8, layers="measured"), dist_backend="cuda:gloo", env={"LOCAL_RANK": "0"})
-        try:
-            two = run_ranks(_engine_body, 2, [spec], device.type, timeout=600)
-            result["cuda_only_group_fp8_trains"] = two[0][0]["losses"][-1] < two[0][0]["losses"][0]
-        except RuntimeError as exc:
-            result["cuda_only_group_error"] = str(exc)[-1500:]
+    overlap = dict(base, overlap=True)
+    specs = [base, dict(base, gift=LOSSLESS), dict(base, gift=FP8), overlap, dict(overlap, gift=LOSSLESS),
+             dict(base, gift=FP8, tf32_new_api=True)]
+    native, exact, lowp, native_overlap, exact_overlap, new_api = run_ranks(_engine_body, 1, specs, device.type,
+                                                                             timeout=600)[0]
+    return {"world1_lossless_equals_native": _same_bits(native, exact),
+            "world1_overlap_comm_lossless_equals_native": _same_bits(native_overlap, exact_overlap),
+            "world1_fp8_trains": lowp["losses"][-1] < lowp["losses"][0], "world1_fp8_losses": lowp["losses"],
+            "world1_fp8_new_tf32_api_trains": new_api["losses"][-1] < new_api["losses"][0]}
+
+
+def processes_check(device, steps: int) -> dict:
+    """Several processes on the one device (on CUDA in a ``cuda:gloo`` group, which takes only
+    CUDA tensors: no host tensor may reach a collective; elsewhere gloo). Two processes, where
+    the lossless config must equal native bit for bit: two-level forced (``ranks_per_node`` 1),
+    the compressed parameter gather (exact format), ``overlap_comm``. Four, where the relay
+    route runs (it needs three ranks or more): lossless within native's own spread
+    (``tests/spread.py``: the owner sums four ranks in another order), fp8 + kfac trains."""
+    from launch.spawn import run_ranks
+    from tests.spread import native_perturbed, norm_param_diff, spread_bounds
+
+    group = dict(dist_backend="cuda:gloo", env={"LOCAL_RANK": "0"}) if device.type == "cuda" else {}
+    base = dict(stage=2, steps=steps, bucket=20000, **group)
+    overlap = dict(base, overlap=True)
+    two = [base, dict(base, gift=dict(LOSSLESS, hierarchy="two_level", ranks_per_node=1)),
+           dict(base, gift=dict(LOSSLESS, params={"format": "fp32"})), overlap, dict(overlap, gift=LOSSLESS)]
+    result: dict = {"group": group.get("dist_backend", "gloo")}
+    try:
+        per_rank = run_ranks(_engine_body, 2, two, device.type, timeout=600)
+        native, two_level, params, native_overlap, gift_overlap = per_rank[0]
+        result.update({"w2_two_level_lossless_equals_native": all(_same_bits(r[0], r[1]) for r in per_rank),
+                       "w2_param_gather_lossless_equals_native": all(_same_bits(r[0], r[2]) for r in per_rank),
+                       "w2_overlap_comm_lossless_equals_native": all(_same_bits(r[3], r[4]) for r in per_rank)})
+        four = [base, native_perturbed(base, 4), dict(base, gift=dict(LOSSLESS, route="relay")),
+                dict(base, gift=dict(FP8, route="relay"))]
+        native, perturbed, relay, relay_fp8 = run_ranks(_engine_body, 4, four, device.type, timeout=600)[0]
+        bound = spread_bounds(native, perturbed)
+        result.update({"w4_relay_lossless_vs_native": norm_param_diff(native, relay),
+                       "w4_native_spread_bound": bound["params"],
+                       "w4_relay_lossless_within_spread": 0 < bound["params"]
+                       and norm_param_diff(native, relay) <= bound["params"],
+                       "w4_relay_fp8_trains": relay_fp8["losses"][-1] < relay_fp8["losses"][0],
+                       "w4_relay_buckets": sum(r.get("relay_buckets", 0) for r in relay_fp8["records"])})
+    except RuntimeError as exc:
+        result["error"] = str(exc)[-1500:]
     return result
 
 
@@ -234,6 +282,7 @@ def main(argv=None) -> dict:
     out["whitener"] = whitener_check(device, 512 if quick else 4096, 2 if quick else 10)
     out["reducer"] = reducer_check(device, [4, 8], 256 * 64 if quick else 256 * 4096, 3)
     out["engine"] = engine_check(device, 3)
+    out["processes"] = processes_check(device, 3)
     print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
     print("| format | bytes | same bytes | same count | same decode | stochastic repeatable |")
     print("|---|---:|---|---|---|---|")
@@ -256,6 +305,7 @@ def main(argv=None) -> dict:
         print(f"| {r['world']} | {r['numel']} | {r['host_conversions_per_bucket']:.2f} | "
               f"{r['sync_debug_warnings'] if r['sync_debug_warnings'] is not None else '-'} | {r['max_rel_err']:.4f} |")
     print("engine:", json.dumps({k: v for k, v in out["engine"].items() if k != "world1_fp8_losses"}))
+    print("processes:", json.dumps(out["processes"]))
     write_json(args.json, out)
     return out
 

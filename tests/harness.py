@@ -130,6 +130,8 @@ def build_engine(spec: dict):
         from deepspeed.runtime.zero.muon import original_muon
 
         original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+    if spec.get("tf32_new_api"):  # gpu_check: what transformers 5 sets for tf32=True (the new TF32 API)
+        torch.backends.fp32_precision = "tf32"
     torch.manual_seed(spec.get("seed", 0))
     preset = PRESETS[spec.get("preset", "tiny")]
     model = LlamaForCausalLM(LlamaConfig(**{**preset, **spec.get("model", {})}))

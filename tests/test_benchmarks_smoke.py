@@ -236,7 +236,13 @@ def test_gpu_check_cpu_part(tmp_path):
     assert all(r["round_trip_rel_err"] < 1e-5 for r in out["whitener"])
     for r in out["reducer"]:  # fp8 e4m3 + whitening + error feedback, ordinary steps
         assert r["host_conversions_per_bucket"] == 0 and 0 < r["max_rel_err"] < 0.0625, r
-    assert out["engine"]["world1_lossless_equals_native"] and out["engine"]["world1_fp8_trains"]
+    engine, processes = out["engine"], out["processes"]
+    assert engine["world1_lossless_equals_native"] and engine["world1_overlap_comm_lossless_equals_native"]
+    assert engine["world1_fp8_trains"] and engine["world1_fp8_new_tf32_api_trains"]
+    assert "error" not in processes, processes.get("error")
+    assert processes["w2_two_level_lossless_equals_native"] and processes["w2_param_gather_lossless_equals_native"]
+    assert processes["w2_overlap_comm_lossless_equals_native"] and processes["w4_relay_fp8_trains"]
+    assert processes["w4_relay_lossless_within_spread"] and processes["w4_relay_buckets"] > 0, processes
 
 
 def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):
