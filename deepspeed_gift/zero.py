@@ -30,7 +30,8 @@ from .core.geometry import row_col_sums
 from .lifecycle import GeometryManager, find_candidates
 from .core import metrics
 from .exchange.param_gather import ReplicaGather
-from .exchange.plan import GEO, HIGH, MAIN, ParamSlice
+from .exchange.encode import copy_codec_for
+from .exchange.plan import COPY, GEO, HIGH, MAIN, ParamSlice
 from .exchange.reducer import GiftReducer
 from .exchange.rounds import OwnedParam, plan_rounds
 from .exchange.two_level import TwoLevelReducer
@@ -181,6 +182,86 @@ def _relay_codec(cfg: GiftConfig):
     return formats.get_format(name, **options)
 
 
+def _tensor_parallel_size(mpu) -> int:
+    """Tensor-parallel ranks of an mpu (Megatron's, DeepSpeed's pipeline grid, AutoTP's groups)."""
+    for name in ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"):
+        get = getattr(mpu, name, None) if mpu is not None else None
+        if get is not None:
+            try:
+                return int(get() or 1)
+            except (TypeError, AttributeError, RuntimeError, AssertionError):
+                continue
+    return 1
+
+
+def _tensor_parallel_group(mpu):
+    for name in ("get_tensor_model_parallel_group", "get_slice_parallel_group", "get_model_parallel_group"):
+        get = getattr(mpu, name, None)
+        if get is not None:
+            return get()
+    return None
+
+
+def params_with_copies(engine) -> Dict[int, tuple]:
+    """The parameters whose copies live outside this data-parallel group, ``id(param)`` ->
+    (where, the process group of its copies, the parameter): replicated on the tensor-parallel
+    peers (every parameter DeepSpeed's ``is_model_parallel_parameter`` does not mark, where the
+    mpu has more than one tensor-parallel rank: layernorms, row-parallel biases) and tied across
+    pipeline stages (``PipelineModule``'s tied weights). Each copy is reduced by its own
+    data-parallel group; they travel as ``COPY`` so that all get the same bits."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    out: Dict[int, tuple] = {}
+    module, mpu = engine.module, getattr(engine, "mpu", None)
+    if _tensor_parallel_size(mpu) > 1:
+        group = _tensor_parallel_group(mpu)
+        for p in module.parameters():
+            if p.requires_grad and not is_model_parallel_parameter(p):
+                out[id(p)] = ("tensor-parallel replica", group, p)
+    tied = getattr(module, "get_tied_weights_and_groups", None)
+    for weight, group in (tied() if tied is not None else []):
+        out[id(weight)] = ("tied across pipeline stages", group, weight)
+    return out
+
+
+def bits_digest(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """A 64-bit digest of ``t``'s bits on its device (a position-weighted sum of its words, in
+    chunks: its temporaries are a chunk's): equal tensors give equal digests, and two that
+    differ anywhere almost surely do not."""
+    flat = t.detach().reshape(-1)
+    words = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for at in range(0, flat.numel(), chunk):
+        part = words[at:at + chunk].to(torch.int64)
+        weight = torch.arange(at, at + part.numel(), device=flat.device, dtype=torch.int64).remainder_(65521).add_(1)
+        total.add_(part.mul_(weight).sum())
+    return total
+
+
+def check_copies(copies: Dict[int, tuple], names: Dict[int, str]) -> None:
+    """Every copy of each parameter in ``copies`` (``params_with_copies``) holds the same bits: a
+    digest per parameter gathered over its copy group, one gather per group; raises on every
+    rank of the group, naming the parameter and the ranks, where they differ."""
+    import torch.distributed as dist
+
+    by_group: Dict[object, list] = {}
+    for key, (why, group, param) in copies.items():
+        by_group.setdefault(group, []).append((names.get(key, "?"), why, param))
+    for group, params in by_group.items():  # the same groups in the same order on every member
+        params.sort(key=lambda entry: entry[0])
+        mine = torch.stack([bits_digest(p) for _, _, p in params])
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        table = torch.stack(everyone).cpu()  # a refresh step's host read
+        for i, (name, why, _) in enumerate(params):
+            if len(set(table[:, i].tolist())) > 1:
+                ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+                raise RuntimeError(f"deepspeed_gift: the copies of {name!r} ({why}) differ between global ranks "
+                                   f"{ranks}: they must hold the same bits. If it is a tensor-parallel shard, mark it "
+                                   "as Megatron does (param.tensor_model_parallel = True); otherwise a framework "
+                                   "step changed one copy only")
+
+
 def _fingerprint_check(comm, cfg: GiftConfig) -> None:
     """All ranks must run the same gift config and package version; name what differs."""
     from . import __version__
@@ -281,6 +362,14 @@ class GiftState:
         self.geometry = GeometryManager(cfg, modules, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)
         self.param_names: Dict[int, str] = {opt.get_param_id(m.weight): name for name, m in modules.items()}
+        ids = getattr(opt, "param_id", {})
+        self.copy_params: Dict[int, tuple] = {ids[key]: entry for key, entry in params_with_copies(engine).items()
+                                              if key in ids}
+        if self.copy_params:
+            logger.info("gift: %d parameters have copies outside the data-parallel group (%s): they travel "
+                        "elementwise (%s), every contribution decoded, so every copy gets the same bits",
+                        len(self.copy_params), ", ".join(sorted({why for why, _, _ in self.copy_params.values()})),
+                        copy_codec_for(self.main_codec, self.high_codec).name)
         # every trained parameter's name, for errors that say which one ranks disagree on
         self._header_reducer().param_names = {opt.param_id[id(p)]: name for name, p in engine.module.named_parameters()
                                               if id(p) in getattr(opt, "param_id", {})}
@@ -321,6 +410,8 @@ class GiftState:
         self.telemetry.close()
 
     def on_optimizer_step(self, k: int) -> None:
+        if self.copy_params and k >= 0 and k % self.cfg.geometry.refresh_interval == 0:
+            check_copies(self.copy_params, self._header_reducer().param_names)  # on refresh steps
         self.geometry.end_step(k)
         self._flush_telemetry(k)
 
@@ -335,6 +426,8 @@ class GiftState:
 
     # ---- the reduction --------------------------------------------------------------
     def mode_of(self, param_id: int):
+        if param_id in self.copy_params:
+            return COPY, None
         name = self.param_names.get(param_id)
         if name is not None and self.geometry.in_branch(name):
             w = self.geometry.whitener_for(name)

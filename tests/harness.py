@@ -59,8 +59,9 @@ class GroupsMpu:
     """A model-parallel unit as Megatron-style frameworks hand DeepSpeed one (``mpu``): ``tp``
     consecutive ranks form a tensor-parallel group, the ranks with the same tensor-parallel rank a
     data-parallel group ({0, 2} and {1, 3} at tp 2 of 4), so the data-parallel group is not the
-    world. The model here is replicated on the tensor-parallel peers (no layer is split): what is
-    tested is GIFT over one data-parallel group of several."""
+    world. The model here is whole on every tensor-parallel rank (no layer is split), its parameters
+    marked model-parallel by ``build_engine`` as if each were a shard: what is tested is GIFT over
+    one data-parallel group of several."""
 
     def __init__(self, tp: int) -> None:
         import torch.distributed as dist
@@ -145,6 +146,9 @@ def build_engine(spec: dict):
     use_gift = spec.get("gift") is not None and spec.get("builder", "gift") == "gift"
     init = deepspeed_gift.initialize if use_gift else deepspeed.initialize
     mpu = GroupsMpu(spec["tp"]) if spec.get("tp") else None  # tests: data parallelism over one group of several
+    if mpu is not None:  # each tensor-parallel rank's model stands for its shard: marked as Megatron marks
+        for param in model.parameters():  # shards (its data may differ from its peers'; nothing is a replica)
+            param.tensor_model_parallel = True
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec), mpu=mpu)
     return engine
 

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..core.formats import DEFAULT_TILE_ELEMENTS, SampleRecorder, TensorSource
+from ..core.formats import DEFAULT_TILE_ELEMENTS, SampleRecorder, TensorSource, get_format
 from .plan import Section
 from .stats import StepStats
 
@@ -26,6 +26,15 @@ class Packed:
 # elements of whole blocks measure them to ~1e-3, and keep the sample's ~34 B an element (the
 # values, a decode, masks) at ~34 MB, where a tile-sized sample (2^24) held ~0.5 GB on any device.
 QUANT_SAMPLE_ELEMENTS = 1 << 20
+
+
+def copy_codec_for(main_codec, high_codec=None):
+    """The codec of ``COPY`` slices (``plan.Mode``): elementwise and round-to-nearest, so an
+    element's bytes depend on its value alone; fp32 where the main or ``others`` format is fp32
+    (a lossless run stays lossless), else bf16."""
+    if "fp32" in (main_codec.name, getattr(high_codec, "name", None)):
+        return get_format("fp32")
+    return get_format("bf16")
 
 
 class SectionEncoder:
@@ -46,16 +55,19 @@ class SectionEncoder:
         self.main_codec = main_codec
         self.high_codec = high_codec
         self.relay_codec = relay_codec
+        self.copy_codec = copy_codec_for(main_codec, high_codec)
         self.generator = generator
         self.shared_seed = shared_seed
 
     def codec_of(self, section: Section):
+        if section.copy:
+            return self.copy_codec
         return self.high_codec if section.high else self.main_codec
 
     def forward_codec_of(self, section: Section):
         """The codec of a section's relayed sums (the relay's second hop)."""
         if section.high:
-            return self.high_codec
+            return self.codec_of(section)
         return self.relay_codec if self.relay_codec is not None else self.main_codec
 
     def generator_for(self, sec: Section, step: int):

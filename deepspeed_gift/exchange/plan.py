@@ -38,14 +38,20 @@ MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the
 
 class Mode(str, enum.Enum):
     """How a slice travels: transformed in whole run units (``GEO``), in the main format as it
-    is (``MAIN``), or in the high-precision format of ``others`` (``HIGH``)."""
+    is (``MAIN``), in the high-precision format of ``others`` (``HIGH``), or, for a parameter
+    with copies outside this data-parallel group (replicated on tensor-parallel peers, tied
+    across pipeline stages), in the copy codec (bf16 nearest, or fp32), every contribution
+    decoded by the owner too, its own included, and summed in rank order (``COPY``): an
+    element's result then depends on that element's values alone, not on the bucket's layout,
+    its neighbours' scales or who owns it, so every copy's group reduces it to the same bits."""
 
     GEO = "geo"
     MAIN = "main"
     HIGH = "high"
+    COPY = "copy"
 
 
-GEO, MAIN, HIGH = Mode.GEO, Mode.MAIN, Mode.HIGH
+GEO, MAIN, HIGH, COPY = Mode.GEO, Mode.MAIN, Mode.HIGH, Mode.COPY
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class ParamSlice:
     param_key: int
     row_len: int = 0  # GEO: the run unit of the parameter's transform (a whitener's rows: "in"; an
     # elementwise scaling: 1); runs of whole units are transformed, the rest travels as is
-    mode: Mode = MAIN  # GEO: transform whole units; MAIN: main format as is; HIGH: others=bf16/fp32
+    mode: Mode = MAIN  # GEO: transform whole units; MAIN: main format as is; HIGH: others=bf16/fp32; COPY: see Mode
     copy_ranks: Tuple[int, ...] = ()  # non-empty: every listed rank receives the whole parameter
 
 
@@ -85,6 +91,7 @@ class Section:
     pieces: List[Piece] = field(default_factory=list)
     numel: int = 0
     whole: bool = False  # whole shared parameters: every receiver decodes every contribution, its own too
+    copy: bool = False  # COPY slices: the copy codec, every contribution decoded (``whole`` semantics)
 
     @property
     def shared(self) -> bool:
@@ -126,8 +133,8 @@ def split_slice_rows(s: ParamSlice) -> List[Tuple[int, int, int]]:
     return runs
 
 
-def shared_parameter_pieces(slices: Sequence[ParamSlice]) -> Dict[Tuple[Tuple[int, ...], bool], List[Piece]]:
-    """One whole-parameter piece per shared parameter, grouped by (copy set, high)."""
+def shared_parameter_pieces(slices: Sequence[ParamSlice]) -> Dict[Tuple[Tuple[int, ...], Mode], List[Piece]]:
+    """One whole-parameter piece per shared parameter, grouped by (copy set, mode)."""
     spans: Dict[int, List[ParamSlice]] = {}
     for s in slices:
         if s.copy_ranks:
@@ -144,7 +151,7 @@ def shared_parameter_pieces(slices: Sequence[ParamSlice]) -> Dict[Tuple[Tuple[in
                                "with one copy set and mode")
         rows = numel // first.row_len if first.mode == GEO and first.row_len > 0 else 0
         piece = Piece(start, numel, key, rows, -1, 0, 0)
-        groups.setdefault((tuple(first.copy_ranks), first.mode == HIGH), []).append(piece)
+        groups.setdefault((tuple(first.copy_ranks), first.mode), []).append(piece)
     return groups
 
 
@@ -154,17 +161,18 @@ class BucketPlan:
     def __init__(self, slices: Sequence[ParamSlice], world_size: int, versions: Dict[int, int]) -> None:
         self.slices = tuple(slices)
         self.world_size = world_size
-        owned = [(Section((d,), False), Section((d,), True)) for d in range(world_size)]
+        owned = [(Section((d,), False), Section((d,), True), Section((d,), True, whole=True, copy=True))
+                 for d in range(world_size)]
         for index, s in enumerate(self.slices):
             if s.copy_ranks:
                 continue
-            section = owned[s.dst][s.mode == HIGH]
+            section = owned[s.dst][2 if s.mode == COPY else int(s.mode == HIGH)]
             for start, numel, rows in split_slice_rows(s):
                 section.add(Piece(s.bucket_offset + start, numel, s.param_key, rows, index, start,
                                   s.param_offset + start))
         self.sections: List[Section] = [sec for pair in owned for sec in pair]
-        for (dests, high), pieces in shared_parameter_pieces(self.slices).items():
-            section = Section(dests, high, whole=True)
+        for (dests, mode), pieces in shared_parameter_pieces(self.slices).items():
+            section = Section(dests, mode in (HIGH, COPY), whole=True, copy=mode == COPY)
             for p in pieces:
                 section.add(p)
             self.sections.append(section)
@@ -194,7 +202,7 @@ class BucketPlan:
         # an error-feedback residual survives re-selection and refreshes under this key. It names
         # the parameters too: two buckets of one shape (repeated layers, small buckets) with the
         # same owners would otherwise share one residual and feed one bucket's error to the other.
-        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.param_key, s.param_offset, s.mode == HIGH,
+        self.layout_key = tuple((s.dst, s.bucket_offset, s.numel, s.param_key, s.param_offset, s.mode in (HIGH, COPY),
                                  s.copy_ranks) for s in self.slices)
 
     def hash_on(self, device) -> torch.Tensor:
@@ -380,7 +388,8 @@ def scatter_section(tensor: torch.Tensor, total: torch.Tensor, sec: Section, pla
 
 
 # ---- agreement on a new plan ---------------------------------------------------------------
-MODE_WORDS = {GEO: "transformed (geometry)", MAIN: "in the main format", HIGH: "in the high-precision format"}
+MODE_WORDS = {GEO: "transformed (geometry)", MAIN: "in the main format", HIGH: "in the high-precision format",
+              COPY: "in the copy codec (a parameter with copies outside the group)"}
 
 
 def plan_fingerprint(plan: "BucketPlan") -> int:
