@@ -56,8 +56,10 @@ def _check_engine(engine, cfg: GiftConfig):
     if not isinstance(opt, DeepSpeedZeroOptimizer):
         hint = ""
         if type(opt).__name__ == "BF16_Optimizer":
+            # a pipeline cannot take stage 2 (DeepSpeed's PipelineEngine refuses it): only the dtype is left
+            stage2 = "" if getattr(engine, "is_pipe_parallel", False) else "use stage 2, or "
             hint = (" (DeepSpeed picks BF16_Optimizer for bf16 + ZeRO stage 1 + fp32 gradient accumulation; "
-                    "use stage 2, or set data_types.grad_accum_dtype to \"bf16\")")
+                    f"{stage2}set data_types.grad_accum_dtype to \"bf16\")")
         raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}{hint}")
     _probe_internals(opt)
     _require(opt.contiguous_gradients, "gift.enabled: needs zero_optimization.contiguous_gradients true "
@@ -262,22 +264,30 @@ def check_copies(copies: Dict[int, tuple], names: Dict[int, str]) -> None:
                                    "step changed one copy only")
 
 
-def _fingerprint_check(comm, cfg: GiftConfig) -> None:
-    """All ranks must run the same gift config and package version; name what differs."""
+def _fingerprint_check(comm, cfg: GiftConfig, whole_job: bool = True) -> None:
+    """All ranks must run the same gift config and package version; name what differs. Where the
+    data-parallel group is one of several (pipeline, tensor parallelism) the whole job is checked
+    at once, so a stage or shard with another config fails everywhere, not in its own group
+    while the others wait for it."""
     from . import __version__
 
     mine = json.dumps({"version": __version__, "gift": json.loads(cfg.fingerprint())}, sort_keys=True)
-    blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-    everyone = [json.loads(b.cpu().numpy().tobytes().decode()) for b in comm.all_gather_bytes(blob, kind=ByteKind.CONTROL)]
+    if whole_job:
+        blob = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
+        everyone = [json.loads(b.cpu().numpy().tobytes().decode())
+                    for b in comm.all_gather_bytes(blob, kind=ByteKind.CONTROL)]
+        who = "rank"
+    else:
+        everyone, who = [json.loads(text) for text in _gather_over_job(mine)], "global rank"
     ref = everyone[0]
     for r, other in enumerate(everyone):
         if other == ref:
             continue
         if other["version"] != ref["version"]:
-            raise ValueError(f"deepspeed_gift version differs between ranks: rank 0 has {ref['version']}, "
-                             f"rank {r} has {other['version']}")
+            raise ValueError(f"deepspeed_gift version differs between ranks: {who} 0 has {ref['version']}, "
+                             f"{who} {r} has {other['version']}")
         diff = first_difference(ref["gift"], other["gift"], "gift")
-        raise ValueError(f"{diff[0]} differs between ranks: rank 0 has {diff[1]!r}, rank {r} has {diff[2]!r}")
+        raise ValueError(f"{diff[0]} differs between ranks: {who} 0 has {diff[1]!r}, {who} {r} has {diff[2]!r}")
 
 
 def choose_topology(comm, cfg: GiftConfig):
@@ -314,7 +324,7 @@ class GiftState:
         # where this rank sits in the job: files are named by the global rank, and checked by the
         # data-parallel group (with pipeline or tensor parallelism one group of several)
         self.global_rank, self.dp_ranks, self.whole_job = _job_coordinates(opt.dp_process_group)
-        _fingerprint_check(self.comm, cfg)
+        _fingerprint_check(self.comm, cfg, self.whole_job)
         device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
         self.main_codec = _main_codec(cfg)
         self.high_codec = formats.get_format(cfg.others) if cfg.others in ("bf16", "fp32") else None

@@ -95,8 +95,14 @@ def _pipe_body(rank, world, specs):
                                loss_fn=lambda y, t: nn.functional.cross_entropy(y.reshape(-1, vocab), t.reshape(-1)))
         config = dict(ds_config(dict(spec, micro=2, ga=2)), train_batch_size=2 * 2 * 2)
         init = deepspeed_gift.initialize if spec.get("gift") else deepspeed.initialize
-        engine, _, _, _ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                               config=config)
+        try:
+            engine, _, _, _ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                   config=config)
+        except ValueError as exc:
+            if not spec.get("init_error"):
+                raise
+            out.append(str(exc))  # tests of what initialize refuses
+            continue
         dp = engine.grid.get_data_parallel_id()
         data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in batches(dp, 2 * spec["steps"], 2, 17)]
         it = iter(data)
@@ -270,6 +276,26 @@ def test_tensor_parallel_replicas_stay_bit_identical_under_fp8_with_stochastic_r
             {k: float((a[k] - b[k]).abs().max()) for k in replicated}
         assert any(not bool((a[k] == b[k]).all()) for k in a if k.startswith("blocks."))  # shards differ
     assert results[0][0]["losses"][-1] < results[0][0]["losses"][0]
+
+
+def test_a_config_that_differs_in_one_data_parallel_group_fails_at_initialize_everywhere():
+    # DP = 2 x TP = 2: global rank 1 (data-parallel group {1, 3}) runs another gift.format. The
+    # config is checked over the whole job: before, only {1, 3} failed and {0, 2} trained on
+    from tests.harness import initialize_error
+
+    spec = dict(stage=2, tp=2, gift={"format": "fp8_e4m3"}, gift_on_rank={"1": {"format": "int8"}})
+    errors = run_ranks(initialize_error, 4, spec, timeout=300)
+    assert all("gift.format differs between ranks: global rank 0 has 'fp8_e4m3', global rank 1 has 'int8'" in e
+               for e in errors), errors
+
+
+def test_bf16_with_fp32_accumulation_under_the_pipeline_is_refused_with_a_hint_it_can_follow():
+    # DeepSpeed picks BF16_Optimizer (which GIFT refuses); the hint said "use stage 2", which a
+    # PipelineEngine refuses in turn
+    spec = dict(stage=1, steps=1, bucket=3000, dtype="bf16", grad_accum_dtype="fp32", gift=LOSSLESS, init_error=True)
+    for (message,) in run_ranks(_pipe_body, 4, [spec], timeout=300):
+        assert "BF16_Optimizer" in message and 'set data_types.grad_accum_dtype to "bf16"' in message, message
+        assert "stage 2" not in message, message
 
 
 def test_copies_that_differ_fail_at_the_refresh_naming_the_parameter():
