@@ -62,6 +62,7 @@ class InputMoments:
         self.sums: Dict[str, Moment] = {}
         self.counts: Dict[str, int] = {}
         self._last = None  # (tensor, key) of the most recent hooked input
+        self._seen: set = set()  # modules counted since the model's forward began
         self._handles: list = []
 
     def attach(self) -> None:
@@ -78,12 +79,19 @@ class InputMoments:
         return bool(self._handles)
 
     def new_forward(self) -> None:
+        """The model's forward begins (a micro-batch): every module may count once again."""
         self._last = None
+        self._seen.clear()
 
     def _hook(self, name: str):
         def hook(module, inputs):
-            if not (module.training and torch.is_grad_enabled()):
+            # Once per module and forward of the model: activation recomputation runs a module's
+            # forward again in the backward (non-reentrant checkpointing: a second time with
+            # gradients; reentrant: the first, under no_grad, is skipped below and the recompute
+            # counts), on the same inputs. A module called twice in one forward counts its first call.
+            if not (module.training and torch.is_grad_enabled()) or name in self._seen:
                 return None
+            self._seen.add(name)
             x = inputs[0]
             if self._last is not None and self._last[0] is x:
                 self.key_of.setdefault(name, self._last[1])
@@ -113,6 +121,7 @@ class InputMoments:
         self.sums.clear()
         self.counts.clear()
         self._last = None
+        self._seen.clear()
         return out
 
 

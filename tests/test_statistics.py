@@ -40,6 +40,36 @@ def test_moments_of_a_strided_token_subsample_with_shared_inputs():
     assert subsample_tokens(x.reshape(-1, 6), 5).shape[0] == 4  # stride ceil(12 / 5) = 3 never exceeds the cap
 
 
+def test_activation_recomputation_counts_each_module_once_per_forward():
+    # torch.utils.checkpoint runs the block's forward again in the backward: non-reentrant with
+    # gradients on both times, reentrant with the first under no_grad; either way each module's
+    # statistic must be what one forward without recomputation gives (before: twice the tokens
+    # under non-reentrant checkpointing)
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(3, 4, 6, requires_grad=True)
+
+    def statistics(run):
+        moments = InputMoments({"q": block.q, "k": block.k, "o": block.o})
+        moments.attach()
+        for _ in range(2):  # two micro-batches of one step
+            moments.new_forward()  # what the model's forward pre-hook does (GiftState.on_forward)
+            run().sum().backward()
+        counts = dict(moments.counts)
+        moments.detach()
+        return counts, moments.take()
+
+    plain = statistics(lambda: block(x))
+    assert plain[0] == {"q": 24, "o": 24}
+    for reentrant in (False, True):
+        got = statistics(lambda: checkpoint(block, x, use_reentrant=reentrant))
+        assert got[0] == plain[0], (reentrant, got[0])
+        for key in plain[1]:
+            torch.testing.assert_close(got[1][key], plain[1][key], rtol=0, atol=0)
+
+
 # an fp32 x^T x over 256 tokens: each entry a sum of 256 products, whose rounding stays within
 # 256 u of the sum of |products| at worst and ~log2(256) u in BLAS's blocked order; the largest
 # entry is a sum of squares, so 2^-18 = 64 u of it is a bound of fp32's sums (measured 2.3e-7,
