@@ -4,7 +4,8 @@ script calling ``deepspeed.initialize``), or warn that it did not.
 
 Loaded at interpreter start by ``deepspeed_gift.pth`` (installed with the package); it
 imports nothing heavy: it only watches for ``deepspeed.runtime.engine`` to be imported and
-then wraps ``DeepSpeedEngine.__init__`` so that, once an engine is built,
+then wraps ``DeepSpeedEngine.__init__`` (and its subclasses', ``PipelineEngine``'s) so that,
+once an engine is built,
 ``deepspeed_gift.switch.after_engine_init`` decides. That decision attaches GIFT when the
 switch is on (``deepspeed_gift.install()``, or ``DEEPSPEED_GIFT=1`` in the environment of
 every rank) and otherwise warns once that the block is not in effect.
@@ -20,14 +21,19 @@ ENGINE_MODULE = "deepspeed.runtime.engine"
 ENV_SWITCH = "DEEPSPEED_GIFT"
 
 
-def _wrap_engine_class(module) -> None:
-    cls = getattr(module, "DeepSpeedEngine", None)
-    if cls is None or getattr(cls.__init__, "_gift_wrapped", False):
+def _wrap_init(cls) -> None:
+    """``cls.__init__`` followed, once the outermost ``__init__`` of the engine being built has
+    run (a ``PipelineEngine`` calls ``DeepSpeedEngine.__init__`` half-way through its own), by
+    ``deepspeed_gift.switch.after_engine_init``."""
+    native = cls.__dict__.get("__init__")
+    if native is None or getattr(native, "_gift_wrapped", False):
         return
-    native = cls.__init__
 
     def __init__(self, *args, **kwargs):
         native(self, *args, **kwargs)
+        mro = type(self).__mro__
+        if any(getattr(k.__dict__.get("__init__"), "_gift_wrapped", False) for k in mro[:mro.index(cls)]):
+            return  # a subclass's __init__ is still running: its wrapper decides when it is done
         try:
             from deepspeed_gift.switch import after_engine_init
         except ImportError as exc:  # a broken install must not stop engines that have no gift block
@@ -41,12 +47,50 @@ def _wrap_engine_class(module) -> None:
     cls.__init__ = __init__
 
 
+def _wrap_engine_class(module) -> None:
+    """Wrap ``DeepSpeedEngine.__init__`` and that of every subclass, defined already or later
+    (``PipelineEngine`` is defined after this module loads)."""
+    cls = getattr(module, "DeepSpeedEngine", None)
+    if cls is None or getattr(cls.__init__, "_gift_wrapped", False):
+        return
+    _wrap_init(cls)
+    pending = list(cls.__subclasses__())
+    while pending:
+        sub = pending.pop()
+        _wrap_init(sub)
+        pending.extend(sub.__subclasses__())
+    native_hook = cls.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(sub, **kwargs):
+        if native_hook is not None:
+            native_hook.__func__(sub, **kwargs)
+        else:
+            super(cls, sub).__init_subclass__(**kwargs)
+        _wrap_init(sub)
+
+    __init_subclass__._gift_native = native_hook
+    cls.__init_subclass__ = classmethod(__init_subclass__)
+
+
 def unwrap_engine_class() -> None:
     """Undo :func:`watch_deepspeed` on an imported DeepSpeed (tests, ``uninstall``)."""
     module = sys.modules.get(ENGINE_MODULE)
     cls = getattr(module, "DeepSpeedEngine", None)
     if cls is not None and getattr(cls.__init__, "_gift_wrapped", False):
-        cls.__init__ = cls.__init__._gift_native
+        pending = [cls]
+        while pending:
+            one = pending.pop()
+            pending.extend(one.__subclasses__())
+            wrapped = one.__dict__.get("__init__")
+            if getattr(wrapped, "_gift_wrapped", False):
+                one.__init__ = wrapped._gift_native
+        hook = cls.__dict__.get("__init_subclass__")
+        if hook is not None and hasattr(hook.__func__, "_gift_native"):
+            native_hook = hook.__func__._gift_native
+            if native_hook is None:
+                del cls.__init_subclass__
+            else:
+                cls.__init_subclass__ = native_hook
     for finder in [f for f in sys.meta_path if isinstance(f, _EngineFinder)]:
         sys.meta_path.remove(finder)
 

@@ -80,12 +80,14 @@ def after_engine_init(engine) -> None:
     if not isinstance(raw, dict) or GIFT_BLOCK not in raw or getattr(engine, "gift", None) is not None:
         return
     log_like_deepspeed()
-    if type(engine) is not DeepSpeedEngine:  # a pipeline or hybrid engine: still being built here
-        if _attaching:  # deepspeed_gift.initialize attaches once it is built
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if type(engine) not in (DeepSpeedEngine, PipelineEngine):  # a hybrid or DualPipeV engine: not served
+        if _attaching:  # deepspeed_gift.initialize attaches (or refuses) once it is built
             return
-        logger.warning("gift: the DeepSpeed config has a \"gift\" block, but GIFT attaches to a %s only when "
-                       "it is built by deepspeed_gift.initialize (or by deepspeed_gift.attach(engine) once built); "
-                       "this one runs natively", type(engine).__name__)
+        logger.warning("gift: the DeepSpeed config has a \"gift\" block, but GIFT serves DeepSpeedEngine and "
+                       "PipelineEngine, not a %s; this one runs natively (deepspeed_gift.attach(engine) tries it "
+                       "once built)", type(engine).__name__)
         return
     if _attaching or installed():
         attach(engine)

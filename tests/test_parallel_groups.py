@@ -95,6 +95,9 @@ def _pipe_body(rank, world, specs):
                                loss_fn=lambda y, t: nn.functional.cross_entropy(y.reshape(-1, vocab), t.reshape(-1)))
         config = dict(ds_config(dict(spec, micro=2, ga=2)), train_batch_size=2 * 2 * 2)
         init = deepspeed_gift.initialize if spec.get("gift") else deepspeed.initialize
+        if spec.get("install"):  # tests: DeepSpeed's own initialize with the switch on
+            deepspeed_gift.install()
+            init = deepspeed.initialize
         try:
             engine, _, _, _ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                    config=config)
@@ -287,6 +290,17 @@ def test_a_config_that_differs_in_one_data_parallel_group_fails_at_initialize_ev
     errors = run_ranks(initialize_error, 4, spec, timeout=300)
     assert all("gift.format differs between ranks: global rank 0 has 'fp8_e4m3', global rank 1 has 'int8'" in e
                for e in errors), errors
+
+
+def test_a_pipeline_engine_built_by_deepspeed_gets_gift_under_the_switch():
+    # deepspeed.initialize builds the PipelineEngine (as GPT-NeoX does) with deepspeed_gift.install()
+    # on: GIFT attaches once the engine is whole (before: the hook saw it half-built, warned and
+    # left it native)
+    base = dict(stage=1, steps=3, bucket=3000)
+    for native, switched in run_ranks(_pipe_body, 4, [base, dict(base, gift=LOSSLESS, install=True)], timeout=300):
+        assert [r["step"] for r in switched["records"]] == [0, 1, 2]
+        assert switched["losses"] == native["losses"]
+        assert all(bool((native["params"][k] == switched["params"][k]).all()) for k in native["params"])
 
 
 def test_bf16_with_fp32_accumulation_under_the_pipeline_is_refused_with_a_hint_it_can_follow():
