@@ -107,9 +107,16 @@ def _pipe_body(rank, world, specs):
             out.append(str(exc))  # tests of what initialize refuses
             continue
         dp = engine.grid.get_data_parallel_id()
-        data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in batches(dp, 2 * spec["steps"], 2, 17)]
+        start = 0
+        if spec.get("resume"):  # tests: continue a run from its checkpoint (its batches too)
+            engine.load_checkpoint(spec["resume"])
+            start = engine.global_steps
+        data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+                for x in batches(dp, 2 * (start + spec["steps"]), 2, 17)][2 * start:]
         it = iter(data)
         losses = [float(engine.train_batch(it)) for _ in range(spec["steps"])]
+        if spec.get("save_dir"):
+            engine.save_checkpoint(spec["save_dir"])
         gift = getattr(engine, "gift", None)
         out.append({"losses": losses, "digest": param_digest(engine.module),
                     "params": {k: v.detach().clone() for k, v in engine.module.named_parameters()},
@@ -290,6 +297,28 @@ def test_a_config_that_differs_in_one_data_parallel_group_fails_at_initialize_ev
     errors = run_ranks(initialize_error, 4, spec, timeout=300)
     assert all("gift.format differs between ranks: global rank 0 has 'fp8_e4m3', global rank 1 has 'int8'" in e
                for e in errors), errors
+
+
+def test_pipeline_stages_save_their_own_checkpoints_and_resume_bit_for_bit_two_level(tmp_path):
+    # DP = 2 x PP = 2, fp8 + kfac + error feedback + stochastic rounding, two-level with one rank
+    # per node: every process (both stages of both groups) saves its own GIFT file, and the run
+    # resumed from step 2 continues the uninterrupted one bit for bit
+    import os
+
+    gift = dict(FP8_SR, hierarchy="two_level", ranks_per_node=1,
+                geometry=dict(FP8_SR["geometry"], refresh_interval=2))
+    save_dir = str(tmp_path / "ckpt")
+    base = dict(stage=1, steps=4, bucket=3000, gift=gift)
+    full = run_ranks(_pipe_body, 4, [base, dict(base, steps=2, save_dir=save_dir)], timeout=300)
+    resumed = run_ranks(_pipe_body, 4, [dict(base, steps=2, resume=save_dir)], timeout=300)
+    tags = os.listdir(save_dir)
+    files = sorted(f for tag in tags if os.path.isdir(os.path.join(save_dir, tag))
+                   for f in os.listdir(os.path.join(save_dir, tag)) if f.startswith("gift_rank") and f.endswith(".pt"))
+    assert files == [f"gift_rank{r}.pt" for r in range(4)], files
+    for (whole, first), (second,) in zip(full, resumed):
+        assert all(r["hierarchy"] == "two_level" for r in whole["records"])
+        assert first["losses"] == whole["losses"][:2] and second["losses"] == whole["losses"][2:]
+        assert all(bool((whole["params"][k] == second["params"][k]).all()) for k in whole["params"])
 
 
 def test_a_pipeline_engine_built_by_deepspeed_gets_gift_under_the_switch():
