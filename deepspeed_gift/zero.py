@@ -66,7 +66,10 @@ def _check_engine(engine, cfg: GiftConfig):
              "(the default); it is false in this config")
     _require(not opt.cpu_offload, "gift.enabled: ZeRO offload_optimizer is not supported with GIFT; "
              "remove zero_optimization.offload_optimizer or set gift.enabled to false")
-    _require(not getattr(opt, "has_moe_layers", False), "gift.enabled: MoE expert parallelism is not supported")
+    _require(not getattr(opt, "has_moe_layers", False),
+             "gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert parameters over "
+             "expert-data-parallel groups of their own, in buckets shared with the dense parameters, and GIFT's "
+             "exchange serves one data-parallel group; set gift.enabled to false for this model")
     _require(not getattr(opt, "zenflow", False), "gift.enabled: ZenFlow is not supported")
     if not opt.partition_gradients and opt.overlap_comm and cfg.stage1_rounds:
         # ZeRO-1 with overlap_comm reduces during the boundary micro-batch's backward, bucket by
