@@ -265,3 +265,15 @@ def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):
     # 10 steps in, Adam's second moment of the quantized run is near bf16's (same seed, same batches)
     assert 0.5 < ef_probe["v_ratio_median"] < 2.0
     assert (tmp_path / "report.md").read_text().count("| euclid_nvfp4") >= 2
+
+
+def test_owner_ops_counts_the_owner_side_per_source(tmp_path):
+    # the baseline of a batched owner decode: today every source is decoded on its own, so the
+    # ATen ops of an owner's section are (W - 1) x a per-source count that does not depend on W
+    from benchmarks import owner_ops
+
+    rows = owner_ops.main(["--worlds", "4", "8", "--numel", "4096", "--json", str(tmp_path / "o.json")])
+    assert [(r["format"], r["world"]) for r in rows] == [(f, w) for f in owner_ops.FORMATS for w in (4, 8)]
+    for fmt in owner_ops.FORMATS:
+        small, large = (r for r in rows if r["format"] == fmt)
+        assert small["ops_per_source"] > 5 and small["ops_per_source"] == large["ops_per_source"], (small, large)
