@@ -62,7 +62,7 @@ class InputMoments:
         self.sums: Dict[str, Moment] = {}
         self.counts: Dict[str, int] = {}
         self._last = None  # (tensor, key) of the most recent hooked input
-        self._seen: set = set()  # modules counted since the model's forward began
+        self._pending: Dict[str, int] = {}  # training forwards under no_grad not yet recomputed, per module
         self._handles: list = []
 
     def attach(self) -> None:
@@ -79,19 +79,26 @@ class InputMoments:
         return bool(self._handles)
 
     def new_forward(self) -> None:
-        """The model's forward begins (a micro-batch): every module may count once again."""
         self._last = None
-        self._seen.clear()
 
     def _hook(self, name: str):
         def hook(module, inputs):
-            # Once per module and forward of the model: activation recomputation runs a module's
-            # forward again in the backward (non-reentrant checkpointing: a second time with
-            # gradients; reentrant: the first, under no_grad, is skipped below and the recompute
-            # counts), on the same inputs. A module called twice in one forward counts its first call.
-            if not (module.training and torch.is_grad_enabled()) or name in self._seen:
+            if not module.training:
                 return None
-            self._seen.add(name)
+            # Activation recomputation runs a module's forward again inside the backward, on the
+            # same inputs: non-reentrant checkpointing after a first forward with gradients (counted
+            # then), reentrant after a first one under no_grad (not counted then: recorded, and the
+            # recompute counts). So a forward in the backward counts only where one under no_grad
+            # is waiting for it; each call of a module in a forward counts once, as its gradient does.
+            in_backward = torch._C._current_graph_task_id() != -1
+            if not torch.is_grad_enabled():
+                if not in_backward:
+                    self._pending[name] = self._pending.get(name, 0) + 1
+                return None
+            if in_backward:
+                if not self._pending.get(name):
+                    return None
+                self._pending[name] -= 1
             x = inputs[0]
             if self._last is not None and self._last[0] is x:
                 self.key_of.setdefault(name, self._last[1])
@@ -121,7 +128,7 @@ class InputMoments:
         self.sums.clear()
         self.counts.clear()
         self._last = None
-        self._seen.clear()
+        self._pending.clear()
         return out
 
 

@@ -229,6 +229,25 @@ def params_with_copies(engine) -> Dict[int, tuple]:
     return out
 
 
+def _check_copies_servable(everyone: list) -> None:
+    """``(has copies, exchange, quantized parameter gather)`` of every process of the job: where
+    any has parameters with copies in other data-parallel groups, every group must reduce them by
+    one formula (the same exchange: flat, or two-level with the same node size) and the
+    compressed parameter gather must be exact (its block scales would mix a copy with
+    neighbours that differ between the groups); raises the same error everywhere if not."""
+    if not any(has for has, _, _ in everyone):
+        return
+    exchanges = sorted({repr(exchange) for _, exchange, _ in everyone})
+    _require(len(exchanges) == 1,
+             f"gift.hierarchy: the data-parallel groups chose different exchanges ({', '.join(exchanges)}), but "
+             "parameters with copies in several groups (tensor-parallel replicas, tied weights) must be reduced "
+             "alike in all; set gift.hierarchy and gift.ranks_per_node explicitly")
+    _require(not any(quantized for _, _, quantized in everyone),
+             "gift.params: a quantized parameter gather would give the copies of a parameter held by several "
+             "data-parallel groups (tensor-parallel replicas, tied weights) different replicas; set params.format "
+             "to the replicas' dtype or remove gift.params")
+
+
 def bits_digest(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     """A 64-bit digest of ``t``'s bits on its device (a position-weighted sum of its words, in
     chunks: its temporaries are a chunk's): equal tensors give equal digests, and two that
@@ -378,6 +397,9 @@ class GiftState:
         ids = getattr(opt, "param_id", {})
         self.copy_params: Dict[int, tuple] = {ids[key]: entry for key, entry in params_with_copies(engine).items()
                                               if key in ids}
+        if not self.whole_job:  # one agreed answer on every process (tied weights live on some stages only)
+            _check_copies_servable(_gather_over_job((bool(self.copy_params), self.exchange,
+                                                     self.params_codec is not None)))
         if self.copy_params:
             logger.info("gift: %d parameters have copies outside the data-parallel group (%s): they travel "
                         "elementwise (%s), every contribution decoded, so every copy gets the same bits",

@@ -341,6 +341,17 @@ def test_bf16_with_fp32_accumulation_under_the_pipeline_is_refused_with_a_hint_i
         assert "stage 2" not in message, message
 
 
+def test_a_quantized_parameter_gather_is_refused_where_parameters_have_copies_in_other_groups():
+    # its block scales would mix a replica with shards that differ between the groups: the copies'
+    # replicas would differ from the first gather on (every process says so at initialize)
+    with pytest.raises(RuntimeError) as failure:
+        run_ranks(_tp_body, 4, [dict(stage=2, steps=1, bucket=4000, gift=dict(FP8_SR, params={}))], timeout=300)
+    text = str(failure.value)
+    for rank in range(4):
+        line = next(line for line in text.splitlines() if line.startswith(f"rank {rank} (after"))
+        assert "ValueError: gift.params: a quantized parameter gather would give the copies" in line, line
+
+
 def test_copies_that_differ_fail_at_the_refresh_naming_the_parameter():
     # one tensor-parallel peer's replicated head bias is moved after initialize (in its bit16 copy,
     # not DeepSpeed's fp32 master): that peer's head gradients differ, so after the first step the

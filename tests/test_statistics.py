@@ -51,12 +51,17 @@ def test_activation_recomputation_counts_each_module_once_per_forward():
     block = _Block()
     x = torch.randn(3, 4, 6, requires_grad=True)
 
-    def statistics(run):
+    def statistics(run, pipelined=False):
         moments = InputMoments({"q": block.q, "k": block.k, "o": block.o})
         moments.attach()
+        losses = []
         for _ in range(2):  # two micro-batches of one step
             moments.new_forward()  # what the model's forward pre-hook does (GiftState.on_forward)
-            run().sum().backward()
+            losses.append(run().sum())
+            if not pipelined:
+                losses.pop().backward()
+        for loss in losses:  # a pipeline's cool-down: backwards one after the other, no forward between
+            loss.backward()
         counts = dict(moments.counts)
         moments.detach()
         return counts, moments.take()
@@ -64,10 +69,13 @@ def test_activation_recomputation_counts_each_module_once_per_forward():
     plain = statistics(lambda: block(x))
     assert plain[0] == {"q": 24, "o": 24}
     for reentrant in (False, True):
-        got = statistics(lambda: checkpoint(block, x, use_reentrant=reentrant))
-        assert got[0] == plain[0], (reentrant, got[0])
-        for key in plain[1]:
-            torch.testing.assert_close(got[1][key], plain[1][key], rtol=0, atol=0)
+        for pipelined in (False, True):
+            got = statistics(lambda: checkpoint(block, x, use_reentrant=reentrant), pipelined)
+            assert got[0] == plain[0], (reentrant, pipelined, got[0])
+            for key in plain[1]:
+                torch.testing.assert_close(got[1][key], plain[1][key], rtol=0, atol=0)
+    twice = statistics(lambda: block(x) + block(x))  # a module called twice in a forward counts twice
+    assert twice[0] == {"q": 48, "o": 48}
 
 
 # an fp32 x^T x over 256 tokens: each entry a sum of 256 products, whose rounding stays within

@@ -95,3 +95,21 @@ def test_a_ranks_per_node_that_does_not_divide_the_group_fails_at_initialize():
     spec = dict(stage=2, gift=dict(LOSSLESS, ranks_per_node=3))
     for message in run_ranks(initialize_error, 4, spec):
         assert "gift.ranks_per_node: got 3; the data-parallel group has 4 ranks" in message
+
+
+def test_a_copy_slice_is_carried_by_its_owners_slot_in_the_balanced_split():
+    # a COPY slice (a parameter with copies in other data-parallel groups) must be kept by its owner,
+    # never handed over inside the node in the bucket's dtype: whether a result is handed over
+    # depends on the bucket's layout, which differs between the groups holding the copies
+    from deepspeed_gift.exchange.plan import COPY, MAIN, ParamSlice
+    from deepspeed_gift.exchange.two_level import carried_balanced
+
+    # two nodes of 2; owner 1 holds a COPY slice, then a big main slice, owner 3 a main slice (an
+    # even cut of owner 1's 1300 elements would give slot 0 the COPY slice)
+    slices = [ParamSlice(1, 0, 300, 0, 1, 0, COPY), ParamSlice(1, 300, 1000, 0, 0, 0, MAIN),
+              ParamSlice(3, 1300, 800, 0, 2, 0, MAIN)]
+    carried = carried_balanced(slices, 2)
+    assert (0, 0, 300) in carried[1] and all(run[0] != 0 for run in carried[0])
+    for i in (1, 2):  # the main slices are still cut over both slots, with the COPY slice counted
+        assert sum(n for runs in carried for j, _, n in runs if j == i) == slices[i].numel
+        assert all(any(j == i for j, _, _ in runs) for runs in carried)

@@ -33,7 +33,10 @@ from .headers import CONTROL_HEADER_BYTES, hash_bytes
 
 Route = Literal["by_layout", "direct", "relay"]  # gift.route
 ROUTES: Tuple[str, ...] = get_args(Route)
-MAX_CACHED_PLANS = 256  # a few buckets x a few versions; each refresh makes the old ones stale
+# A step's buckets (or ZeRO-1 rounds) under two versions of the transforms: a miss makes the plan
+# again and agrees on it (a host read), so a step must never miss its own buckets (HF's "auto"
+# reduce_bucket_size gives ~400 buckets at 7B); each refresh makes the old ones stale
+MAX_CACHED_PLANS = 4096
 
 
 class Mode(str, enum.Enum):

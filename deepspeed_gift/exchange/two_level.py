@@ -13,7 +13,7 @@ import torch
 
 from ..core.geometry import Transform
 from .headers import CONTROL_HEADER_BYTES, FINGERPRINT_BYTES, agree_on_plan, expect_control_header
-from .plan import GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
+from .plan import COPY, GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .reducer import GiftReducer
 from .stats import ByteKind, StepStats, clock
 
@@ -65,7 +65,8 @@ def level_runs(owned: int, pinned: Sequence[int]) -> List[int]:
 def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[Carried]:
     """Per local rank j, what it carries when the elements each node owns (shared parameters
     aside) are cut into runs, run j to local rank j, sized so that every slot receives about as
-    much for that node (a shared parameter still goes whole to its copy slots, and counts); each
+    much for that node (a shared parameter still goes whole to its copy slots, a ``COPY`` slice to
+    its owner's slot, and both count); each
     cut is moved to a row boundary of the slice it falls in. Every NIC of an owner's node then
     carries its share whatever the owners, and a slot hands an owner of another slot its results
     inside the node afterwards."""
@@ -77,6 +78,8 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
             for node in {c // L for c in s.copy_ranks}:
                 for j in {c % L for c in s.copy_ranks if c // L == node}:
                     pinned.setdefault(node, [0] * L)[j] += s.numel
+        elif s.mode == COPY:  # kept by its owner's slot: its result is never handed over in the bucket's dtype
+            pinned.setdefault(s.dst // L, [0] * L)[s.dst % L] += s.numel
         else:
             by_node.setdefault(s.dst // L, []).append((i, s))
     carried: List[Carried] = [[] for _ in range(L)]
@@ -104,6 +107,8 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
         if s.copy_ranks:
             for j in slot_targets(s, L):
                 carried[j].append((i, 0, s.numel))
+        elif s.mode == COPY:
+            carried[s.dst % L].append((i, 0, s.numel))
     for runs in carried:
         runs.sort(key=lambda run: slices[run[0]].bucket_offset + run[1])
     return carried
