@@ -36,7 +36,7 @@ step, step 0: a collect, refresh and telemetry-sampled step at once):
   fidelity check's exact sample (and the bucket's sampled positions, where they are made for the
   step); ``telemetry_samples`` (held, before ``9eaa19e``): the sampled positions each cached plan
   kept (``plan.section_sample``: two int64 per sampled element, up to ``fidelity_elements`` per
-  owner and bucket), in every plan a sampled step used, up to ``plan.MAX_CACHED_PLANS`` plans.
+  owner and bucket), in every plan a sampled step used, up to the 256 plans the cache then held.
 
 Peak extra (:func:`peak_bytes`) = held + statistics_step + refresh_captures (one more of the
 moments below when a layer is judged as it is captured) + the largest of: a section's encode
@@ -449,14 +449,15 @@ def sample_bytes(layout: List[Dict[int, int]], run: Run) -> Tuple[float, float]:
     return sum(per_bucket), max(per_bucket, default=0.0)
 
 
+SAMPLES_CACHED_PLANS = 256  # plan.MAX_CACHED_PLANS when plans kept their sampled positions (before 9eaa19e)
+
+
 def held_samples(layout: List[Dict[int, int]], run: Run, design: Design) -> float:
     """Sampled positions the cached plans keep (``design.samples_cached``): one set per plan
-    version a sampled step used, up to ``plan.MAX_CACHED_PLANS`` plans."""
-    from deepspeed_gift.exchange.plan import MAX_CACHED_PLANS
-
+    version a sampled step used, up to the plan cache's size of that design (256 plans)."""
     if not design.samples_cached:
         return 0.0
-    versions = run.sampled_versions or max(1, MAX_CACHED_PLANS // max(len(layout), 1))
+    versions = run.sampled_versions or max(1, SAMPLES_CACHED_PLANS // max(len(layout), 1))
     return sample_bytes(layout, run)[0] * versions
 
 
