@@ -86,6 +86,25 @@ def test_mpirun_two_level_with_mpi_backend(tmp_path):
                for rec in results[0]["records"])
 
 
+def test_mpirun_with_mpi_backend_over_one_data_parallel_group_of_two(tmp_path):
+    # DP = 2 x TP = 2 under mpirun (the harness's mpu): GIFT's MPI communicators are cut out of
+    # COMM_WORLD per data-parallel group ({0, 2}, {1, 3}), and two-level splits each again (nodes of
+    # one rank); each group's ranks end with the same model, the groups (other data) with others
+    spec = json.loads(json.dumps(SPEC))
+    spec.update(tp=2)
+    spec["gift"].update(backend="mpi", hierarchy="two_level", ranks_per_node=1, comm_timeout_s=120)
+    cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--map-by", "slot", "-np", "4",
+           "--mca", "btl_tcp_if_include", "lo",
+           sys.executable, "tests/launched.py", "--spec", json.dumps(spec), "--out", str(tmp_path)]
+    results = _run(cmd, str(tmp_path), 4)
+    assert all(r["backend"] == "mpi" and len(r["records"]) == 3 for r in results)
+    assert all(rec["hierarchy"] == "two_level" for r in results for rec in r["records"])
+    for group in ((0, 2), (1, 3)):
+        a, b = (results[r] for r in group)
+        assert a["digests"] == b["digests"] and a["losses"] != b["losses"]  # one model, each rank its data
+    assert results[0]["digests"] != results[1]["digests"]
+
+
 def test_deepspeed_launcher_with_hostfile(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
