@@ -78,10 +78,6 @@ def int64_bytes_on(value: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int64, device=device).view(torch.uint8)
 
 
-def hash_bytes(plan_hash: int, device) -> torch.Tensor:
-    return int64_bytes_on(plan_hash, device)
-
-
 def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor, sender: str,
                           meaning: str) -> None:
     """Fail loudly (at ``checks.verify``) when ``msg`` was sent for another plan or step than

@@ -29,7 +29,7 @@ import torch
 
 from ..core.formats import DEFAULT_TILE_ELEMENTS
 from ..core.geometry import Transform, row_runs
-from .headers import CONTROL_HEADER_BYTES, hash_bytes
+from .headers import CONTROL_HEADER_BYTES, int64_bytes_on
 
 Route = Literal["by_layout", "direct", "relay"]  # gift.route
 ROUTES: Tuple[str, ...] = get_args(Route)
@@ -212,7 +212,7 @@ class BucketPlan:
         """The plan's hash as 8 bytes on ``device`` (made once per plan and device)."""
         key = str(device)
         if key not in self._hash_bytes:
-            self._hash_bytes[key] = hash_bytes(self.hash, device)
+            self._hash_bytes[key] = int64_bytes_on(self.hash, device)
         return self._hash_bytes[key]
 
     def sections_to(self, rank: int) -> List[Section]:

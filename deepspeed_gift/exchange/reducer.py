@@ -70,15 +70,14 @@ class GiftReducer:
         self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
 
     # ---- planning -------------------------------------------------------------------
-    def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int], agree: Optional[bool] = None
-                 ) -> BucketPlan:
-        """The bucket's plan, cached; a new one is agreed by the ranks before it is used (``agree``,
-        default :attr:`agrees`; two-level agrees on its slot groups' plans itself)."""
+    def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
+        """The bucket's plan, cached; a new one is agreed by the ranks before it is used (unless
+        :attr:`agrees` is off: two-level agrees on its slot groups' plans itself)."""
         key = (tuple(slices), tuple(sorted(versions.items())))
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = self.new_plan(slices, versions)
-            if self.agrees if agree is None else agree:
+            if self.agrees:
                 self.agree(plan, versions)
             while len(self._plans) >= MAX_CACHED_PLANS:  # plans of older transform versions
                 self._plans.pop(next(iter(self._plans)))

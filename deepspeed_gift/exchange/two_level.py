@@ -281,7 +281,7 @@ class TwoLevelReducer:
 
             agree_on_plan(self.node_comm, plan.hash, lambda: {"layout": layout, "split": plan.split}, explain,
                           f"the node stage of a bucket of {sum(s.numel for s in plan.all_slices)} elements")
-        self.inner.agree(self.inner.plan_for(plan.slices, versions, agree=False), versions)
+        self.inner.agree(self.inner.plan_for(plan.slices, versions), versions)
         self.plans_agreed += 1
 
     def _choose(self, slices: Sequence[ParamSlice]) -> Tuple[NodePlan, int]:
