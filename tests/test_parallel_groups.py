@@ -235,11 +235,11 @@ def _tp_body(rank, world, specs):
                     block[key].weight.copy_(full.chunk(tp, dim=dim)[mpu.get_model_parallel_rank()])
         init = deepspeed_gift.initialize if spec.get("gift") else deepspeed.initialize
         engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(spec), mpu=mpu)
-        if spec.get("unsync_copy") and dist.get_rank() == 1:  # tests: one replica changed behind GIFT's back
-            with torch.no_grad():
-                model.head.bias.add_(1.0)
         losses = []
         for ids in batches(mpu.get_data_parallel_rank(), spec["steps"], 2, 17):
+            if spec.get("unsync_copy") and dist.get_rank() == 1:  # tests: one replica moved behind GIFT's back
+                with torch.no_grad():  # (its bit16 copy, every step: DeepSpeed's step overwrites it)
+                    model.head.bias.add_(1.0)
             loss = engine(ids)
             engine.backward(loss)
             engine.step()
@@ -353,10 +353,11 @@ def test_a_quantized_parameter_gather_is_refused_where_parameters_have_copies_in
 
 
 def test_copies_that_differ_fail_at_the_refresh_naming_the_parameter():
-    # one tensor-parallel peer's replicated head bias is moved after initialize (in its bit16 copy,
-    # not DeepSpeed's fp32 master): that peer's head gradients differ, so after the first step the
-    # head's copies reduced by its data-parallel group do, and the digest check at that refresh step
-    # fails on the peers, naming it
+    # one tensor-parallel peer's replicated head bias is moved before every forward (in its bit16
+    # copy, not DeepSpeed's fp32 master): that peer's head gradients differ, so the head's copies
+    # reduced by its data-parallel group do, and the digest check at a refresh step fails on the
+    # peers, naming it (refreshes at steps 0 and 2: Adam's first step, g / |g|, can leave copies
+    # whose gradients differ only in size equal, as on an AVX2 machine)
     gift = dict(FP8_SR, geometry=dict(FP8_SR["geometry"], refresh_interval=2))
     with pytest.raises(RuntimeError) as failure:
         run_ranks(_tp_body, 4, [dict(stage=2, steps=3, bucket=4000, gift=gift, unsync_copy=True)], timeout=300)
