@@ -788,6 +788,66 @@ def test_unaligned_slice_of_receive_buffer(cfg, offset):
         assert start <= p.data.data_ptr() < start + big.numel()
 
 
+def _same_bits(a, b):
+    """Bit for bit, except that any nan equals any nan (a nan's payload bits depend on which
+    kernel multiplied it; nan stays nan either way)."""
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
+
+
+def _received(wires, stride, offset):
+    """The wires laid out as a receiver gets them: one message per sender at ``stride`` bytes
+    from ``offset`` of one buffer (control header and other payloads around them)."""
+    n = wires[0].numel()
+    buf = torch.full((offset + stride * len(wires),), 0xAB, dtype=torch.uint8)
+    rows = buf[offset:].view(len(wires), stride)[:, 16:16 + n]
+    for row, wire in zip(rows, wires):
+        row.copy_(wire)
+    return rows
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+@pytest.mark.parametrize("numel", [1, 17, 1000, 3 * 129])
+@pytest.mark.parametrize("senders", [1, 3, 7])
+def test_batch_of_payloads_decodes_as_each_alone(cfg, numel, senders, tile):
+    # The owner decodes the same section from every sender as one batch (rows of a received
+    # buffer, at a stride that leaves the fp32 scales misaligned): every row equals decoding
+    # that sender's payload alone, by decode, decode_into (also adding) and decode_tiles,
+    # with tiles that hold part of a row of every sender (tiny) or all of them.
+    codec = get_format(cfg[0], **cfg[1])
+    xs = [_test_input((numel,), seed=s) * 10.0 ** (s - 3) for s in range(senders)]
+    if numel > 3:
+        xs[0][2] = math.inf if cfg[0] not in ("int8", "int4") else 0.0
+    wires = [codec.encode_to_bytes(x) for x in xs]
+    for stride, offset in ((16 + wires[0].numel(), 0), (16 + wires[0].numel() + 3, 5)):
+        rows = _received(wires, stride, offset)
+        batch = codec.bytes_to_payload(rows, (numel,))
+        assert batch.batch == (senders,) and batch.shape == (numel,)
+        alone = torch.stack([codec.decode(codec.bytes_to_payload(w, (numel,))) for w in wires])
+        assert _same_bits(codec.decode(batch), alone)
+        into = torch.full((senders, numel), 2.0)
+        assert _same_bits(codec.decode_into(batch, into, add=True), torch.full((senders, numel), 2.0).add_(alone))
+        tiled = torch.empty(senders, numel)
+        tile_elements = formats._device_tile(codec.tile_elements, rows.device)
+        for e0, e1, values in codec.decode_tiles(batch):
+            tiled[:, e0:e1] = values
+            # a pass decodes every sender, within about a tile in all (whole blocks; 4-bit
+            # formats keep an even count of odd-length rows); fp32 is the received bytes themselves
+            assert values.shape[-1] <= 2 * max(tile_elements // senders, codec.block_size, 1) or (
+                codec.name == "fp32" and values.data_ptr() == batch.data.data_ptr())
+        assert _same_bits(tiled, alone)
+
+
+def test_batch_header_check_names_the_row():
+    codec = get_format("fp8_e4m3")
+    wires = [codec.encode_to_bytes(torch.randn(300, generator=_gen(s))) for s in range(3)]
+    wires[2] = get_format("fp8_e4m3", block_size=64).encode_to_bytes(torch.randn(300, generator=_gen(2)))
+    rows = _received(wires[:2] + [wires[2][: wires[0].numel()]], 16 + wires[0].numel(), 0)
+    with pytest.raises(ValueError, match="block size is 64, expected 128"):
+        codec.bytes_to_payload(rows, (300,))
+    with pytest.raises(ValueError, match="decode_into needs a float32 output of shape \\(3, 300\\)"):
+        codec.decode_into(codec.bytes_to_payload(rows, (300,), check_header=False), torch.empty(300))
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
 def test_payload_without_wire_serializes_identically(cfg):
     codec = get_format(cfg[0], **cfg[1])

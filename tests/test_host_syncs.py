@@ -89,7 +89,7 @@ def _mismatch_body(rank, world):
     slices = [ParamSlice(d, d * 512, 512, d * 512, 0) for d in range(world)]
     reducer.plan_for(slices, {})  # a new plan is agreed (a host read) when made, before its first exchange
     with HostSyncCounter() as counter:  # deferred: the reduction itself reads nothing back
-        reducer.reduce(torch.randn(512 * world), slices, {}, divisor=world, step=5 + rank)
+        reducer.reduce(torch.randn(512 * world), slices, {}, divisor=world, step=5 + (rank == world - 1))
     try:
         reducer.verify_checks()
     except RuntimeError as exc:
@@ -97,10 +97,14 @@ def _mismatch_body(rank, world):
     return counter.total, ""
 
 
-def test_a_header_mismatch_is_found_when_the_step_ends_and_named():
-    # rank 1 believes it is at another step: its messages carry that step in their header
-    for rank, (syncs, message) in enumerate(run_ranks(_mismatch_body, 2)):
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_header_mismatch_is_found_when_the_step_ends_and_named(world):
+    # the last rank believes it is at another step: its messages carry that step in their
+    # header. An owner checks all its senders' headers as one batch, and names the one that
+    # differs (at 3 ranks, rank 2 and not rank 1 to rank 0; rank 0, the first that differs, to rank 2)
+    last = world - 1
+    for rank, (syncs, message) in enumerate(run_ranks(_mismatch_body, world)):
         assert syncs == 0
-        other = 1 - rank
-        assert f"rank {other} sent a bucket for plan" in message and f"at step {5 + other}" in message
-        assert "this rank expects plan" in message and f"at step {5 + rank}" in message
+        other = 0 if rank == last else last
+        assert f"rank {other} sent a bucket for plan" in message and f"at step {5 + (other == last)}" in message
+        assert "this rank expects plan" in message and f"at step {5 + (rank == last)}" in message

@@ -66,7 +66,7 @@ import enum
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Optional, Tuple, Type, Union
+from typing import ClassVar, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor
@@ -116,7 +116,12 @@ Shape = Union[torch.Size, Tuple[int, ...], int]
 
 @dataclass
 class Payload:
-    """One encoded tensor. ``data``/``scales`` may be views into ``wire``."""
+    """One encoded tensor. ``data``/``scales`` may be views into ``wire``.
+
+    A batch of payloads of one shape and codec (the same section from every rank, laid out at
+    one stride in a received buffer: see :meth:`Codec.bytes_to_payload`) is one payload whose
+    ``data``, ``scales`` and ``global_scale`` carry a leading dimension, one row per payload;
+    ``shape`` stays one payload's. Such a payload is for decoding only."""
 
     format: str
     shape: torch.Size
@@ -134,6 +139,11 @@ class Payload:
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @property
+    def batch(self) -> Tuple[int, ...]:
+        """The leading dimensions of a batch of payloads (``()`` for one payload)."""
+        return tuple(self.data.shape[:-1])
 
     @property
     def nbytes(self) -> int:
@@ -294,12 +304,15 @@ def _safe_divisor(scale: Tensor) -> Tensor:
 
 
 def _mul_rows_(values: Tensor, row_scale: Tensor, row_len: int) -> None:
-    """values (flat, rows of ``row_len``, last row possibly short) *= row_scale per row."""
-    full = values.numel() // row_len
+    """values (last dimension: rows of ``row_len``, the last row possibly short; any leading
+    dimensions, a batch of payloads) *= row_scale (same leading dimensions, one per row)."""
+    n = values.shape[-1]
+    full = n // row_len
     if full:
-        values[: full * row_len].view(full, row_len).mul_(row_scale[:full, None])
-    if values.numel() % row_len:
-        values[full * row_len :].mul_(row_scale[full])
+        values[..., : full * row_len].unflatten(-1, (full, row_len)).mul_(row_scale[..., :full, None])
+    if n % row_len:
+        tail = row_scale[..., full]
+        values[..., full * row_len :].mul_(tail if tail.dim() == 0 else tail[..., None])
 
 
 def _stochastic_round_bits(y: Tensor, mant_bits: int, min_normal: float, gen: torch.Generator) -> Tensor:
@@ -340,12 +353,19 @@ def _nibble_table(values16) -> Tensor:
 
 
 def _unpack_nibbles(data: Tensor, table: Tensor, out: Tensor) -> None:
-    """Decode packed bytes into ``out`` (len(out) <= 2 * len(data)) through ``table``."""
-    pairs = out.numel() // 2
+    """Decode packed bytes into ``out`` (its last dimension at most twice ``data``'s; any leading
+    dimensions, a batch) through ``table``."""
+    n = out.shape[-1]
+    pairs = n // 2
     if pairs:
-        torch.index_select(table, 0, data[:pairs].to(torch.int32), out=out[: 2 * pairs].view(pairs, 2))
-    if out.numel() % 2:
-        out[-1:].copy_(table[data[pairs:].to(torch.int64), 0])
+        codes = data[..., :pairs].to(torch.int32).reshape(-1)
+        dst = out[..., : 2 * pairs]
+        if dst.is_contiguous():  # looked up straight into ``out``: no temporary
+            torch.index_select(table, 0, codes, out=dst.view(-1, 2))
+        else:
+            dst.copy_(torch.index_select(table, 0, codes).view(dst.shape))
+    if n % 2:
+        out[..., -1:].copy_(table[data[..., pairs : pairs + 1].to(torch.int64), 0])
 
 
 def _nibbles(data: Tensor, numel: int) -> Tensor:
@@ -360,12 +380,14 @@ def _e8m0_to_fp32(codes: Tensor) -> Tensor:
 
 
 def _view_dtype(buf: Tensor, dtype: torch.dtype) -> Tensor:
-    """View a uint8 slice as ``dtype``; copy first when the address is misaligned."""
+    """View a uint8 slice (1-D, or 2-D: one row per payload of a batch) as ``dtype``; copy first
+    when an address is misaligned."""
     if dtype == torch.uint8:
         return buf
     size = dtype.itemsize
-    if size > 1 and (buf.data_ptr() % size or buf.storage_offset() % size):
-        buf = buf.clone()
+    if size > 1 and (buf.data_ptr() % size or buf.storage_offset() % size
+                     or any(stride % size for stride in buf.stride()[:-1])):
+        buf = buf.clone(memory_format=torch.contiguous_format)
     return buf.view(dtype)
 
 
@@ -485,12 +507,12 @@ class Codec:
 
     def _views(self, buf: Tensor, numel: int, shape: torch.Size) -> Payload:
         g, s, d, end = self._offsets(numel)
-        glob = _view_dtype(buf[g:s], torch.float32) if self.has_global_scale else None
-        scales = _view_dtype(buf[s:d], self.scale_dtype) if self.scale_dtype is not None else None
+        glob = _view_dtype(buf[..., g:s], torch.float32) if self.has_global_scale else None
+        scales = _view_dtype(buf[..., s:d], self.scale_dtype) if self.scale_dtype is not None else None
         return Payload(
             format=self.name,
             shape=shape,
-            data=_view_dtype(buf[d:end], self.data_dtype),
+            data=_view_dtype(buf[..., d:end], self.data_dtype),
             scales=scales,
             global_scale=glob,
             block_size=self.block_size,
@@ -544,38 +566,67 @@ class Codec:
         return p
 
     def decode(self, p: Payload, *, tile_elements: Optional[int] = None) -> Tensor:
-        """Dequantize to a new float32 tensor of shape ``p.shape`` on ``p``'s device."""
-        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        self.decode_into(p, out.view(-1), tile_elements=tile_elements)
-        return out
+        """Dequantize to a new float32 tensor of shape ``p.shape`` on ``p``'s device (a batch:
+        ``p.batch + p.shape``)."""
+        out = torch.empty((*p.batch, p.numel), dtype=torch.float32, device=p.device)
+        self.decode_into(p, out, tile_elements=tile_elements)
+        return out.view(*p.batch, *p.shape)
 
     def decode_into(self, p: Payload, out: Tensor, *, add: bool = False, tile_elements: Optional[int] = None) -> Tensor:
         """Dequantize ``p`` into the flat float32 ``out`` (``add``: added to it), tile by tile:
-        the only temporaries are a tile's. Returns ``out``."""
-        self._check_payload(p)
+        the only temporaries are a tile's. A batch of payloads decodes into ``out`` of shape
+        ``p.batch + (numel,)`` (rows of any stride) in one pass. Returns ``out``."""
+        self._check_output(p, out)
         numel = p.numel
-        if out.numel() != numel or out.dtype != torch.float32:
-            raise ValueError(f"decode_into needs a float32 output of {numel} elements, got {out.dtype} "
-                             f"of {out.numel()}")
         if numel == 0:
             return out
-        if not add and not self._decode_temporaries:  # a cast straight into ``out``: nothing to bound
+        if add:
+            for e0, e1, part in self.decode_tiles(p, tile_elements=tile_elements):
+                out[..., e0:e1].add_(part)  # the same fp32 sum as adding a whole decoded tensor
+            return out
+        if not self._decode_temporaries:  # a cast straight into ``out``: nothing to bound
             self._decode_range(p, out, 0, numel, self._row_len(numel, numel))
             return out
-        tile = self._tile(p.device, tile_elements)
-        row_len = self._row_len(numel, tile)
-        step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
-        work = torch.empty(min(step, numel), dtype=torch.float32, device=p.device) if add else None
+        row_len, step = self._decode_tiling(p, tile_elements)
         for e0 in range(0, numel, step):
             e1 = min(e0 + step, numel)
-            dst = out[e0:e1]
-            if add:
-                part = work[: e1 - e0]
-                self._decode_range(p, part, e0, e1, row_len)
-                dst.add_(part)  # the same fp32 sum as adding a whole decoded tensor
-            else:
-                self._decode_range(p, dst, e0, e1, row_len)
+            self._decode_range(p, out[..., e0:e1], e0, e1, row_len)
         return out
+
+    def decode_tiles(self, p: Payload, *, tile_elements: Optional[int] = None) -> Iterator[Tuple[int, int, Tensor]]:
+        """Dequantize ``p`` a tile at a time: yields ``(e0, e1, values)``, ``values`` the float32
+        elements ``e0:e1`` of ``p`` (of every payload of a batch: shape ``p.batch + (e1 - e0,)``),
+        valid until the next tile. One buffer of about a tile's elements holds them (batch rows
+        included), so a batch of W payloads decodes in as many passes as one payload does, each
+        pass one set of operations for the whole batch."""
+        self._check_payload(p)
+        numel = p.numel
+        if numel == 0:
+            return
+        if not self._decode_temporaries and p.data.dtype == torch.float32:
+            yield 0, numel, p.data  # already the values: nothing to decode
+            return
+        row_len, step = self._decode_tiling(p, tile_elements)
+        work = torch.empty((*p.batch, min(step, numel)), dtype=torch.float32, device=p.device)
+        for e0 in range(0, numel, step):
+            e1 = min(e0 + step, numel)
+            part = work[..., : e1 - e0]
+            self._decode_range(p, part, e0, e1, row_len)
+            yield e0, e1, part
+
+    def _decode_tiling(self, p: Payload, tile_elements: Optional[int]) -> Tuple[int, int]:
+        """(row length, elements per pass) of a decode: whole rows, at most about a tile of
+        elements over all the payloads of a batch."""
+        tile = max(1, self._tile(p.device, tile_elements) // math.prod(p.batch))
+        row_len = self._row_len(p.numel, tile)
+        return row_len, _tile_rows(-(-p.numel // row_len), row_len, tile) * row_len
+
+    def _check_output(self, p: Payload, out: Tensor) -> None:
+        self._check_payload(p)
+        want = (*p.batch, p.numel)
+        if tuple(out.shape) != want or out.dtype != torch.float32:
+            raise ValueError(f"decode_into needs a float32 output of shape {want}, got {out.dtype} "
+                             f"of shape {tuple(out.shape)}")
 
     def payload_to_bytes(self, p: Payload) -> Tensor:
         """The 1-D uint8 wire buffer (header + scales + data) of ``p`` (no copy after encode)."""
@@ -589,7 +640,9 @@ class Codec:
         return torch.cat(parts)
 
     def bytes_to_payload(self, buf: Tensor, shape: Shape, *, check_header: bool = True) -> Payload:
-        """Payload viewing ``buf`` (1-D uint8, may be a slice of a bigger buffer).
+        """Payload viewing ``buf`` (1-D uint8, may be a slice of a bigger buffer), or a batch of
+        payloads of ``shape`` viewing a 2-D ``buf``, one payload per row (rows at any stride:
+        the same section in every rank's message of a received buffer).
 
         Scales/data are views of ``buf`` where alignment allows, copies otherwise. The
         header is validated against this codec and ``shape`` (ValueError naming each
@@ -598,17 +651,19 @@ class Codec:
         """
         shape = _as_size(shape)
         numel = math.prod(shape)
-        if not isinstance(buf, Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        if not isinstance(buf, Tensor) or buf.dtype != torch.uint8 or buf.dim() not in (1, 2) or buf.stride(-1) != 1:
             what = f"{buf.dtype} tensor of shape {tuple(buf.shape)}" if isinstance(buf, Tensor) else type(buf).__name__
-            raise ValueError(f"bytes_to_payload expects a 1-D uint8 tensor, got {what}")
+            raise ValueError(f"bytes_to_payload expects a 1-D uint8 tensor (2-D: a batch, one payload a row, "
+                             f"each contiguous), got {what}")
         expected = self.nbytes(numel)
-        if buf.numel() != expected:
+        if buf.shape[-1] != expected:
             raise ValueError(
                 f"{self.name} buffer for shape {tuple(shape)} must be {expected} bytes "
-                f"(block_size {self.block_size}, scale {self.scale_kind!r}), got {buf.numel()}"
+                f"(block_size {self.block_size}, scale {self.scale_kind!r}), got {buf.shape[-1]}"
             )
         if check_header:
-            self.check_header_bytes(bytes(buf[:HEADER_BYTES].cpu().tolist()), numel)
+            for row in buf[..., :HEADER_BYTES].reshape(-1, HEADER_BYTES).cpu():
+                self.check_header_bytes(bytes(row.tolist()), numel)
         return self._views(buf, numel, shape)
 
     def encode_to_bytes(self, x: Tensor, *, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -662,7 +717,8 @@ class Codec:
         return 1
 
     def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
-        """Decode elements e0:e1 (e0 at a row start) into ``out``."""
+        """Decode elements e0:e1 (e0 at a row start) into ``out`` (of a batch: every payload's,
+        ``out`` with the batch's leading dimensions; subclasses index the last dimension)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _decode_range")
 
     def _at_max(self, p: Payload) -> Tensor:
@@ -791,13 +847,13 @@ class _Fp8Codec(_ScaledCodec):
 
     def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
         if self.scale_kind == "e8m0":
-            return _e8m0_to_fp32(p.scales[r0:r1])
+            return _e8m0_to_fp32(p.scales[..., r0:r1])
         if self.block_size == 0:
-            return (p.scales * self.fill_factor).expand(r1 - r0)
-        return p.scales[r0:r1] * self.fill_factor  # exact (power of two), cannot overflow: scale <= fp32 max / fmax
+            return (p.scales * self.fill_factor).expand(*p.batch, r1 - r0)
+        return p.scales[..., r0:r1] * self.fill_factor  # exact (power of two), cannot overflow: scale <= fp32 max / fmax
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        out.copy_(p.data[e0:e1])
+        out.copy_(p.data[..., e0:e1])
 
     def _at_max(self, p: Payload) -> Tensor:
         return (p.data.view(torch.uint8) & 0x7F) == self.max_code
@@ -822,7 +878,7 @@ class Fp8E4M3Codec(_Fp8Codec):
         # exact: e4m3 and fp16 differ only in exponent bias (7 vs 15), so the fp16 value is
         # the e4m3 value / 2**8, subnormals included. Code 0x7F/0xFF (nan) would read as
         # 480; the encoder only emits it in blocks whose scale is non-finite.
-        w = p.data[e0:e1].view(torch.int8).to(torch.int16)  # sign-extended
+        w = p.data[..., e0:e1].view(torch.int8).to(torch.int16)  # sign-extended
         sign = w & -(2**15)
         w.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign)
         out.copy_(w.view(torch.float16))
@@ -844,7 +900,7 @@ class Fp8E5M2Codec(_Fp8Codec):
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         # e5m2 is the top byte of fp16 (same exponent), so the cast is a shift
-        w = p.data[e0:e1].view(torch.int8).to(torch.int16).bitwise_left_shift_(8)
+        w = p.data[..., e0:e1].view(torch.int8).to(torch.int16).bitwise_left_shift_(8)
         out.copy_(w.view(torch.float16))
 
 
@@ -877,7 +933,7 @@ class _IntCodec(_ScaledCodec):
         return lower.add_(draw < y)
 
     def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
-        return p.scales.expand(r1 - r0) if self.block_size == 0 else p.scales[r0:r1]
+        return p.scales.expand(*p.batch, r1 - r0) if self.block_size == 0 else p.scales[..., r0:r1]
 
 
 @_register
@@ -891,7 +947,7 @@ class Int8Codec(_IntCodec):
         p.data[e0:e1].copy_(self._round(y, gen))
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        out.copy_(p.data[e0:e1])
+        out.copy_(p.data[..., e0:e1])
 
     def _at_max(self, p: Payload) -> Tensor:
         return p.data.abs() == self.qmax
@@ -913,12 +969,12 @@ class Int4Codec(_IntCodec):
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         # move each nibble to the top of an int8 and shift back arithmetically: sign-extended
-        data = p.data[e0 // 2 : (e1 + 1) // 2].view(torch.int8)
-        w = torch.empty(2 * data.numel(), dtype=torch.int8, device=data.device)
-        pairs = w.view(-1, 2)
-        torch.bitwise_left_shift(data, 4, out=pairs[:, 0])
-        pairs[:, 1].copy_(data)
-        out.copy_(w[: out.numel()].bitwise_right_shift_(4))
+        data = p.data[..., e0 // 2 : (e1 + 1) // 2].view(torch.int8)
+        w = torch.empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=torch.int8, device=data.device)
+        pairs = w.unflatten(-1, (-1, 2))
+        torch.bitwise_left_shift(data, 4, out=pairs[..., 0])
+        pairs[..., 1].copy_(data)
+        out.copy_(w[..., : out.shape[-1]].bitwise_right_shift_(4))
 
     def _at_max(self, p: Payload) -> Tensor:
         nib = _nibbles(p.data, p.numel)
@@ -1043,7 +1099,7 @@ class NvFp4Codec(_ScaledCodec):
         return 16, "e4m3"
 
     def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
-        return p.scales[r0:r1].float().mul_(p.global_scale)
+        return p.scales[..., r0:r1].float().mul_(p.global_scale)  # a batch: one global scale a row
 
     def _candidate_codes(self, amax: Tensor, g: Tensor) -> List[Tensor]:
         """The E4M3 block scale codes tried per block, in tie-break order: "up", the smallest
@@ -1116,7 +1172,7 @@ class NvFp4Codec(_ScaledCodec):
         torch.bitwise_or(lo, hi, out=p.data[e0 // 2 : (e1 + 1) // 2])
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        _unpack_nibbles(p.data[e0 // 2 : (e1 + 1) // 2], _table_on(_FP4_TABLE, p.device), out)
+        _unpack_nibbles(p.data[..., e0 // 2 : (e1 + 1) // 2], _table_on(_FP4_TABLE, p.device), out)
 
     def _at_max(self, p: Payload) -> Tensor:
         return (_nibbles(p.data, p.numel) & 7) == 7
@@ -1141,7 +1197,7 @@ class _PassthroughCodec(Codec):
             p.data[e0:e1].copy_(src.read(e0, e1, work))
 
     def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
-        out.copy_(p.data[e0:e1])
+        out.copy_(p.data[..., e0:e1])
 
     def _at_max(self, p: Payload) -> Tensor:
         return torch.isinf(p.data)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Dict
+from typing import Dict, Sequence, Union
 
 import torch
 
+from ..core.formats import HEADER_BYTES
 from .stats import ByteKind
 
 CONTROL_HEADER_BYTES = 16
@@ -36,9 +37,10 @@ class HeaderChecks:
         self._cache: Dict[tuple, torch.Tensor] = {}  # the step's part of control headers, per device
 
     def expect(self, got: torch.Tensor, want: torch.Tensor, explain) -> None:
-        """Check later that ``got`` (bytes) equals ``want``; ``explain(got_bytes)`` returns the
-        error message (or raises its own error) when it does not."""
-        head = got.narrow(0, 0, want.numel())
+        """Check later that ``got`` (bytes; 2-D: several messages, a row each, all checked by one
+        comparison) opens with ``want``; ``explain(got_bytes)`` (the rows' headers one after the
+        other) returns the error message (or raises its own error) when it does not."""
+        head = got[..., : want.numel()]
         self._pending.append((head.ne(want).any(), head.clone(), explain))
 
     def verify(self) -> None:
@@ -48,7 +50,7 @@ class HeaderChecks:
         differs = torch.stack([flag for flag, _, _ in pending]).tolist()  # the one host read
         for bad, (_, head, explain) in zip(differs, pending):
             if bad:
-                raise RuntimeError(explain(bytes(head.cpu().tolist())))
+                raise RuntimeError(explain(bytes(head.cpu().reshape(-1).tolist())))
 
     def control_header(self, plan, step: int, device) -> torch.Tensor:
         """The control header of ``plan`` (its ``hash_on``) at ``step`` on ``device``: what every
@@ -78,27 +80,43 @@ def int64_bytes_on(value: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int64, device=device).view(torch.uint8)
 
 
-def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor, sender: str,
-                          meaning: str) -> None:
+def _rows(raw: bytes, senders: Sequence[str], size: int):
+    """(sender, its header) of every row of ``raw``, the headers of a batch of messages."""
+    return [(sender, raw[i * size:(i + 1) * size]) for i, sender in enumerate(senders)]
+
+
+def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor,
+                          sender: Union[str, Sequence[str]], meaning: str) -> None:
     """Fail loudly (at ``checks.verify``) when ``msg`` was sent for another plan or step than
-    the receiver's (``want``: its own control header)."""
+    the receiver's (``want``: its own control header). ``msg`` 2-D: the messages of several
+    senders (``sender``: one name a row), one comparison for all."""
+    senders = [sender] if isinstance(sender, str) else list(sender)
+
     def explain(raw: bytes) -> str:
-        got_hash, got_step = struct.unpack("<qq", raw)
-        want_hash, want_step = struct.unpack("<qq", bytes(want.cpu().tolist()))
-        return (f"deepspeed_gift: {sender} sent a bucket for plan {got_hash:#x} at step {got_step}, "
+        want_raw = bytes(want.cpu().tolist())
+        want_hash, want_step = struct.unpack("<qq", want_raw)
+        name, got = next(((s, r) for s, r in _rows(raw, senders, CONTROL_HEADER_BYTES) if r != want_raw),
+                         _rows(raw, senders, CONTROL_HEADER_BYTES)[0])
+        got_hash, got_step = struct.unpack("<qq", got)
+        return (f"deepspeed_gift: {name} sent a bucket for plan {got_hash:#x} at step {got_step}, "
                 f"this rank expects plan {want_hash:#x} at step {want_step}: {meaning}")
 
     checks.expect(msg, want, explain)
 
 
-def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: int, sender: str) -> None:
-    """The codec's own header of a payload from ``sender``, checked as the codec would."""
+def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: int,
+                        sender: Union[str, Sequence[str]]) -> None:
+    """The codec's own header of a payload from ``sender``, checked as the codec would (``buf``
+    2-D: one payload a row, from ``sender[row]``)."""
+    senders = [sender] if isinstance(sender, str) else list(sender)
+
     def explain(raw: bytes) -> str:
-        try:
-            codec.check_header_bytes(raw, numel)
-        except ValueError as exc:
-            return f"deepspeed_gift: payload from {sender}: {exc}"
-        return f"deepspeed_gift: payload from {sender} has an unexpected header"
+        for name, got in _rows(raw, senders, HEADER_BYTES):
+            try:
+                codec.check_header_bytes(got, numel)
+            except ValueError as exc:
+                return f"deepspeed_gift: payload from {name}: {exc}"
+        return f"deepspeed_gift: payload from {senders[0]} has an unexpected header"
 
     checks.expect(buf, codec.header_on(numel, buf.device), explain)
 

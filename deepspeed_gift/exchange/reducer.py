@@ -269,46 +269,76 @@ class GiftReducer:
             into = torch.empty(numel, dtype=torch.float32, device=msg.device)
         return codec.decode_into(payload, into, add=add, tile_elements=self.tile_elements)
 
-    def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> Dict[int, torch.Tensor]:
-        """The message of every other rank (``size`` bytes each, in rank order), headers expected."""
-        me, out, pos = self.comm.rank, {}, 0
-        if not size:
-            return out
-        for src in range(self.comm.world_size):
-            if src != me:
-                out[src] = recv.narrow(0, pos, size)
-                expect_control_header(self.checks, out[src], head, f"rank {src}", meaning)
-                pos += size
-        return out
+    def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> torch.Tensor:
+        """The messages of every other rank, ``size`` bytes each in rank order: a (world - 1,
+        size) view of ``recv``, a row per sender, their headers expected by one comparison."""
+        me, world = self.comm.rank, self.comm.world_size
+        messages = recv.view(world - 1, size) if size else recv.new_empty((world - 1, 0))
+        if size and world > 1:
+            expect_control_header(self.checks, messages, head, [f"rank {s}" for s in range(world) if s != me], meaning)
+        return messages
+
+    def sum_sources(self, codec, messages: torch.Tensor, at: int, numel: int, *,
+                    start: Optional[torch.Tensor] = None, own: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 sum of the payloads of ``numel`` elements at byte ``at`` of every other rank's
+        message (``messages``: see :meth:`split_messages`), in rank order: from ``start`` (added
+        to in place) if given, with ``own`` (my contribution) at my place in the order if given.
+
+        All the payloads are one batch (every sender's message has the same layout): their
+        headers are checked by one comparison and they are decoded a tile at a time in one pass
+        per tile, the same operations whatever the number of senders; then each tile is summed
+        row by row in rank order, the order that makes the sum the same on every rank and
+        equal to native's at two ranks (no stock reduction kernel keeps an order, so the adds
+        stay one per sender). Bits equal decoding each sender alone and adding, except the
+        payload bits of a nan."""
+        me, world = self.comm.rank, self.comm.world_size
+        if start is None and own is not None and me == 0:  # I come first: the sum starts from mine
+            start, own = own, None
+        senders = [src for src in range(world) if src != me]
+        if not senders:  # a world of one: nobody else contributed
+            return start if start is not None else own.clone() if own is not None else torch.zeros(
+                numel, dtype=torch.float32, device=messages.device)
+        bufs = messages[:, at:at + codec.nbytes(numel)]
+        expect_codec_header(self.checks, codec, bufs, numel, [f"rank {src}" for src in senders])
+        payload = codec.bytes_to_payload(bufs, (numel,), check_header=False)
+        total = start if start is not None else torch.empty(numel, dtype=torch.float32, device=messages.device)
+        for e0, e1, rows in codec.decode_tiles(payload, tile_elements=self.tile_elements):
+            acc, rows = total[e0:e1], rows.unbind(0)  # one view per sender, made by one operation
+            first = start is None  # the first term is copied, every later one added
+            for src in range(world):
+                if src == me and own is None:
+                    continue
+                term = own[e0:e1] if src == me else rows[src - (src > me)]
+                if first:
+                    acc.copy_(term)
+                    first = False
+                else:
+                    acc.add_(term)
+        return total
 
     def _sum_at_owner(self, plan: BucketPlan, packed: List[Packed], recv: torch.Tensor, head: torch.Tensor,
                       stats: StepStats) -> Totals:
         """Decode every source and sum in fp32 - my own section starting from my exact
         contribution (or, where it has transformed pieces, the others' sum, with mine returned
         to be added after the inverse), a shared one in rank order from everyone's decoded
-        contribution."""
-        me, world = self.comm.rank, self.comm.world_size
+        contribution (see :meth:`sum_sources`)."""
+        me = self.comm.rank
         if not plan.to_rank[me]:
             return []
         t0 = self.now()
         messages = self.split_messages(recv, plan.message_sizes[me], head, DISAGREE)
-        offsets = {src: CONTROL_HEADER_BYTES for src in messages}
+        at = CONTROL_HEADER_BYTES
         totals = []
         for i in plan.to_rank[me]:
             sec = plan.sections[i]
             codec = self.encoder.codec_of(sec)
             own = packed[i].own
             after = not sec.shared and any(p.rows for p in sec.pieces)
-            total = own if not sec.shared and not after else None  # my staging is the sum's start
-            for src in range(world):  # rank order; each source decoded into the sum tile by tile
-                if src == me and not sec.shared:
-                    continue
-                if src == me:
-                    total = own if total is None else total.add_(own)  # decoded for this sum only
-                else:
-                    total = self.decode_at(codec, messages[src], offsets, src, sec.numel, total, total is not None)
-            if total is None:  # a world of one: nobody else contributed
-                total = torch.zeros_like(own)
+            if sec.shared:  # mine decoded for this sum, in its place: every copy sums alike
+                total = self.sum_sources(codec, messages, at, sec.numel, own=own)
+            else:  # my staging is the sum's start, or is added after the inverse
+                total = self.sum_sources(codec, messages, at, sec.numel, start=None if after else own)
+            at += codec.nbytes(sec.numel)
             totals.append((sec, total, own if after else None))
         stats.codec_s += self.now() - t0
         return totals

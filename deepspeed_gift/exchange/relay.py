@@ -88,28 +88,18 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     incoming = r.split_messages(recv, plan.relay_sizes[me], head, DISAGREE)
     sums: Dict[int, torch.Tensor] = {}
     shared_totals: Dict[int, torch.Tensor] = {}
-    offsets = {src: CONTROL_HEADER_BYTES for src in incoming}
-    for i, sec in enumerate(plan.sections):
+    at = CONTROL_HEADER_BYTES
+    for i, sec in enumerate(plan.sections):  # every sender's payloads decoded as one batch, summed in rank order
         codec = r.encoder.codec_of(sec)
         if not sec.shared:
             n = plan.chunks[i][me][1]
             if not n:
                 continue
-            total = None
-            for src in range(world):  # rank order, each decoded into the sum tile by tile
-                if src == me:
-                    total = own_chunks[i] if total is None else total.add_(own_chunks[i])
-                else:
-                    total = r.decode_at(codec, incoming[src], offsets, src, n, total, total is not None)
-            sums[i] = total
-        elif me in sec.dests:
-            total = None
-            for src in range(world):  # every contribution decoded, mine too: copies agree bit for bit
-                if src == me:
-                    total = packed[i].own if total is None else total.add_(packed[i].own)
-                else:
-                    total = r.decode_at(codec, incoming[src], offsets, src, sec.numel, total, total is not None)
-            shared_totals[i] = total
+            sums[i] = r.sum_sources(codec, incoming, at, n, own=own_chunks[i])
+            at += codec.nbytes(n)
+        elif me in sec.dests:  # every contribution decoded, mine too: copies agree bit for bit
+            shared_totals[i] = r.sum_sources(codec, incoming, at, sec.numel, own=packed[i].own)
+            at += codec.nbytes(sec.numel)
     stats.codec_s += r.now() - t0
     # the chunks received are summed: let them go before the forwards arrive (b N (W-1)/W bytes
     # that would otherwise sit beside the owner's totals)
