@@ -268,14 +268,20 @@ def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):
 
 
 def test_owner_ops_decode_is_one_batch_whatever_the_world(tmp_path):
-    # issue 34: the owner's header checks and decode are one batch for all W - 1 senders, so
-    # their ATen ops per section do not depend on W (before: 10-15 per sender, 37 per sender for
-    # fp8 in all); the sum in rank order stays one add per sender
+    # issue 34: an owner checks and decodes its W - 1 senders as one batch (direct: their
+    # payloads of its section; relay: each relay's sum of its chunk, and the owner's assembly
+    # from the relays' chunks, in runs), so those ATen ops per section do not depend on W
+    # (before: 10-15 per sender; 37 per sender for fp8 in all); the sum in rank order stays one
+    # add per sender
     from benchmarks import owner_ops
 
-    rows = owner_ops.main(["--worlds", "4", "8", "16", "--bucket", "65536", "--json", str(tmp_path / "o.json")])
-    assert [(r["format"], r["world"]) for r in rows] == [(f, w) for f in owner_ops.FORMATS for w in (4, 8, 16)]
-    for fmt in owner_ops.FORMATS:
-        counts = [r for r in rows if r["format"] == fmt]
-        assert len({r["decode_ops"] for r in counts}) == 1 and counts[0]["decode_ops"] > 5, counts
-        assert [r["sum_ops"] for r in counts] == [r["world"] - 1 for r in counts], counts
+    rows = owner_ops.main(["--worlds", "4", "8", "--bucket", "16384", "--json", str(tmp_path / "o.json")])
+    parts = [(route, part) for route in ("direct", "relay") for part in owner_ops.PARTS[route]]
+    assert {(r["route"], r["part"]) for r in rows} == set(parts)
+    for route, part in parts:
+        for fmt in owner_ops.FORMATS:
+            counts = [r for r in rows if (r["route"], r["part"], r["format"]) == (route, part, fmt)]
+            assert [r["world"] for r in counts] == [4, 8]
+            assert len({r["decode_ops"] for r in counts}) == 1 and counts[0]["decode_ops"] > 5, counts
+            adds = [0, 0] if part == "owner" and route == "relay" else [3, 7]  # the owner only places chunks
+            assert [r["sum_ops"] for r in counts] == adds, counts

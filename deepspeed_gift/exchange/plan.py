@@ -113,10 +113,17 @@ class Section:
 
 
 
-def chunk_bounds(numel: int, world: int, align: int) -> List[Tuple[int, int]]:
+def chunk_bounds(numel: int, world: int, align: int, first: int = 0) -> List[Tuple[int, int]]:
     """(start, numel) of ``world`` near-equal chunks of ``numel`` elements, cut at multiples of
-    ``align`` (the codec's block, so no scale block straddles two relays)."""
-    edges = [min(numel, -(-(numel * j // world) // align) * align) for j in range(world)] + [numel]
+    ``align`` (the codec's block, so no scale block straddles two relays), in order: every chunk
+    q or q + 1 blocks, the r = blocks mod world longer ones to ``first`` and the ranks after it
+    (cyclically; the owner, whose own chunk never travels, then its neighbours, so owners spread
+    them), the last block possibly short. Chunks of one size then come in at most a few runs of
+    consecutive ranks, which the owner decodes as one batch each (``relay``)."""
+    q, r = divmod(-(-numel // align), world)
+    edges = [0]
+    for j in range(world):
+        edges.append(min(numel, edges[-1] + (q + ((j - first) % world < r)) * align))
     return [(edges[j], edges[j + 1] - edges[j]) for j in range(world)]
 
 
@@ -255,7 +262,7 @@ def plan_route(plan: "BucketPlan", route: str, codec_of: Callable[["Section"], o
     owned = [i for i, sec in enumerate(plan.sections) if not sec.shared]
     if world <= 2 or not owned or route == "direct":
         return
-    chunks = {i: chunk_bounds(plan.sections[i].numel, world, align) for i in owned}
+    chunks = {i: chunk_bounds(plan.sections[i].numel, world, align, first=plan.sections[i].dests[0]) for i in owned}
     relay_sizes, forward_sizes = [], [[0] * world for _ in range(world)]
     for j in range(world):
         body = sum(codec_of(plan.sections[i]).nbytes(chunks[i][j][1]) for i in owned if chunks[i][j][1])

@@ -255,20 +255,6 @@ class GiftReducer:
                 box.put((dst, i), part)
         return self.post(box, recv_sizes, stats)
 
-    def decode_at(self, codec, msg: torch.Tensor, offsets: Dict[int, int], src: int, numel: int,
-                  into: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
-        """Decode the next payload of ``numel`` elements in ``src``'s message (its header checked
-        with the step's other headers): into ``into`` (``add``: added to it) tile by tile, or a
-        new tensor."""
-        n = codec.nbytes(numel)
-        buf = msg.narrow(0, offsets[src], n)
-        offsets[src] += n
-        expect_codec_header(self.checks, codec, buf, numel, f"rank {src}")
-        payload = codec.bytes_to_payload(buf, (numel,), check_header=False)
-        if into is None:
-            into = torch.empty(numel, dtype=torch.float32, device=msg.device)
-        return codec.decode_into(payload, into, add=add, tile_elements=self.tile_elements)
-
     def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> torch.Tensor:
         """The messages of every other rank, ``size`` bytes each in rank order: a (world - 1,
         size) view of ``recv``, a row per sender, their headers expected by one comparison."""

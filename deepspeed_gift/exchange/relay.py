@@ -9,7 +9,7 @@ import torch
 
 from ..core.geometry import full_fp32_matmuls
 from .encode import Packed
-from .headers import CONTROL_HEADER_BYTES, DISAGREE, expect_control_header
+from .headers import CONTROL_HEADER_BYTES, DISAGREE, expect_codec_header, expect_control_header
 from .plan import BucketPlan, Section, SectionSource, gather_pieces
 from .stats import StepStats
 
@@ -125,31 +125,62 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     stats.codec_s += r.now() - t0
     recv = r.send(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
                       head, stats)
-    # the owner: my sections whole, from every relay's chunk
     t0 = r.now()
-    pos, sums_from = 0, {}
-    for j in range(world):
-        n = plan.forward_sizes[j][me]
-        if n:
-            msg = recv.narrow(0, pos, n)
-            expect_control_header(r.checks, msg, head, f"rank {j}", DISAGREE)
-            sums_from[j] = msg
-            pos += n
-    offsets = {j: CONTROL_HEADER_BYTES for j in sums_from}
-    totals = []
-    for i in plan.to_rank[me]:
-        sec = plan.sections[i]
-        if sec.shared:
-            totals.append((sec, shared_totals[i], None))
-            continue
-        total = torch.empty(sec.numel, dtype=torch.float32, device=device)
-        for j, (start, n) in enumerate(plan.chunks[i]):
-            if not n:
-                continue
-            if j == me:
-                total.narrow(0, start, n).copy_(sums[i])
-            else:
-                r.decode_at(r.encoder.forward_codec_of(sec), sums_from[j], offsets, j, n, total.narrow(0, start, n))
-        totals.append((sec, total, None))
+    totals = owner_totals(r, plan, recv, head, sums, shared_totals, device)
     stats.codec_s += r.now() - t0
     return totals
+
+
+def owner_totals(r, plan: BucketPlan, recv: torch.Tensor, head: torch.Tensor, sums: Dict[int, torch.Tensor],
+                 shared_totals: Dict[int, torch.Tensor], device) -> List[Tuple[Section, torch.Tensor, None]]:
+    """The owner's sections whole: its own chunk's sum (``sums``) and every relay's chunk
+    decoded from ``recv``, a run of relays (see :func:`relay_runs`) as one batch straight into
+    its place; shared sections as summed by this rank (``shared_totals``)."""
+    me = r.comm.rank
+    owned = [i for i in plan.to_rank[me] if not plan.sections[i].shared]
+    whole = {i: torch.empty(plan.sections[i].numel, dtype=torch.float32, device=device) for i in owned}
+    for i in owned:
+        start, n = plan.chunks[i][me]
+        if n:
+            whole[i].narrow(0, start, n).copy_(sums[i])
+    pos = 0
+    for relays, size in relay_runs(plan, me):
+        k = len(relays)
+        msgs = recv.narrow(0, pos, k * size).view(k, size)
+        pos += k * size
+        expect_control_header(r.checks, msgs, head, [f"rank {j}" for j in relays], DISAGREE)
+        at = CONTROL_HEADER_BYTES
+        for i in owned:  # the run's chunks of a section: consecutive, of one size, so one batch
+            start, n = plan.chunks[i][relays[0]]
+            if not n:
+                continue
+            codec = r.encoder.forward_codec_of(plan.sections[i])
+            bufs = msgs[:, at:at + codec.nbytes(n)]
+            at += codec.nbytes(n)
+            expect_codec_header(r.checks, codec, bufs, n, [f"rank {j}" for j in relays])
+            codec.decode_into(codec.bytes_to_payload(bufs, (n,), check_header=False),
+                              whole[i].narrow(0, start, k * n).view(k, n), tile_elements=r.tile_elements)
+    return [(plan.sections[i], shared_totals[i] if plan.sections[i].shared else whole[i], None)
+            for i in plan.to_rank[me]]
+
+
+def relay_runs(plan: BucketPlan, owner: int) -> List[Tuple[List[int], int]]:
+    """The relays that send ``owner`` sums, in runs of consecutive ranks whose messages have the
+    same layout (the same chunk size of every section): (the run's ranks, bytes of each
+    message). Their messages lie one after the other in what the owner receives, at one
+    stride, and their chunks one after the other in each section; by ``chunk_bounds`` most
+    relays are in one of a few runs, whatever the world size."""
+    runs: List[Tuple[List[int], int]] = []
+    owned = [i for i in plan.to_rank[owner] if not plan.sections[i].shared]
+    last = None
+    for j in range(plan.world_size):
+        size = plan.forward_sizes[j][owner]
+        if not size:
+            continue
+        layout = (size, tuple(plan.chunks[i][j][1] for i in owned))
+        if runs and last == (j - 1, layout):
+            runs[-1][0].append(j)
+        else:
+            runs.append(([j], size))
+        last = (j, layout)
+    return runs
