@@ -6,7 +6,9 @@ writes a JSON and prints a table:
 
 1. ``parity``: every format's encode/decode on the device against the CPU codec (nearest
    rounding): the same bytes, the same byte count, the same decoded values; stochastic
-   rounding gives the same bytes twice from one seed. (On ``--device cpu``: the codec
+   rounding gives the same bytes twice from one seed; a batch of 5 payloads laid out as an owner
+   receives them (one stride, fp32 scales misaligned) decodes on the device to what each decodes
+   to alone, and to the CPU's batch (nan equal to nan). (On ``--device cpu``: the codec
    against itself, run twice; the byte count against ``nbytes``.)
 2. ``codec``: encode and decode throughput (GB/s of fp32 input) and peak extra memory per
    element for fp8 per block and per tensor, nvfp4 and int4 at 64M and 512M elements
@@ -81,6 +83,7 @@ def check_parity(device, numel: int) -> list:
         row = {"format": name, "nbytes": cpu_codec.nbytes(numel), "bytes_equal": torch.equal(ref, got.cpu()),
                "count_equal": got.numel() == ref.numel() == cpu_codec.nbytes(numel),
                "decode_equal": torch.equal(decoded, cpu_codec.decode_from_bytes(ref, (numel,)))}
+        row["batch_decode_equal"] = _batch_decode_equal(cpu_codec, x_cpu, device)
         try:
             codec = formats.get_format(name, rounding="stochastic", seed=7)
             again = formats.get_format(name, rounding="stochastic", seed=7)
@@ -91,6 +94,28 @@ def check_parity(device, numel: int) -> list:
             row["stochastic_repeatable"] = torch.equal(codec.encode_to_bytes(x), again.encode_to_bytes(x))
         rows.append(row)
     return rows
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, a nan equal to any nan (its payload bits depend on the kernel)."""
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
+
+
+def _batch_decode_equal(codec, x_cpu: torch.Tensor, device, senders: int = 5) -> bool:
+    """The owner's batched decode (``Codec.bytes_to_payload`` of a 2-D buffer) on ``device``:
+    every row equals that payload decoded alone there, and the whole equals the CPU's."""
+    numel = x_cpu.numel()
+    wires = [codec.encode_to_bytes(x_cpu * (s + 1)) for s in range(senders)]
+    stride = 16 + wires[0].numel() + 3  # a control header before, a misaligned stride
+    recv = torch.zeros(senders * stride + 5, dtype=torch.uint8)
+    rows = recv[5:].view(senders, stride)[:, 16:16 + wires[0].numel()]
+    for row, wire in zip(rows, wires):
+        row.copy_(wire)
+    on_cpu = codec.decode(codec.bytes_to_payload(rows, (numel,)))
+    dev_rows = recv.to(device)[5:].view(senders, stride)[:, 16:16 + wires[0].numel()]
+    batch = codec.decode(codec.bytes_to_payload(dev_rows, (numel,)))
+    alone = torch.stack([codec.decode(codec.bytes_to_payload(w.to(device), (numel,))) for w in wires])
+    return _same_values(batch, alone) and _same_values(batch.cpu(), on_cpu)
 
 
 def codec_speed(device, sizes, repeats: int) -> list:
@@ -284,11 +309,11 @@ def main(argv=None) -> dict:
     out["engine"] = engine_check(device, 3)
     out["processes"] = processes_check(device, 3)
     print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
-    print("| format | bytes | same bytes | same count | same decode | stochastic repeatable |")
-    print("|---|---:|---|---|---|---|")
+    print("| format | bytes | same bytes | same count | same decode | batch decode | stochastic repeatable |")
+    print("|---|---:|---|---|---|---|---|")
     for r in out["parity"]:
         print(f"| {r['format']} | {r['nbytes']} | {r['bytes_equal']} | {r['count_equal']} | {r['decode_equal']} | "
-              f"{r.get('stochastic_repeatable', '-')} |")
+              f"{r['batch_decode_equal']} | {r.get('stochastic_repeatable', '-')} |")
     print("| codec | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | peak extra B/elem |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in out["codec"]:

@@ -229,7 +229,8 @@ def test_gpu_check_cpu_part(tmp_path):
     out = gpu_check.main(["--device", "cpu", "--quick", "--json", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["device"] == "cpu"
     assert [r["format"] for r in out["parity"]] == ["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
-    assert all(r["bytes_equal"] and r["count_equal"] and r["decode_equal"] for r in out["parity"])
+    assert all(r["bytes_equal"] and r["count_equal"] and r["decode_equal"] and r["batch_decode_equal"]
+               for r in out["parity"])
     assert all(r.get("stochastic_repeatable", True) for r in out["parity"])
     assert len(out["codec"]) == 4 and all(r["encode_gbs"] > 0 and r["decode_gbs"] > 0 for r in out["codec"])
     # fp32 round trip through a whitener of condition ~1e2: a few ulps (no TF32 on a CPU)
