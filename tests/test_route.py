@@ -396,3 +396,39 @@ def test_relay_of_uneven_sections_equals_the_direct_route(fmt):
         assert err["relay"] < 1e-6 and err["direct"] < 1e-6, err
     else:  # measured 0.033 against 0.025 direct
         assert err["direct"] < err["relay"] < 1.6 * err["direct"], err
+
+
+class _CountingTransform:
+    """A whitener that counts how many elements it was applied to."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.applied = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def apply_run(self, values, start):
+        self.applied += values.numel()
+        return self.inner.apply_run(values, start)
+
+
+def _relay_whitened(comm, fmt):
+    from deepspeed_gift.core import geometry as geo
+
+    rows, dim = 64, 32
+    x = torch.randn(400, dim, generator=torch.Generator().manual_seed(0))
+    whitener = _CountingTransform(geo.fit_whitener(x.T @ x / 400, rank=4, damping=1e-3))
+    slices = [ParamSlice(0, 0, rows * dim, 0, 0, dim, GEO)]  # one owner: relayed
+    reducer = GiftReducer(comm, formats.get_format(fmt), route="relay")
+    bucket = torch.randn(rows * dim, generator=torch.Generator().manual_seed(1 + comm.rank))
+    stats = reducer.reduce(bucket, slices, {0: whitener}, divisor=comm.world_size)
+    return whitener.applied, stats.relay_buckets
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
+def test_a_relayed_section_is_whitened_once_not_once_per_chunk(fmt):
+    # the relay's chunks are windows of one source read in order: the whitener runs over the
+    # section once (nvfp4 reads each chunk twice, for its global scale: at most twice). A fresh
+    # source per chunk ran it over the whole tile (here the whole section) for every chunk: 8x.
+    for applied, relayed in run_local(8, _relay_whitened, fmt):
+        assert relayed == 1 and 64 * 32 <= applied <= 2 * 64 * 32, applied

@@ -340,6 +340,13 @@ class SectionSource:
             at += n
         return out
 
+    def window(self, start: int, numel: int) -> "SourceWindow":
+        """Elements ``start:start + numel`` of this source, read through it: windows read one
+        after the other (a relay's chunks in order) share the chunk it made last, so a
+        transformed tile is made once, not once per window that falls in it (a fresh source
+        per chunk made the whole tile, up to 2^24 elements on a GPU, for every chunk)."""
+        return SourceWindow(self, start, numel)
+
     def gather(self) -> torch.Tensor:
         """All of it in one fp32 buffer of its own (what error feedback and an owner's own
         contribution need whole)."""
@@ -351,6 +358,21 @@ class SectionSource:
             out[at : at + n].copy_(values[self.start + at - first : self.start + at - first + n])
             at += n
         return out
+
+
+class SourceWindow:
+    """A part of a :class:`SectionSource` (see :meth:`SectionSource.window`), itself a source."""
+
+    def __init__(self, source: SectionSource, start: int, numel: int) -> None:
+        self.source, self.start, self.numel, self.device = source, start, numel, source.device
+
+    def read(self, e0: int, e1: int, work: torch.Tensor) -> torch.Tensor:
+        return self.source.read(self.start + e0, self.start + e1, work)
+
+    def gather(self) -> torch.Tensor:
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        values = self.read(0, self.numel, out)
+        return out if values.data_ptr() == out.data_ptr() else out.copy_(values)
 
 
 def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int,

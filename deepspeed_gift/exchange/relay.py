@@ -58,9 +58,10 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             t0 = r.now()
             if feedback:
                 values = r.feedback.add(plan, sec, values, transforms)
+            else:  # the chunks are windows of one source, read in order: each transformed tile made once
+                source = SectionSource(tensor, sec.pieces, transforms, r.tile_elements)
             for j, (start, n) in enumerate(plan.chunks[i]):
-                part = (values.narrow(0, start, n) if feedback
-                        else SectionSource(tensor, sec.pieces, transforms, r.tile_elements, start, n))
+                part = values.narrow(0, start, n) if feedback else source.window(start, n)
                 if j == me:
                     own_chunks[i] = part.clone() if feedback else part.gather()
                     if sample:  # it skips the codec; count its non-finite inputs here
