@@ -14,6 +14,11 @@ not depend on W; and the sum, one add per sender (the rank order every rank sums
 keeps shared copies bit-identical and the fp32 format equal to native at two ranks; no stock
 reduction kernel keeps an order). Before the batch, the decode was 10-15 operations per sender:
 fp8 37 per sender in all, nvfp4 34, int4 35, bf16 19 (1147 per section for fp8 at W = 32).
+
+The relay route (``--routes relay``) adds two parts: a relay's sum of its chunk of a section
+(the same batch and sum), the owner's assembly of its section from the relays' chunks (a run
+of relays at a time), and a sender's encode of its chunks to the relays (a run of relays'
+chunks encoded as one payload and cut into theirs: a few encodes a section, not one a relay).
 """
 
 from __future__ import annotations
@@ -78,12 +83,12 @@ def _rank(comm, fmt: str, numel: int, route: str) -> Dict[str, List[collections.
     reducer = GiftReducer(comm, formats.get_format(fmt), defer_checks=True, route=route,
                           relay_codec=formats.get_format(fmt))
     grads = torch.randn(world * numel, generator=torch.Generator().manual_seed(comm.rank))
-    counted: Dict[str, list] = {"owner": [], "relay_sums": []}
+    counted: Dict[str, list] = {"owner": [], "relay_sums": [], "sender": []}
     if route == "direct":
         reducer._sum_at_owner = _counted(reducer._sum_at_owner, counted["owner"])
     else:
         reducer.sum_sources = _counted(reducer.sum_sources, counted["relay_sums"])
-        _OWNER_TOTALS[comm.rank] = counted["owner"]
+        _PATCHED[comm.rank] = counted
     for step in (0, 1):  # a new plan (agreed first), then an ordinary reduction: the one kept
         for calls in counted.values():
             calls.clear()
@@ -93,32 +98,36 @@ def _rank(comm, fmt: str, numel: int, route: str) -> Dict[str, List[collections.
     return counted
 
 
-_OWNER_TOTALS: Dict[int, list] = {}  # rank -> where the relay owner's assembly is counted (ranks are threads)
+_PATCHED: Dict[int, dict] = {}  # rank -> where its relay functions are counted (ranks are threads)
+_NATIVE = {"owner_totals": relay.owner_totals, "send_chunks": relay.send_chunks}
+_PARTS_OF = {"owner_totals": "owner", "send_chunks": "sender"}
 
 
-def _owner_totals(r, *args, **kwargs):
-    return _counted(_NATIVE_OWNER_TOTALS, _OWNER_TOTALS[r.comm.rank])(r, *args, **kwargs)
+def _patched(name: str):
+    def call(r, *args, **kwargs):
+        return _counted(_NATIVE[name], _PATCHED[r.comm.rank][_PARTS_OF[name]])(r, *args, **kwargs)
 
-
-_NATIVE_OWNER_TOTALS = relay.owner_totals
+    return call
 
 
 def _row(fmt: str, route: str, world: int, numel: int, part: str, calls: List[collections.Counter]) -> dict:
     """The busiest call of ``part``: its ops, those of the rank-order sum, the rest."""
     total = [sum(c.values()) for c in calls]
     busiest = calls[max(range(len(calls)), key=total.__getitem__)]
-    sums = sum(busiest[name] for name in SUM_OPS)
+    sums = sum(busiest[name] for name in SUM_OPS) if (route, part) in SUMMING else 0
     return {"format": fmt, "route": route, "world": world, "numel": numel, "part": part,
             "ops_per_section": max(total), "decode_ops": max(total) - sums, "sum_ops": sums, "senders": world - 1}
 
 
 SUM_OPS = ("aten.add_",)  # the rank-order sum: one add per sender and tile (the decode adds nothing)
-PARTS = {"direct": ("owner",), "relay": ("relay_sums", "owner")}
+PARTS = {"direct": ("owner",), "relay": ("sender", "relay_sums", "owner")}
+SUMMING = (("direct", "owner"), ("relay", "relay_sums"))  # the parts that sum (the relay's owner places chunks)
 
 
 def measure(worlds, bucket: int, routes=("direct", "relay")) -> list:
     rows = []
-    relay.owner_totals = _owner_totals
+    for name in _NATIVE:
+        setattr(relay, name, _patched(name))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks are threads: each op on one core, not every rank's on all of them
     try:
@@ -131,7 +140,8 @@ def measure(worlds, bucket: int, routes=("direct", "relay")) -> list:
                         calls = [c for counted in ranks for c in counted[part]]
                         rows.append(_row(fmt, route, world, numel, part, calls))
     finally:
-        relay.owner_totals = _NATIVE_OWNER_TOTALS
+        for name, native in _NATIVE.items():
+            setattr(relay, name, native)
         torch.set_num_threads(threads)
     return rows
 
@@ -144,8 +154,8 @@ def main(argv=None) -> list:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = measure(args.worlds, args.bucket, args.routes)
-    print("| route | part | format | W | elements per section | ATen ops per section | header checks + decode "
-          "| sum in rank order (adds) |")
+    print("| route | part | format | W | elements per section | ATen ops per section | all but the sum (checks, "
+          "decode; a sender's: encode) | sum in rank order (adds) |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['route']} | {PART_NAMES[r['part']]} | {r['format']} | {r['world']} | {r['numel']} "
@@ -154,7 +164,7 @@ def main(argv=None) -> list:
     return rows
 
 
-PART_NAMES = {"owner": "owner", "relay_sums": "relay's sum of its chunk"}
+PART_NAMES = {"owner": "owner", "relay_sums": "relay's sum of its chunk", "sender": "a sender's chunks to the relays"}
 
 
 if __name__ == "__main__":

@@ -271,7 +271,8 @@ def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):
 def test_owner_ops_decode_is_one_batch_whatever_the_world(tmp_path):
     # issue 34: an owner checks and decodes its W - 1 senders as one batch (direct: their
     # payloads of its section; relay: each relay's sum of its chunk, and the owner's assembly
-    # from the relays' chunks, in runs), so those ATen ops per section do not depend on W
+    # from the relays' chunks, in runs), so those ATen ops per section do not depend on W;
+    # the relay's senders encode a run of relays' chunks at once
     # (before: 10-15 per sender; 37 per sender for fp8 in all); the sum in rank order stays one
     # add per sender
     from benchmarks import owner_ops
@@ -283,6 +284,9 @@ def test_owner_ops_decode_is_one_batch_whatever_the_world(tmp_path):
         for fmt in owner_ops.FORMATS:
             counts = [r for r in rows if (r["route"], r["part"], r["format"]) == (route, part, fmt)]
             assert [r["world"] for r in counts] == [4, 8]
+            if part == "sender":  # a few runs of relays a section, each one encode (one a relay: 2.3x)
+                assert counts[1]["ops_per_section"] <= 1.5 * counts[0]["ops_per_section"], counts
+                continue
             assert len({r["decode_ops"] for r in counts}) == 1 and counts[0]["decode_ops"] > 5, counts
             adds = [0, 0] if part == "owner" and route == "relay" else [3, 7]  # the owner only places chunks
             assert [r["sum_ops"] for r in counts] == adds, counts

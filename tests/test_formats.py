@@ -837,6 +837,25 @@ def test_batch_of_payloads_decodes_as_each_alone(cfg, numel, senders, tile):
         assert _same_bits(tiled, alone)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_a_payload_cuts_into_its_parts_payloads(cfg):
+    # a relay's sender encodes a run of equal chunks once and cuts the payload into theirs:
+    # each part, at its row of a send buffer (any stride), decodes alone to its part of the whole
+    codec = get_format(cfg[0], **cfg[1])
+    n, parts = 2 * 3 * 7 * 11 * 128, 5  # whole blocks of every block size here (7, 33, 128), an even count
+    assert codec.splits_into(n) and (codec.block_size < 2 or not codec.splits_into(codec.block_size + 1))
+    p = codec.encode(_test_input((parts * n,), seed=4))
+    buf = torch.zeros(parts * (codec.nbytes(n) + 3) + 1, dtype=torch.uint8)
+    rows = buf[1:].view(parts, codec.nbytes(n) + 3)[:, : codec.nbytes(n)]
+    codec.payload_to_rows(p, rows)
+    whole = codec.decode(p)
+    for t in range(parts):
+        alone = codec.decode(codec.bytes_to_payload(rows[t].clone(), (n,)))
+        assert torch.equal(alone, whole[t * n:(t + 1) * n])
+    with pytest.raises(ValueError, match="does not cut into 3 parts"):
+        codec.payload_to_rows(p, torch.zeros(3, codec.nbytes(n), dtype=torch.uint8))
+
+
 def test_batch_header_check_names_the_row():
     codec = get_format("fp8_e4m3")
     wires = [codec.encode_to_bytes(torch.randn(300, generator=_gen(s))) for s in range(3)]

@@ -666,6 +666,35 @@ class Codec:
                 self.check_header_bytes(bytes(row.tolist()), numel)
         return self._views(buf, numel, shape)
 
+    def splits_into(self, part_numel: int) -> bool:
+        """Whether a payload of whole parts of ``part_numel`` elements cuts into the parts'
+        payloads (:meth:`payload_to_rows`): the parts are whole blocks and whole bytes."""
+        return (self.block_size == 0 or part_numel % self.block_size == 0) and (
+            self.elements_per_byte == 1 or part_numel % 2 == 0)
+
+    def payload_to_rows(self, p: Payload, rows: Tensor) -> Tensor:
+        """Cut ``p`` into ``rows.shape[0]`` parts of equal size and write each part's wire bytes
+        into its row of ``rows`` (uint8, a row of ``nbytes(part)`` each, rows at any stride: a
+        run of messages of a send buffer). A part's payload carries its own header and blocks
+        and ``p``'s per-tensor and global scales: it decodes to the part of ``p``'s values,
+        which is all a receiver needs (the scale was chosen for the whole, not the part). A few
+        copies for all the parts, not an encode each. Returns ``rows``."""
+        self._check_payload(p)
+        parts = rows.shape[0]
+        n = p.numel // parts if parts else 0
+        if parts * n != p.numel or not self.splits_into(n) or rows.shape[-1] != self.nbytes(n):
+            raise ValueError(f"{self.name}: a payload of {p.numel} elements does not cut into {parts} parts "
+                             f"of {rows.shape[-1]} bytes")
+        g, s, d, end = self._offsets(n)
+        rows[:, :HEADER_BYTES].copy_(self.header_on(n, rows.device).expand(parts, -1))
+        if p.global_scale is not None:
+            rows[:, g:s].copy_(p.global_scale.view(torch.uint8).expand(parts, -1))
+        if p.scales is not None:
+            scales = p.scales.view(torch.uint8)
+            rows[:, s:d].copy_(scales.expand(parts, -1) if self.block_size == 0 else scales.view(parts, -1))
+        rows[:, d:end].copy_(p.data.view(torch.uint8).view(parts, -1))
+        return rows
+
     def encode_to_bytes(self, x: Tensor, *, generator: Optional[torch.Generator] = None) -> Tensor:
         return self.payload_to_bytes(self.encode(x, generator=generator))
 

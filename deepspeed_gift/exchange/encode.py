@@ -101,11 +101,12 @@ class SectionEncoder:
                 stats.quantized += q["numel"]
         return codec.payload_to_bytes(payload), codec.decode(payload, tile_elements=tile) if decode else None
 
-    def count_sent(self, sec: Section, wire: torch.Tensor, numel: int, copies: int, stats: StepStats,
+    def count_sent(self, sec: Section, nbytes: int, numel: int, copies: int, stats: StepStats,
                    codec=None) -> None:
+        """``copies`` sends of a payload of ``nbytes`` bytes (``numel`` elements) of ``sec``."""
         stats.elements_sent += copies * numel
         if sec.high:
-            stats.bytes_high += copies * wire.numel()
+            stats.bytes_high += copies * nbytes
         else:
-            stats.bytes_main += copies * wire.numel()
+            stats.bytes_main += copies * nbytes
             stats.bytes_scales += copies * (codec or self.codec_of(sec)).scale_nbytes(numel)

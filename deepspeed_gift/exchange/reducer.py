@@ -209,7 +209,7 @@ class GiftReducer:
             own = decoded if me in sec.dests else None
             if feedback:
                 self.feedback.keep(plan, sec, values.sub_(decoded), whiteners)
-            enc.count_sent(sec, wire, sec.numel, sum(1 for d in sec.dests if d != me), stats)
+            enc.count_sent(sec, wire.numel(), sec.numel, sum(1 for d in sec.dests if d != me), stats)
             if outbox is not None:
                 outbox.put(index, wire)
                 wire = None
@@ -375,6 +375,18 @@ class Outbox:
                                    f"out {nbytes}; codec byte count is inconsistent")
             self.buffer.narrow(0, offset, nbytes).copy_(wire)
         self._missing.discard(key)
+
+    def rows(self, keys: Sequence[object]) -> torch.Tensor:
+        """The send buffer's places of the parts ``keys`` (one copy each, one size, at one stride:
+        a run of relays' chunks) as the rows of a 2-D view, written in place by the caller (see
+        ``Codec.payload_to_rows``); they count as put."""
+        places = [self.slots[key] for key in keys]
+        first, nbytes = places[0][0]
+        stride = places[1][0][0] - first if len(places) > 1 else nbytes
+        if any(len(p) != 1 or p[0] != (first + t * stride, nbytes) for t, p in enumerate(places)):
+            raise RuntimeError(f"deepspeed_gift: parts {list(keys)[:5]} do not lie at one stride in the send buffer")
+        self._missing.difference_update(keys)
+        return self.buffer.as_strided((len(places), nbytes), (stride, 1), self.buffer.storage_offset() + first)
 
     def check_filled(self) -> None:
         if self._missing:

@@ -48,39 +48,8 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     packed: Dict[int, Packed] = {}
     with full_fp32_matmuls():
         for i, sec in enumerate(plan.sections):
-            if sec.shared:
-                continue
-            t0 = r.now()
-            feedback = not sec.high and r.error_feedback
-            values = gather_pieces(tensor, sec.pieces, sec.numel, transforms, r.tile_elements) if feedback else None
-            stats.transform_s += r.now() - t0
-            stats.elements += sec.numel
-            t0 = r.now()
-            if feedback:
-                values = r.feedback.add(plan, sec, values, transforms)
-            else:  # the chunks are windows of one source, read in order: each transformed tile made once
-                source = SectionSource(tensor, sec.pieces, transforms, r.tile_elements)
-            for j, (start, n) in enumerate(plan.chunks[i]):
-                part = values.narrow(0, start, n) if feedback else source.window(start, n)
-                if j == me:
-                    own_chunks[i] = part.clone() if feedback else part.gather()
-                    if sample:  # it skips the codec; count its non-finite inputs here
-                        stats.nonfinite += int((~torch.isfinite(own_chunks[i])).sum())
-                    if feedback:
-                        part.zero_()  # exact: no residual
-                    continue
-                if n == 0:
-                    continue
-                wire, decoded = r.encoder.encode(sec, part, stats, sample, r.encoder.generator,
-                                                 decode=r.error_feedback and not sec.high)
-                r.encoder.count_sent(sec, wire, n, 1, stats)
-                outbox.put((i, j), wire)
-                del wire
-                if decoded is not None:
-                    part.sub_(decoded)  # the residual of this chunk
-            if not sec.high and r.error_feedback:
-                r.feedback.keep(plan, sec, values, transforms)
-            stats.codec_s += r.now() - t0
+            if not sec.shared:
+                own_chunks[i] = send_chunks(r, tensor, plan, i, transforms, outbox, stats, sample)
         shared = r.pack(tensor, plan, transforms, stats, sample, step, only_shared=True, outbox=outbox)
         packed.update(shared)
     recv = r.post(outbox, [0 if src == me else plan.relay_sizes[me] for src in range(world)], stats)
@@ -121,7 +90,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                                          codec=codec)
         if feedback:
             r.feedback.keep_relayed(plan, i, value.sub_(decoded))
-        r.encoder.count_sent(sec, wire, sums[i].numel(), 1, stats, codec=codec)
+        r.encoder.count_sent(sec, wire.numel(), sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
     stats.codec_s += r.now() - t0
     recv = r.send(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
@@ -130,6 +99,77 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     totals = owner_totals(r, plan, recv, head, sums, shared_totals, device)
     stats.codec_s += r.now() - t0
     return totals
+
+
+def send_chunks(r, tensor: torch.Tensor, plan: BucketPlan, i: int, transforms, outbox, stats: StepStats,
+                sample: bool) -> torch.Tensor:
+    """Every relay's chunk of owned section ``i`` but mine, encoded into ``outbox`` (a run of
+    relays at a time: see :func:`chunk_runs`), error feedback kept; returns my chunk, exact."""
+    me, world, sec = r.comm.rank, r.comm.world_size, plan.sections[i]
+    own = None
+    t0 = r.now()
+    feedback = not sec.high and r.error_feedback
+    values = gather_pieces(tensor, sec.pieces, sec.numel, transforms, r.tile_elements) if feedback else None
+    stats.transform_s += r.now() - t0
+    stats.elements += sec.numel
+    t0 = r.now()
+    if feedback:
+        values = r.feedback.add(plan, sec, values, transforms)
+    else:  # the chunks are windows of one source, read in order: each transformed tile made once
+        source = SectionSource(tensor, sec.pieces, transforms, r.tile_elements)
+    runs = chunk_runs(plan, i, me, outbox)
+    for relays, n in runs + [([world], 0)]:  # in rank order, mine in its place: the source read in order
+        if own is None and relays[0] > me:
+            start, n_me = plan.chunks[i][me]
+            part = values.narrow(0, start, n_me) if feedback else source.window(start, n_me)
+            own = part.clone() if feedback else part.gather()
+            if sample:  # it skips the codec; count its non-finite inputs here
+                stats.nonfinite += int((~torch.isfinite(own)).sum())
+            if feedback:
+                part.zero_()  # exact: no residual
+        if not n:
+            continue
+        codec = r.encoder.codec_of(sec)
+        per = max(1, r.tile_elements // n) if codec.splits_into(n) else 1  # chunks a payload
+        for t in range(0, len(relays), per):
+            some = relays[t:t + per]
+            start, m = plan.chunks[i][some[0]][0], n * len(some)
+            part = values.narrow(0, start, m) if feedback else source.window(start, m)
+            wire, decoded = r.encoder.encode(sec, part, stats, sample, r.encoder.generator, decode=feedback)
+            r.encoder.count_sent(sec, codec.nbytes(n), n, len(some), stats)
+            if len(some) == 1:
+                outbox.put((i, some[0]), wire)
+            else:  # one encode for the run's chunks, cut into their places
+                codec.payload_to_rows(codec.bytes_to_payload(wire, (m,), check_header=False),
+                                      outbox.rows([(i, j) for j in some]))
+            del wire
+            if decoded is not None:
+                part.sub_(decoded)  # the residual of these chunks
+    if not sec.high and r.error_feedback:
+        r.feedback.keep(plan, sec, values, transforms)
+    stats.codec_s += r.now() - t0
+    return own
+
+
+def chunk_runs(plan: BucketPlan, i: int, me: int, outbox) -> List[Tuple[List[int], int]]:
+    """The relays of section ``i``'s chunks but mine, in runs of consecutive ranks whose chunks
+    have one size and lie at one stride in the send buffer: (the run's ranks, the chunk size).
+    A run is encoded as one payload (in pieces of about a tile) and cut into its chunks'
+    payloads, so a sender encodes a few times a section, not once per relay; by ``chunk_bounds``
+    most relays fall in a few runs."""
+    runs: List[Tuple[List[int], int]] = []
+    places: List[int] = []
+    for j, (_, n) in enumerate(plan.chunks[i]):
+        if j == me or not n:
+            continue
+        at = outbox.slots[(i, j)][0][0]
+        if runs and runs[-1][1] == n and runs[-1][0][-1] == j - 1 and (
+                len(runs[-1][0]) == 1 or at - places[-1] == places[-1] - places[-2]):
+            runs[-1][0].append(j)
+        else:
+            runs.append(([j], n))
+        places.append(at)
+    return runs
 
 
 def owner_totals(r, plan: BucketPlan, recv: torch.Tensor, head: torch.Tensor, sums: Dict[int, torch.Tensor],
