@@ -130,21 +130,22 @@ def send_chunks(r, tensor: torch.Tensor, plan: BucketPlan, i: int, transforms, o
         if not n:
             continue
         codec = r.encoder.codec_of(sec)
-        per = max(1, r.tile_elements // n) if codec.splits_into(n) else 1  # chunks a payload
-        for t in range(0, len(relays), per):
-            some = relays[t:t + per]
+        # A run is one payload (its bytes at most a section's, as the direct route's), whatever the
+        # tile: the scales that span blocks (NVFP4's global, per-tensor) must not depend on it.
+        for some in [relays] if codec.splits_into(n) else [[j] for j in relays]:
             start, m = plan.chunks[i][some[0]][0], n * len(some)
             part = values.narrow(0, start, m) if feedback else source.window(start, m)
-            wire, decoded = r.encoder.encode(sec, part, stats, sample, r.encoder.generator, decode=feedback)
+            wire, _ = r.encoder.encode(sec, part, stats, sample, r.encoder.generator, decode=False)
             r.encoder.count_sent(sec, codec.nbytes(n), n, len(some), stats)
+            payload = codec.bytes_to_payload(wire, (m,), check_header=False)
             if len(some) == 1:
                 outbox.put((i, some[0]), wire)
             else:  # one encode for the run's chunks, cut into their places
-                codec.payload_to_rows(codec.bytes_to_payload(wire, (m,), check_header=False),
-                                      outbox.rows([(i, j) for j in some]))
-            del wire
-            if decoded is not None:
-                part.sub_(decoded)  # the residual of these chunks
+                codec.payload_to_rows(payload, outbox.rows([(i, j) for j in some]))
+            if feedback:  # the residual of these chunks, a tile of the decode at a time
+                for e0, e1, decoded in codec.decode_tiles(payload, tile_elements=r.tile_elements):
+                    part[e0:e1].sub_(decoded)
+            del wire, payload
     if not sec.high and r.error_feedback:
         r.feedback.keep(plan, sec, values, transforms)
     stats.codec_s += r.now() - t0
@@ -154,9 +155,8 @@ def send_chunks(r, tensor: torch.Tensor, plan: BucketPlan, i: int, transforms, o
 def chunk_runs(plan: BucketPlan, i: int, me: int, outbox) -> List[Tuple[List[int], int]]:
     """The relays of section ``i``'s chunks but mine, in runs of consecutive ranks whose chunks
     have one size and lie at one stride in the send buffer: (the run's ranks, the chunk size).
-    A run is encoded as one payload (in pieces of about a tile) and cut into its chunks'
-    payloads, so a sender encodes a few times a section, not once per relay; by ``chunk_bounds``
-    most relays fall in a few runs."""
+    A run is encoded as one payload and cut into its chunks' payloads, so a sender encodes a
+    few times a section, not once per relay; by ``chunk_bounds`` most relays fall in a few runs."""
     runs: List[Tuple[List[int], int]] = []
     places: List[int] = []
     for j, (_, n) in enumerate(plan.chunks[i]):
