@@ -80,23 +80,26 @@ def int64_bytes_on(value: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int64, device=device).view(torch.uint8)
 
 
-def _rows(raw: bytes, senders: Sequence[str], size: int):
-    """(sender, its header) of every row of ``raw``, the headers of a batch of messages."""
-    return [(sender, raw[i * size:(i + 1) * size]) for i, sender in enumerate(senders)]
+Senders = Union[str, Sequence[int]]  # one sender's name, or the ranks of a batch's rows (named when an error needs them)
+
+
+def _rows(raw: bytes, sender: Senders, size: int):
+    """(sender's name, its header) of every row of ``raw``, the headers of a batch of messages."""
+    names = [sender] if isinstance(sender, str) else [f"rank {r}" for r in sender]
+    return [(name, raw[i * size:(i + 1) * size]) for i, name in enumerate(names)]
 
 
 def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.Tensor,
-                          sender: Union[str, Sequence[str]], meaning: str) -> None:
+                          sender: Senders, meaning: str) -> None:
     """Fail loudly (at ``checks.verify``) when ``msg`` was sent for another plan or step than
     the receiver's (``want``: its own control header). ``msg`` 2-D: the messages of several
-    senders (``sender``: one name a row), one comparison for all."""
-    senders = [sender] if isinstance(sender, str) else list(sender)
+    senders (``sender``: their ranks, a row each), one comparison for all."""
 
     def explain(raw: bytes) -> str:
         want_raw = bytes(want.cpu().tolist())
         want_hash, want_step = struct.unpack("<qq", want_raw)
-        name, got = next(((s, r) for s, r in _rows(raw, senders, CONTROL_HEADER_BYTES) if r != want_raw),
-                         _rows(raw, senders, CONTROL_HEADER_BYTES)[0])
+        rows = _rows(raw, sender, CONTROL_HEADER_BYTES)
+        name, got = next(((s, r) for s, r in rows if r != want_raw), rows[0])
         got_hash, got_step = struct.unpack("<qq", got)
         return (f"deepspeed_gift: {name} sent a bucket for plan {got_hash:#x} at step {got_step}, "
                 f"this rank expects plan {want_hash:#x} at step {want_step}: {meaning}")
@@ -105,18 +108,18 @@ def expect_control_header(checks: HeaderChecks, msg: torch.Tensor, want: torch.T
 
 
 def expect_codec_header(checks: HeaderChecks, codec, buf: torch.Tensor, numel: int,
-                        sender: Union[str, Sequence[str]]) -> None:
+                        sender: Senders) -> None:
     """The codec's own header of a payload from ``sender``, checked as the codec would (``buf``
-    2-D: one payload a row, from ``sender[row]``)."""
-    senders = [sender] if isinstance(sender, str) else list(sender)
+    2-D: one payload a row, from rank ``sender[row]``)."""
 
     def explain(raw: bytes) -> str:
-        for name, got in _rows(raw, senders, HEADER_BYTES):
+        rows = _rows(raw, sender, HEADER_BYTES)
+        for name, got in rows:
             try:
                 codec.check_header_bytes(got, numel)
             except ValueError as exc:
                 return f"deepspeed_gift: payload from {name}: {exc}"
-        return f"deepspeed_gift: payload from {senders[0]} has an unexpected header"
+        return f"deepspeed_gift: payload from {rows[0][0]} has an unexpected header"
 
     checks.expect(buf, codec.header_on(numel, buf.device), explain)
 

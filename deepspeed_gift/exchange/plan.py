@@ -350,14 +350,7 @@ class SectionSource:
     def gather(self) -> torch.Tensor:
         """All of it in one fp32 buffer of its own (what error feedback and an owner's own
         contribution need whole)."""
-        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        at = 0
-        while at < self.numel:
-            first, end, values = self._make_chunk(self.start + at)
-            n = min(end - self.start, self.numel) - at
-            out[at : at + n].copy_(values[self.start + at - first : self.start + at - first + n])
-            at += n
-        return out
+        return gather_source(self)
 
 
 class SourceWindow:
@@ -370,9 +363,14 @@ class SourceWindow:
         return self.source.read(self.start + e0, self.start + e1, work)
 
     def gather(self) -> torch.Tensor:
-        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        values = self.read(0, self.numel, out)
-        return out if values.data_ptr() == out.data_ptr() else out.copy_(values)
+        return gather_source(self)
+
+
+def gather_source(src) -> torch.Tensor:
+    """All of a source's values in one fp32 buffer of its own, read through it."""
+    out = torch.empty(src.numel, dtype=torch.float32, device=src.device)
+    values = src.read(0, src.numel, out)
+    return out if values.data_ptr() == out.data_ptr() else out.copy_(values)
 
 
 def gather_pieces(tensor: torch.Tensor, pieces: List[Piece], numel: int,

@@ -67,6 +67,7 @@ class GiftReducer:
         self.plans_agreed = 0  # new plans, each agreed by the ranks before its first exchange
         self.agrees = True  # plan_for agrees on new plans (False: the caller does, two-level)
         self.param_names: Dict[int, str] = {}  # parameter key -> name, for errors that name a layer
+        self._others = tuple(r for r in range(comm.world_size) if r != comm.rank)  # senders to me, in rank order
         self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
 
     # ---- planning -------------------------------------------------------------------
@@ -258,10 +259,10 @@ class GiftReducer:
     def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> torch.Tensor:
         """The messages of every other rank, ``size`` bytes each in rank order: a (world - 1,
         size) view of ``recv``, a row per sender, their headers expected by one comparison."""
-        me, world = self.comm.rank, self.comm.world_size
+        world = self.comm.world_size
         messages = recv.view(world - 1, size) if size else recv.new_empty((world - 1, 0))
         if size and world > 1:
-            expect_control_header(self.checks, messages, head, [f"rank {s}" for s in range(world) if s != me], meaning)
+            expect_control_header(self.checks, messages, head, self._others, meaning)
         return messages
 
     def sum_sources(self, codec, messages: torch.Tensor, at: int, numel: int, *,
@@ -280,12 +281,10 @@ class GiftReducer:
         me, world = self.comm.rank, self.comm.world_size
         if start is None and own is not None and me == 0:  # I come first: the sum starts from mine
             start, own = own, None
-        senders = [src for src in range(world) if src != me]
-        if not senders:  # a world of one: nobody else contributed
-            return start if start is not None else own.clone() if own is not None else torch.zeros(
-                numel, dtype=torch.float32, device=messages.device)
+        if world == 1:  # nobody else contributed (my own, if given, is the start: I am rank 0)
+            return start if start is not None else torch.zeros(numel, dtype=torch.float32, device=messages.device)
         bufs = messages[:, at:at + codec.nbytes(numel)]
-        expect_codec_header(self.checks, codec, bufs, numel, [f"rank {src}" for src in senders])
+        expect_codec_header(self.checks, codec, bufs, numel, self._others)
         payload = codec.bytes_to_payload(bufs, (numel,), check_header=False)
         total = start if start is not None else torch.empty(numel, dtype=torch.float32, device=messages.device)
         for e0, e1, rows in codec.decode_tiles(payload, tile_elements=self.tile_elements):

@@ -189,7 +189,7 @@ def owner_totals(r, plan: BucketPlan, recv: torch.Tensor, head: torch.Tensor, su
         k = len(relays)
         msgs = recv.narrow(0, pos, k * size).view(k, size)
         pos += k * size
-        expect_control_header(r.checks, msgs, head, [f"rank {j}" for j in relays], DISAGREE)
+        expect_control_header(r.checks, msgs, head, relays, DISAGREE)
         at = CONTROL_HEADER_BYTES
         for i in owned:  # the run's chunks of a section: consecutive, of one size, so one batch
             start, n = plan.chunks[i][relays[0]]
@@ -198,7 +198,7 @@ def owner_totals(r, plan: BucketPlan, recv: torch.Tensor, head: torch.Tensor, su
             codec = r.encoder.forward_codec_of(plan.sections[i])
             bufs = msgs[:, at:at + codec.nbytes(n)]
             at += codec.nbytes(n)
-            expect_codec_header(r.checks, codec, bufs, n, [f"rank {j}" for j in relays])
+            expect_codec_header(r.checks, codec, bufs, n, relays)
             codec.decode_into(codec.bytes_to_payload(bufs, (n,), check_header=False),
                               whole[i].narrow(0, start, k * n).view(k, n), tile_elements=r.tile_elements)
     return [(plan.sections[i], shared_totals[i] if plan.sections[i].shared else whole[i], None)
