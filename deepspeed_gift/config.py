@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from .core.formats import DEFAULT_TILE_ELEMENTS, FORMAT_NAMES, ROUNDING_MODES, format_class
 from .core.geometry import SOLVERS, GeometryKind
+from .core.kernels import KERNEL_MODES
 from .core.metrics import METRICS
 from .exchange.comm import Backend
 from .exchange.plan import Route
@@ -275,6 +276,13 @@ class GiftConfig(_GiftModel):
     seed: int = Field(0, ge=0)
     """Seed of Hadamard signs and stochastic rounding (identical on every rank)."""
 
+    kernels: Literal[KERNEL_MODES] = "by_device"
+    """How the codecs run: ``eager`` (chains of PyTorch ops, the reference), ``compiled`` (each
+    format's encode and the owner's decode-and-sum fused by ``torch.compile`` into one or two
+    kernels a tile; the same bits), or ``by_device``: compiled on CUDA, eager on a CPU (where
+    the first compile of each format costs 5-40 s a process). Stochastic rounding, E8M0 scales'
+    encode and a section's last partial block always run eager."""
+
     hierarchy: Literal[tuple(h.value for h in Hierarchy)] = Hierarchy.BY_TOPOLOGY.value
     """How a bucket reaches its owners. ``flat``: one quantized all-to-all among all ranks.
     ``two_level``: first a reduce-scatter inside each node in the bucket's own dtype (summed in
@@ -384,7 +392,7 @@ class GiftConfig(_GiftModel):
     def relay_codec_options(self) -> dict:
         """``formats.get_format`` keywords of the relay's second-hop codec (checked by its class)."""
         fmt = self.effective_relay_format
-        options = dict(rounding=self.rounding, seed=self.seed)
+        options = dict(rounding=self.rounding, seed=self.seed, kernels=self.kernels)
         if fmt not in PASSTHROUGH_FORMATS:
             block = self.relay_block_size
             if block is None and self.relay_format is None:

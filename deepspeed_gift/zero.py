@@ -149,15 +149,15 @@ def _params_codec(cfg: GiftConfig, replica_dtype: torch.dtype):
                  f"{dtype.itemsize} B per element where DeepSpeed's own all-gather sends {replica_dtype.itemsize} for "
                  f"the exact replica (allowed: the replicas' own dtype, a format of fewer bytes, or a quantized "
                  f"format)")
-        return formats.get_format(p.format)
-    return formats.get_format(p.format, block_size=p.effective_block_size)
+        return formats.get_format(p.format, kernels=cfg.kernels)
+    return formats.get_format(p.format, block_size=p.effective_block_size, kernels=cfg.kernels)
 
 
 def _main_codec(cfg: GiftConfig):
     if cfg.format in PASSTHROUGH_FORMATS:  # no blocks or scales; bf16 may still round stochastically
-        return formats.get_format(cfg.format, rounding=cfg.rounding, seed=cfg.seed)
+        return formats.get_format(cfg.format, rounding=cfg.rounding, seed=cfg.seed, kernels=cfg.kernels)
     return formats.get_format(cfg.format, block_size=cfg.effective_block_size, scale=cfg.scale,
-                              rounding=cfg.rounding, seed=cfg.seed)
+                              rounding=cfg.rounding, seed=cfg.seed, kernels=cfg.kernels)
 
 
 def _job_coordinates(group):
@@ -349,7 +349,8 @@ class GiftState:
         _fingerprint_check(self.comm, cfg, self.whole_job)
         device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
         self.main_codec = _main_codec(cfg)
-        self.high_codec = formats.get_format(cfg.others) if cfg.others in ("bf16", "fp32") else None
+        self.high_codec = (formats.get_format(cfg.others, kernels=cfg.kernels) if cfg.others in ("bf16", "fp32")
+                           else None)
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed * 1_000_003 + self.comm.rank + 1)
         self.hierarchy, self.ranks_per_node = choose_topology(self.comm, cfg)

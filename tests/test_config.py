@@ -47,7 +47,8 @@ def test_defaults_resolve():
     assert get_gift_config({"gift": {"scale": "e8m0"}}).effective_block_size == 32
     assert get_gift_config({"gift": {"format": "bf16"}}).effective_block_size == 0
     # the relay's second hop: int8 per 32 under a quantized format, the main format when exact
-    assert cfg.relay_codec_options() == {"name": "int8", "block_size": 32, "rounding": "nearest", "seed": 0}
+    assert cfg.relay_codec_options() == {"name": "int8", "block_size": 32, "rounding": "nearest", "seed": 0,
+                                         "kernels": "by_device"}
     assert get_gift_config({"gift": {"format": "nvfp4"}}).relay_codec_options()["name"] == "int8"
     assert get_gift_config({"gift": {"format": "fp32"}}).relay_codec_options()["name"] == "fp32"
     assert get_gift_config({"gift": {"relay_format": "fp8_e4m3"}}).relay_codec_options()["block_size"] == 128

@@ -71,6 +71,7 @@ from typing import ClassVar, Dict, Iterator, List, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor
 
+from . import kernels as fused_kernels
 from .devices import host_to_device
 
 __all__ = [
@@ -244,7 +245,8 @@ def _block_amax(blocks: Tensor) -> Tensor:
     row = blocks.shape[1]
     if row >= 64 or row % 2:
         # two vectorized reductions; torch.aminmax(dim=1) is several times slower on CPU
-        return torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).float()
+        # abs: +0.0 for an all-zero row whichever zero maximum(0.0, -0.0) gives (as compiled)
+        return torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_().float()
     # short rows reduce poorly: folding halves onto each other down to one column is about
     # twice as fast (max is exact, nan propagates: the same values)
     a = blocks.abs()
@@ -379,6 +381,11 @@ def _e8m0_to_fp32(codes: Tensor) -> Tensor:
     return (c.bitwise_left_shift(23) | edge.bitwise_left_shift(22)).view(torch.float32)
 
 
+def _wire_bytes(t: Tensor) -> Tensor:
+    """A payload part as uint8 bytes (what the compiled encoders write into)."""
+    return t.view(torch.uint8)
+
+
 def _view_dtype(buf: Tensor, dtype: torch.dtype) -> Tensor:
     """View a uint8 slice (1-D, or 2-D: one row per payload of a batch) as ``dtype``; copy first
     when an address is misaligned."""
@@ -424,6 +431,7 @@ class Codec:
         rounding: str = "nearest",
         seed: int = 0,
         tile_elements: int = DEFAULT_TILE_ELEMENTS,
+        kernels: str = "by_device",
     ) -> None:
         if rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding must be one of {list(ROUNDING_MODES)}, got {rounding!r}")
@@ -432,6 +440,7 @@ class Codec:
         self.rounding = rounding
         self.seed = seed
         self.tile_elements = check_tile_elements(tile_elements)
+        self.kernels = fused_kernels.check_kernels(kernels)
         self.block_size, self.scale_kind = self._check_options(block_size, scale)
         self._generators: Dict[torch.device, torch.Generator] = {}
         self._headers: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> header bytes there
@@ -449,8 +458,12 @@ class Codec:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self.name!r}, block_size={self.block_size}, "
-            f"scale={self.scale_kind!r}, rounding={self.rounding!r}, seed={self.seed})"
+            f"scale={self.scale_kind!r}, rounding={self.rounding!r}, seed={self.seed}, kernels={self.kernels!r})"
         )
+
+    def compiled_on(self, device) -> bool:
+        """Whether this codec runs its fused (compiled) kernels on ``device`` (``kernels``)."""
+        return fused_kernels.uses_compiled(self.kernels, device)
 
     # -- layout ----------------------------------------------------------------
 
@@ -593,22 +606,24 @@ class Codec:
             self._decode_range(p, out[..., e0:e1], e0, e1, row_len)
         return out
 
-    def decode_tiles(self, p: Payload, *, tile_elements: Optional[int] = None) -> Iterator[Tuple[int, int, Tensor]]:
+    def decode_tiles(self, p: Payload, *, tile_elements: Optional[int] = None,
+                     begin: int = 0) -> Iterator[Tuple[int, int, Tensor]]:
         """Dequantize ``p`` a tile at a time: yields ``(e0, e1, values)``, ``values`` the float32
         elements ``e0:e1`` of ``p`` (of every payload of a batch: shape ``p.batch + (e1 - e0,)``),
         valid until the next tile. One buffer of about a tile's elements holds them (batch rows
         included), so a batch of W payloads decodes in as many passes as one payload does, each
-        pass one set of operations for the whole batch."""
+        pass one set of operations for the whole batch. ``begin`` (a row start: a multiple of the
+        block) skips the elements before it."""
         self._check_payload(p)
         numel = p.numel
-        if numel == 0:
+        if numel <= begin:
             return
         if not self._decode_temporaries and p.data.dtype == torch.float32:
-            yield 0, numel, p.data  # already the values: nothing to decode
+            yield begin, numel, p.data[..., begin:]  # already the values: nothing to decode
             return
         row_len, step = self._decode_tiling(p, tile_elements)
-        work = torch.empty((*p.batch, min(step, numel)), dtype=torch.float32, device=p.device)
-        for e0 in range(0, numel, step):
+        work = torch.empty((*p.batch, min(step, numel - begin)), dtype=torch.float32, device=p.device)
+        for e0 in range(begin, numel, step):
             e1 = min(e0 + step, numel)
             part = work[..., : e1 - e0]
             self._decode_range(p, part, e0, e1, row_len)
@@ -620,6 +635,50 @@ class Codec:
         tile = max(1, self._tile(p.device, tile_elements) // math.prod(p.batch))
         row_len = self._row_len(p.numel, tile)
         return row_len, _tile_rows(-(-p.numel // row_len), row_len, tile) * row_len
+
+    def decode_sum(self, p: Payload, out: Tensor, *, own: Optional[Tensor] = None, own_at: int = 0,
+                   from_out: bool = False, tile_elements: Optional[int] = None) -> Tensor:
+        """``out`` (flat fp32, ``p.numel``) = the fp32 sum of a batch of payloads (one a row: the
+        same section from every sender) in row order, with ``own`` (fp32) at place ``own_at`` of
+        that order when given, starting from ``out``'s values when ``from_out``: an owner's
+        decode-and-sum. One add per term per element, in that order (no stock reduction keeps
+        an order): the same sum on every rank, and native's at two ranks. Compiled
+        (``kernels``), the whole-block part is one kernel reading each payload once; the eager
+        path decodes a tile of all rows at a time and adds row by row. Returns ``out``."""
+        self._check_payload(p)
+        numel = p.numel
+        if len(p.batch) != 1 or tuple(out.shape) != (numel,) or out.dtype != torch.float32:
+            raise ValueError(f"decode_sum needs a batch of payloads (one a row) and a flat float32 output of "
+                             f"{numel} elements, got a batch {p.batch} and {out.dtype} of shape {tuple(out.shape)}")
+        done = 0
+        kind = self._fused_decode_kind()
+        if numel and kind is not None and self.compiled_on(p.device):
+            done = self._fused_whole(numel)
+            if done:
+                epb, block = self.elements_per_byte, self.block_size
+                scales = p.scales[:, : done // block] if (p.scales is not None and block) else p.scales
+                run = fused_kernels.compiled(fused_kernels.decode_sum, kind=kind, block=block,
+                                       own_at=own_at, from_out=from_out)
+                run(p.data[:, : done // epb], scales, p.global_scale, out[:done],
+                    own[:done] if own is not None else None)
+        for e0, e1, part in self.decode_tiles(p, tile_elements=tile_elements, begin=done):
+            acc, rows = out[e0:e1], list(part.unbind(0))  # one view per sender, made by one operation
+            if own is not None:
+                rows.insert(own_at, own[e0:e1])
+            if not from_out:  # the first term is copied, every later one added
+                acc.copy_(rows.pop(0))
+            for term in rows:
+                acc.add_(term)
+        return out
+
+    def _fused_decode_kind(self) -> Optional[str]:
+        """The :func:`fused_kernels.decoded_rows` kind of this codec's payloads (None: eager only)."""
+        return None
+
+    def _fused_whole(self, numel: int) -> int:
+        """Elements of a payload's prefix of whole blocks (and whole bytes) the fused kernels take."""
+        done = numel - numel % self.block_size if self.block_size else numel
+        return done - done % self.elements_per_byte
 
     def _check_output(self, p: Payload, out: Tensor) -> None:
         self._check_payload(p)
@@ -791,9 +850,13 @@ class _ScaledCodec(Codec):
         row_divisor = self._prepare(src, row_len, n_rows, p, tile)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+        fused = gen is None and self.compiled_on(src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             x, y = _load_rows(src, row_len, r0, r1, work)
+            if fused and self._fused_tile(x, p, r0, r1, min(r1 * row_len, numel),
+                                          row_divisor[0] if row_divisor is not None else None):
+                continue
             div = row_divisor[r0:r1] if row_divisor is not None else self._tile_divisor(x, p, r0, r1)
             torch.div(x, div[:, None], out=y)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
@@ -811,6 +874,11 @@ class _ScaledCodec(Codec):
 
     def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement _prepare")
+
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor]) -> bool:
+        """Encode rows r0:r1 (``x``, padded to whole rows; elements up to ``e1``) with the compiled
+        kernels, round to nearest; False where they do not serve the tile (the eager path does)."""
+        return False
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _tile_divisor")
@@ -867,6 +935,23 @@ class _Fp8Codec(_ScaledCodec):
         scale = _fp32_scales(amax, self.fmax)
         p.scales[r0:r1].copy_(scale)
         return _safe_divisor(scale)
+
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor]) -> bool:
+        row_len = x.shape[1]
+        e0 = r0 * row_len
+        if divisor is not None:  # one scale per tensor: a flat cast of the tile
+            fused_kernels.compiled(fused_kernels.scaled_cast, dtype=self.data_dtype)(
+                x.view(-1)[: e1 - e0], divisor, _wire_bytes(p.data[e0:e1]))
+            return True
+        if self.scale_kind != "fp32" or e1 - e0 != x.numel():
+            return False
+        p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.fp8_block_encode, fmax=self.fmax,
+                                                     dtype=self.data_dtype)(
+            x, _wire_bytes(p.data[e0:e1]).view(r1 - r0, row_len)))
+        return True
+
+    def _fused_decode_kind(self) -> Optional[str]:
+        return "e8m0" if self.scale_kind == "e8m0" else "fp8"
 
     def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
         if gen is not None:
@@ -951,6 +1036,25 @@ class _IntCodec(_ScaledCodec):
         scale = _fp32_scales(_block_amax(x), float(self.qmax))
         p.scales[r0:r1].copy_(scale)
         return _safe_divisor(scale)
+
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor]) -> bool:
+        row_len = x.shape[1]
+        e0, epb = r0 * row_len, self.elements_per_byte
+        packed = epb == 2
+        if divisor is not None:  # one scale per tensor: a flat rounding of the tile
+            if packed and (e0 % 2 or (e1 - e0) % 2):
+                return False
+            fused_kernels.compiled(fused_kernels.int_scaled_round, packed=packed)(
+                x.view(-1)[: e1 - e0], divisor, _wire_bytes(p.data[e0 // epb : e1 // epb]))
+            return True
+        if e1 - e0 != x.numel() or (packed and row_len % 2):
+            return False
+        p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.int_block_encode, qmax=self.qmax, packed=packed)(
+            x, _wire_bytes(p.data[e0 // epb : e1 // epb]).view(r1 - r0, row_len // epb)))
+        return True
+
+    def _fused_decode_kind(self) -> Optional[str]:
+        return self.name  # int8 / int4
 
     def _round(self, y: Tensor, gen: Optional[torch.Generator]) -> Tensor:
         if gen is None:
@@ -1159,10 +1263,15 @@ class NvFp4Codec(_ScaledCodec):
         p.global_scale.copy_(g)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+        fused = (fused_kernels.compiled(fused_kernels.nvfp4_tile_encode, candidates=self.scale_candidates)
+                 if gen is None and self.compiled_on(src.device) else None)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x, _ = _load_rows(src, row_len, r0, r1, work)
+            if fused is not None and e1 - e0 == x.numel():
+                p.scales.view(torch.uint8)[r0:r1].copy_(fused(x, g, p.data[e0 // 2 : e1 // 2].view(r1 - r0, row_len // 2)))
+                continue
             amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
             candidates = self._candidate_codes(amax, g)
             codes = candidates[0].clone()
@@ -1171,7 +1280,8 @@ class NvFp4Codec(_ScaledCodec):
                 scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
                 y = torch.div(x, _safe_divisor(scale)[:, None])
                 key = _fp4_keys(y)
-                err = _e2m1_of_keys(key).mul_(scale[:, None]).sub_(x).square_().sum(1)
+                # summed in a fixed order, the compiled kernel's (fused_kernels.row_sum_pairwise)
+                err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(key).mul_(scale[:, None]).sub_(x).square_())
                 keep = y if gen is not None else key
                 if best is None:
                     best, best_err = keep, err
@@ -1199,6 +1309,9 @@ class NvFp4Codec(_ScaledCodec):
         lo = torch.index_select(_table_on(_FP4_KEY_LO, key.device), 0, pairs[:, 0])
         hi = torch.index_select(_table_on(_FP4_KEY_HI, key.device), 0, pairs[:, 1])
         torch.bitwise_or(lo, hi, out=p.data[e0 // 2 : (e1 + 1) // 2])
+
+    def _fused_decode_kind(self) -> Optional[str]:
+        return "nvfp4"
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         _unpack_nibbles(p.data[..., e0 // 2 : (e1 + 1) // 2], _table_on(_FP4_TABLE, p.device), out)
@@ -1230,6 +1343,9 @@ class _PassthroughCodec(Codec):
 
     def _at_max(self, p: Payload) -> Tensor:
         return torch.isinf(p.data)
+
+    def _fused_decode_kind(self) -> Optional[str]:
+        return "cast"
 
 
 @_register
@@ -1294,10 +1410,11 @@ def get_format(
     rounding: str = "nearest",
     seed: int = 0,
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
+    kernels: str = "by_device",
 ) -> Codec:
     """Codec for ``name`` (one of FORMAT_NAMES); ValueError for invalid options."""
     return format_class(name)(block_size=block_size, scale=scale, rounding=rounding, seed=seed,
-                              tile_elements=tile_elements)
+                              tile_elements=tile_elements, kernels=kernels)
 
 
 def sample_rows(codec: Codec, numel: int, limit: int) -> Tuple[int, Optional[Tensor]]:

@@ -287,19 +287,9 @@ class GiftReducer:
         expect_codec_header(self.checks, codec, bufs, numel, self._others)
         payload = codec.bytes_to_payload(bufs, (numel,), check_header=False)
         total = start if start is not None else torch.empty(numel, dtype=torch.float32, device=messages.device)
-        for e0, e1, rows in codec.decode_tiles(payload, tile_elements=self.tile_elements):
-            acc, rows = total[e0:e1], rows.unbind(0)  # one view per sender, made by one operation
-            first = start is None  # the first term is copied, every later one added
-            for src in range(world):
-                if src == me and own is None:
-                    continue
-                term = own[e0:e1] if src == me else rows[src - (src > me)]
-                if first:
-                    acc.copy_(term)
-                    first = False
-                else:
-                    acc.add_(term)
-        return total
+        # the senders are the others in rank order, mine at my place (me others come before it)
+        return codec.decode_sum(payload, total, own=own, own_at=me, from_out=start is not None,
+                                tile_elements=self.tile_elements)
 
     def _sum_at_owner(self, plan: BucketPlan, packed: List[Packed], recv: torch.Tensor, head: torch.Tensor,
                       stats: StepStats) -> Totals:

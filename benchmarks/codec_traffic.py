@@ -1,0 +1,261 @@
+"""    .venv/bin/python benchmarks/codec_traffic.py [--senders 3 7 31] [--json out.json]
+
+What each codec operation costs a GPU in kernels and memory traffic, counted, not timed: per
+format and operation, the kernels a tile launches and the bytes it reads and writes per gradient
+element, beside the floor (what the operation must move at least) and their ratio. Both modes:
+
+- eager (``gift.kernels: eager``): the codec runs on torch's meta device (no data; the
+  accelerator's code path and its tile of 2^24 elements; a fake CPU tensor for stochastic
+  rounding, whose generator needs a real device) under a dispatch counter; every ATen operator that is not a view or an allocation is a kernel, and
+  it reads its tensor inputs and writes its outputs (a broadcast input counted once).
+- compiled (``gift.kernels: compiled``): the same operation on this CPU with inductor compiling
+  afresh (caches off), which reports each graph's fused kernels and the bytes they read and
+  write (its scheduler's count: the same fusion decisions decide CUDA's kernels; it counts the
+  output a graph writes into its input twice, so its bytes are an upper bound), plus the eager
+  operators the codec still runs around the graph (counted as above: the header's copy, the
+  block scales' copy into the payload). The CPU tile is 2^20
+  elements; the per-element figures do not depend on the tile.
+
+Operations: ``encode`` (a tile of fp32 to its payload; per-tensor and NVFP4's global scales
+need a first pass for the amax, counted), ``decode_sum`` (the owner's batched decode of S
+senders' payloads and their fp32 sum into the section, S = ``--senders``), and the eager-only
+ones: stochastic rounding's encode and error feedback's residual (decode and subtract).
+
+Floors per element: encode, 4 B read + the payload's bytes (data and scales); decode-and-sum,
+S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import sys
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.results import write_json  # noqa: E402
+from deepspeed_gift.core import formats  # noqa: E402
+from deepspeed_gift.exchange.feedback import StoredResidual  # noqa: E402
+
+# (label, format, get_format options): the issue's list, the relay's second hop included
+CASES = (
+    ("fp8_e4m3/128", "fp8_e4m3", {}),
+    ("fp8_e5m2/tensor", "fp8_e5m2", {"block_size": 0}),
+    ("nvfp4", "nvfp4", {}),
+    ("int8/128", "int8", {}),
+    ("int4/128", "int4", {}),
+    ("relay int8/32", "int8", {"block_size": 32}),
+)
+GPU_TILE = formats.DEFAULT_TILE_ELEMENTS
+CPU_TILE = 1 << 20
+
+# operators that launch nothing on a GPU: allocations and metadata
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+              "detach", "alias", "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride",
+              "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+_WRITE_ONLY = {"copy_", "fill_", "zero_", "index_put_", "masked_fill_"}
+
+
+def touched_bytes(t: torch.Tensor) -> int:
+    """Bytes of the elements ``t`` addresses (a broadcast dimension, stride 0, counted once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Kernels (ATen operators that are neither views nor allocations) and the bytes they read
+    and write, as the dispatcher sees them on this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        self.read = 0
+        self.written = 0
+        self.host_reads = 0
+        self.ops: Dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.host_reads += 1
+        if func.is_view or name in _NO_KERNEL:
+            return out
+        self.kernels += 1
+        self.ops[name] = self.ops.get(name, 0) + 1
+        schema = func._schema
+        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+        written_inputs = set()
+        for arg, value in zip(schema.arguments, values):
+            if not isinstance(value, torch.Tensor):
+                if isinstance(value, (list, tuple)):
+                    self.read += sum(touched_bytes(v) for v in value if isinstance(v, torch.Tensor))
+                continue
+            writes = arg.alias_info is not None and arg.alias_info.is_write
+            if writes:
+                written_inputs.add(id(value))
+                self.written += touched_bytes(value)
+                if name not in _WRITE_ONLY and arg.name != "out" and not arg.kwarg_only:
+                    self.read += touched_bytes(value)
+            else:
+                self.read += touched_bytes(value)
+        for result in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(result, torch.Tensor) and id(result) not in written_inputs and not any(
+                    r.alias_info is not None for r in schema.returns):
+                self.written += touched_bytes(result)
+        return out
+
+
+def payload_bytes_per_element(codec: formats.Codec, numel: int) -> float:
+    return (codec.nbytes(numel) - formats.HEADER_BYTES) / numel
+
+
+def _codec(fmt: str, options: dict, kernels: str, rounding: str = "nearest") -> formats.Codec:
+    return formats.get_format(fmt, kernels=kernels, rounding=rounding, **options)
+
+
+def _inputs(numel: int, device: str, senders: int, codec: formats.Codec, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed) if device == "cpu" else None
+    spread = torch.rand(numel // 128, 1, generator=gen, device=device)  # blocks of unlike scales
+    x = (torch.randn(numel // 128, 128, generator=gen, device=device) * spread).view(-1)
+    rows = torch.stack([codec.encode(x * (1 + i / 8)).wire for i in range(senders)])
+    return x, rows
+
+
+@contextlib.contextmanager
+def _fresh_inductor():
+    """Inductor compiling afresh (no cache hit skips its count) with its byte count on, and
+    every compiled graph run outside a :class:`TrafficCounter` (a dispatch mode would keep
+    dynamo from running the graph; inductor counted its kernels when it compiled it)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+    from torch.utils._python_dispatch import _pop_mode_temporarily, _get_current_dispatch_mode
+
+    real = formats.fused_kernels.compiled
+
+    def compiled_uncounted(fn, **constants):
+        graph = real(fn, **constants)
+
+        def run(*args):
+            if isinstance(_get_current_dispatch_mode(), TrafficCounter):
+                with _pop_mode_temporarily():
+                    return graph(*args)
+            return graph(*args)
+        return run
+
+    torch._dynamo.reset()
+    real.cache_clear()
+    torch._logging.set_logs(inductor_metrics=True)
+    formats.fused_kernels.compiled = compiled_uncounted
+    try:
+        with inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
+            metrics.reset()
+            yield metrics
+    finally:
+        formats.fused_kernels.compiled = real
+        torch._logging.set_logs(inductor_metrics=False)
+
+
+def _fake_cpu():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
+    """One operation of one format, one tile: kernels and bytes per element."""
+    if kernels == "eager":
+        # the meta device: no data, an accelerator's code path and tile; stochastic rounding's
+        # generator needs a real device: a fake CPU there (the same operations per tile)
+        if rounding == "nearest":
+            numel, device, mode = GPU_TILE, "meta", contextlib.nullcontext()
+        else:
+            numel, device, mode = CPU_TILE, "cpu", _fake_cpu()
+    else:
+        numel, device, mode = CPU_TILE, "cpu", contextlib.nullcontext()
+    codec = _codec(fmt, options, kernels, rounding)
+    compiled_kernels = compiled_bytes = 0
+    with mode:
+        x, rows = _inputs(numel, device, senders, codec)
+        payload = codec.bytes_to_payload(rows, (numel,), check_header=False)
+        out = torch.empty(numel, device=device)
+
+        def run():
+            if op == "encode":
+                codec.encode(x)
+            elif op == "decode_sum":
+                codec.decode_sum(payload, out)
+            elif op == "feedback":  # error feedback: encode, then the residual kept in int8 per 128
+                sent = codec.encode(x)
+                StoredResidual.encode(x - codec.decode(sent))
+
+        counter = TrafficCounter()
+        if kernels == "compiled":
+            with _fresh_inductor() as metrics:
+                run()  # compiles: inductor counts each graph's kernels and bytes once
+                # a fused scheduler node is one kernel on CUDA (on a CPU one C++ function may
+                # hold a few loops); its bytes are inductor's count, which counts a graph input
+                # the graph writes twice (the computed buffer and the copy into the input, one
+                # store in the generated code): an upper bound by that input's bytes
+                compiled_kernels, compiled_bytes = len(metrics.nodes_num_elem), metrics.num_bytes_accessed
+                with counter:
+                    run()
+        else:
+            run()  # warm: lazily made tables and headers
+            with counter:
+                run()
+    floor = payload_bytes_per_element(codec, numel)
+    floor = 4 + floor if op == "encode" else senders * floor + 4
+    moved = (counter.read + counter.written + compiled_bytes) / numel
+    return {"kernels": counter.kernels + compiled_kernels, "compiled_kernels": compiled_kernels,
+            "eager_ops": counter.kernels, "bytes_per_element": moved, "floor": floor,
+            "x_floor": moved / floor, "host_reads": counter.host_reads}
+
+
+def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled")) -> List[dict]:
+    rows = []
+    for label, fmt, options in cases:
+        for mode in modes:
+            rows.append(dict(case=label, op="encode", mode=mode, **_measure(mode, fmt, options, "encode", 1)))
+            for s in senders:
+                rows.append(dict(case=label, op=f"decode_sum S={s}", mode=mode,
+                                 **_measure(mode, fmt, options, "decode_sum", s)))
+        rows.append(dict(case=label, op="encode stochastic", mode="eager",
+                         **_measure("eager", fmt, options, "encode", 1, rounding="stochastic")))
+        rows.append(dict(case=label, op="encode+feedback", mode="eager",
+                         **_measure("eager", fmt, options, "feedback", 1)))
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> List[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--senders", type=int, nargs="+", default=[3, 7, 31])
+    ap.add_argument("--cases", nargs="+", default=None, help="labels of CASES to run (default: all)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cases = [c for c in CASES if args.cases is None or c[0] in args.cases]
+    rows = measure_all(args.senders, cases)
+    print(f"{'case':<17}{'operation':<19}{'mode':<10}{'kernels':>8}{'B/elem':>9}{'floor':>8}{'x floor':>9}")
+    for r in rows:
+        print(f"{r['case']:<17}{r['op']:<19}{r['mode']:<10}{r['kernels']:>8}{r['bytes_per_element']:>9.2f}"
+              f"{r['floor']:>8.2f}{r['x_floor']:>9.2f}")
+    if args.json:
+        write_json(args.json, {"rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

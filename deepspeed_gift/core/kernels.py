@@ -1,0 +1,273 @@
+"""Fused tile kernels of the codecs (``gift.kernels``): each a small pure function over one tile
+that ``torch.compile`` turns into one or two kernels, beside the eager chains in
+:mod:`.formats`, which stay the reference and the fallback.
+
+Why: an eager encode is a chain of 10-40 ATen ops, each a pass over the tile; on a GPU every one
+is a kernel launch and a trip through HBM. Written as one function, inductor fuses the block
+amax, the scale, the divide, the cast or rounding and the nibble packing into a reduction and a
+store (Triton on CUDA, C++ here), and the owner's decode of W - 1 senders and their fp32 sum
+into one kernel that reads each payload once and writes the sum once.
+
+Every function here computes exactly what the eager chain computes, operation by operation in
+the same order (the same roundings: ``tests/test_kernels.py`` compares bytes), so the modes
+give the same bits. What they leave to the eager path: stochastic rounding (its generator's
+draws are the eager path's), E8M0 scales' encode, rows that are not whole blocks (a section's
+last, short block) and odd rows of 4-bit data.
+
+Pure tensor math: no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "row_sum_pairwise",
+           "fp8_block_encode", "scaled_cast", "int_block_encode", "int_scaled_round",
+           "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_of_codes", "decode_sum"]
+
+KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
+
+# Inductor's defaults round fp32 division on CUDA approximately (Triton's div.full) and flush
+# subnormals; the codecs' scales need the correctly rounded quotient eager computes.
+_COMPILE_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
+                    # recompute rather than store: a tile's values are read from HBM once and
+                    # every intermediate (NVFP4's candidates, a sender's decoded row) lives in
+                    # registers, where inductor's defaults would write some out and read them back
+                    "realize_reads_threshold": 64, "realize_opcount_threshold": 2000,
+                    "realize_cpu_opcount_threshold": 2000, "realize_acc_reads_threshold": 256,
+                    "realize_cpu_acc_reads_threshold": 256, "aggressive_fusion": True}
+
+
+def check_kernels(mode: str, key: str = "kernels") -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{key} must be one of {list(KERNEL_MODES)}, got {mode!r}")
+    return mode
+
+
+def uses_compiled(mode: str, device: torch.device) -> bool:
+    """Whether ``mode`` runs the compiled kernels on ``device``: ``compiled`` always; ``by_device``
+    on CUDA only. On a CPU the first use of a compiled codec costs 5-40 s of C++ compilation per
+    format and process (inductor's disk cache shortens later ones), more than an eager codec
+    costs a short CPU job, so ``by_device`` stays eager there (``benchmarks/codec_speed.py``
+    prints both modes' speed)."""
+    return mode == "compiled" or (mode == "by_device" and torch.device(device).type == "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(fn: Callable, **constants) -> Callable:
+    """``fn`` with its keyword-only arguments fixed to ``constants``, compiled once per process
+    and set of constants (dynamic shapes: one compile serves every tile and section size;
+    inductor's on-disk cache serves later processes)."""
+    # a copy of ``fn`` with a code object of its own and the constants as its keyword defaults:
+    # dynamo counts recompiles per code object (8 at most), so each set of constants is a
+    # compile of its own rather than a recompile of one shared function
+    code = fn.__code__.replace()
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = dict(constants)
+    return torch.compile(own, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def row_sum_pairwise(a: Tensor) -> Tensor:
+    """Sum over the last dimension (a power of two) by halving: one fixed order of fp32 adds,
+    the same in eager and compiled code (a stock reduction's order is the kernel's own)."""
+    while a.shape[-1] > 1:
+        half = a.shape[-1] // 2
+        a = a[..., :half] + a[..., half:]
+    return a[..., 0]
+
+
+def _rows_amax(x: Tensor) -> Tensor:
+    """max |x| per row; nan if the row holds a nan (maximum propagates it). The abs makes an
+    all-zero row's +0.0 whichever zero maximum(0.0, -0.0) picks (compiled code may ignore
+    the sign of zero)."""
+    return torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg()).abs()
+
+
+def _fp32_scales(amax: Tensor, qmax: float) -> Tensor:
+    # formats._fp32_scales, op for op: amax / qmax, nudged up an ulp where the quotient would
+    # scale an element past qmax
+    scale = amax / torch.full((), qmax, dtype=torch.float32, device=amax.device)
+    over = amax / scale > qmax
+    return torch.where(over, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+
+
+def _safe(scale: Tensor) -> Tensor:
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+# ----------------------------------------------------------------------------- encode
+
+
+# Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32
+# block scales are returned (a graph input that is a 4-byte view of the uint8 buffer cannot be
+# written under dynamic shapes): the caller copies them, 1/32 of the element bytes at block 128.
+
+
+def fp8_block_encode(x: Tensor, data: Tensor, *, fmax: float, dtype: torch.dtype) -> Tensor:
+    """One tile of whole blocks: ``x`` (rows, block) fp32 -> ``data`` (the bytes of (rows, block)
+    elements of the fp8 ``dtype``), round to nearest; returns the rows' fp32 scales."""
+    scale = _fp32_scales(_rows_amax(x), fmax)
+    data.view(dtype).copy_((x / _safe(scale)[:, None]).to(dtype))
+    return scale
+
+
+def scaled_cast(x: Tensor, divisor: Tensor, data: Tensor, *, dtype: torch.dtype) -> None:
+    """One tile under a per-tensor scale: ``data`` (bytes) = cast(x / divisor), round to nearest."""
+    data.view(dtype).copy_((x / divisor).to(dtype))
+
+
+def _int_codes(y: Tensor) -> Tensor:
+    return torch.round(y).to(torch.int8)  # half to even, as eager's round_
+
+
+def _pack_int4(codes: Tensor) -> Tensor:
+    nib = codes.view(torch.uint8) & 0x0F
+    pairs = nib.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def int_block_encode(x: Tensor, data: Tensor, *, qmax: int, packed: bool) -> Tensor:
+    """One tile of whole blocks of a symmetric integer format: ``data`` the bytes of (rows, block)
+    int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``; returns the fp32 scales."""
+    scale = _fp32_scales(_rows_amax(x), float(qmax))
+    codes = _int_codes(x / _safe(scale)[:, None])
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+    return scale
+
+
+def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, *, packed: bool) -> None:
+    """One tile under a per-tensor scale (flat ``x``; ``packed``: an even count)."""
+    codes = _int_codes(x / divisor)
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+
+
+# E2M1: magnitudes by code 0..7 and the midpoints between neighbours (a tie goes to the even code)
+_FP4_MAX = 6.0
+_E4M3_MAX = 448.0
+
+
+def _fp4_magnitude_codes(a: Tensor) -> Tensor:
+    """formats._fp4_magnitude_codes as one expression: the count of midpoints below ``a``."""
+    c = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
+         + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+         + (a > 5.0).to(torch.uint8))
+    return c
+
+
+def fp4_signed_codes(y: Tensor) -> Tensor:
+    """The signed E2M1 code (uint8 0..15) of fp32 ``y``, nearest with ties to even, saturating
+    at +-6 (nan: magnitude 0): what :func:`formats._fp4_keys` and its tables give."""
+    return _fp4_magnitude_codes(y.abs()) | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def e2m1_of_codes(codes: Tensor) -> Tensor:
+    """The fp32 value of signed E2M1 codes (0..15; -0.0 for code 8)."""
+    m = (codes & 7).to(torch.int32)
+    mag = torch.where(m < 2, m.to(torch.float32) * 0.5,
+                      (1.0 + (m & 1).to(torch.float32) * 0.5)
+                      * torch.where(m < 4, 1.0, torch.where(m < 6, 2.0, 4.0)))
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def _e4m3_at_least(target: Tensor) -> Tensor:
+    s8 = target.to(torch.float8_e4m3fn)
+    codes = s8.view(torch.uint8)
+    return codes + ((s8.to(torch.float32) < target) & (codes < 0x7E)).to(torch.uint8)
+
+
+def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequence[str]) -> Tensor:
+    """One tile of whole 16-blocks (``x``: (rows, 16) fp32; ``g``: the 1-element global scale):
+    per block the candidate E4M3 scale whose nearest-rounded block errs least (the first wins
+    a tie), and the block's E2M1 codes packed two a byte into ``data`` (rows, 8); returns the
+    scales' uint8 codes (0x7F for a non-finite block). ``NvFp4Codec._encode_into``, nearest."""
+    amax = _rows_amax(x)
+    target = amax / (_safe(g) * _FP4_MAX)
+    up = _e4m3_at_least(target)
+    options = {"up": up, "down": torch.where(up > 0, up - 1, up),
+               "4/6": _e4m3_at_least((target * 1.5).clamp(max=_E4M3_MAX))}
+    best_codes = best_err = best = None
+    for name in candidates:
+        cand = options[name]
+        scale = cand.view(torch.float8_e4m3fn).to(torch.float32) * g
+        codes = fp4_signed_codes(x / _safe(scale)[:, None])
+        err = row_sum_pairwise(torch.square(e2m1_of_codes(codes) * scale[:, None] - x))
+        if best is None:
+            best_codes, best_err, best = cand, err, codes
+            continue
+        better = err < best_err
+        best_codes = torch.where(better, cand, best_codes)
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[:, None], codes, best)
+    pairs = best.unflatten(-1, (-1, 2))
+    data.copy_(pairs[..., 0] | (pairs[..., 1] << 4))
+    return torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
+
+
+# ----------------------------------------------------------------------------- decode and sum
+
+
+def _fp8_values(data: Tensor) -> Tensor:
+    return data.to(torch.float32)
+
+
+def _int4_values(data: Tensor) -> Tensor:
+    d = data.view(torch.int8)
+    lo = torch.bitwise_left_shift(d, 4).bitwise_right_shift(4)  # sign-extended nibbles
+    hi = d.bitwise_right_shift(4)
+    return torch.stack([lo, hi], dim=-1).flatten(-2).to(torch.float32)
+
+
+def _nvfp4_values(data: Tensor) -> Tensor:
+    return e2m1_of_codes(torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2))
+
+
+def _e8m0_values(codes: Tensor) -> Tensor:
+    c = codes.to(torch.int32)
+    edge = ((c == 0) | (c == 255)).to(torch.int32)
+    return (c.bitwise_left_shift(23) | edge.bitwise_left_shift(22)).view(torch.float32)
+
+
+def decoded_rows(kind: str, data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], block: int) -> Tensor:
+    """(senders, n) fp32 values of a batch of payloads of whole blocks (``kind``: ``fp8``,
+    ``int8``, ``int4``, ``nvfp4``, ``e8m0`` (fp8 elements), ``cast`` (bf16/fp32)), each
+    element its code's value times its block's scale, as one product (what the eager fill and
+    row scaling give: the eager fp8 path's power-of-two detours are exact)."""
+    if kind == "cast":
+        return data.to(torch.float32)
+    values = {"fp8": _fp8_values, "e8m0": _fp8_values, "int8": _fp8_values,
+              "int4": _int4_values, "nvfp4": _nvfp4_values}[kind](data)
+    if kind == "nvfp4":
+        row_scale = scales.view(torch.float8_e4m3fn).to(torch.float32) * glob
+    elif kind == "e8m0":
+        row_scale = _e8m0_values(scales)
+    else:
+        row_scale = scales
+    s = values.shape[0]
+    if block == 0:
+        return values * row_scale.view(s, 1)
+    return (values.view(s, -1, block) * row_scale.view(s, -1, 1)).view(s, -1)
+
+
+def decode_sum(data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], out: Tensor,
+               own: Optional[Tensor], *, kind: str, block: int, own_at: int, from_out: bool) -> None:
+    """``out`` = the fp32 sum, in rank order, of every sender's decoded payload (rows of
+    ``data``/``scales``/``glob``) with ``own`` at place ``own_at`` of that order when given,
+    starting from ``out``'s own values when ``from_out``: the owner's decode-and-sum as one
+    pass (``GiftReducer.sum_sources`` adds the same terms in the same order)."""
+    rows = decoded_rows(kind, data, scales, glob, block)
+    terms = [rows[i] for i in range(rows.shape[0])]
+    if own is not None:
+        terms.insert(own_at, own)
+    total = out if from_out else terms.pop(0)
+    for term in terms:
+        total = total + term
+    out.copy_(total)

@@ -1,0 +1,159 @@
+"""The compiled codec kernels (``gift.kernels: compiled``) against the eager codecs, their
+reference: the same bytes and the same sums.
+
+Bit for bit wherever a value is finite. In a block holding inf or nan the payload's element
+bits are free (the scale carries the block's non-finiteness; an fp32 nan cast to an integer has
+no defined value): there both paths must decode every element non-finite, nan or inf alike.
+Each kernel variant compiles once per process (5-40 s on 2 cores, less from inductor's disk
+cache), so the cases are few and each covers a family: a block format, a per-tensor one, the
+packed nibbles, NVFP4's scale choice, and the sum of each kind of payload.
+"""
+
+import pytest
+import torch
+
+from deepspeed_gift.config import get_gift_config
+from deepspeed_gift.core import kernels
+from deepspeed_gift.core.formats import get_format
+
+N = 20000 + 37  # a short last block for every block size here
+SMALL_TILE = 4096  # several tiles, the last one short
+
+
+def _input(n=N, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-30, 30, n // 64 + 1, base=2.0)[torch.randperm(n // 64 + 1, generator=gen)]
+    x = torch.randn(n, generator=gen) * spread.repeat_interleave(64)[:n]
+    x[64 * 3: 64 * 4] = 0.0  # an all-zero block
+    x[64 * 5 + 7] = float("nan")
+    x[64 * 9 + 1] = float("inf")
+    x[64 * 11 + 2] = float("-inf")
+    x[64 * 13: 64 * 14] *= 2.0**-140  # fp32 subnormal amax: the scale is nudged
+    return x
+
+
+def _nonfinite_blocks(x, block):
+    """bool per element: its block (of ``block``; the whole tensor when 0) holds inf/nan."""
+    bad = ~torch.isfinite(x)
+    if block == 0:
+        return torch.full_like(bad, bool(bad.any()))
+    n = x.numel()
+    padded = torch.nn.functional.pad(bad, (0, -n % block)).view(-1, block).any(1)
+    return padded.repeat_interleave(block)[:n]
+
+
+def _same_values(a, b, free):
+    """Equal bits where ``free`` is false; non-finite in both where it is true."""
+    assert torch.equal(a[~free].view(torch.int32), b[~free].view(torch.int32))
+    assert not torch.isfinite(a[free]).any() and not torch.isfinite(b[free]).any()
+
+
+def _element_bytes(codec, wire, n):
+    """The element data of a wire buffer, without header and scales."""
+    return wire[codec._offsets(n)[2]:]
+
+
+ENCODE_CASES = [
+    ("fp8_e4m3", {}),  # fp32 scale per 128: fp8_block_encode
+    ("fp8_e5m2", {"block_size": 0}),  # one scale per tensor: scaled_cast over tiles
+    ("int8", {"block_size": 32}),  # the relay's second hop: int_block_encode
+    ("int4", {}),  # packed nibbles
+    ("nvfp4", {}),  # the per-block scale choice among three candidates
+]
+
+
+@pytest.mark.parametrize("tile", [None, SMALL_TILE], ids=["tile", "small_tile"])
+@pytest.mark.parametrize("name,options", ENCODE_CASES, ids=[f"{n}-{o}" for n, o in ENCODE_CASES])
+def test_compiled_encode_equals_eager(name, options, tile):
+    x = _input()
+    eager = get_format(name, kernels="eager", **options)
+    fused = get_format(name, kernels="compiled", **options)
+    pe, pf = eager.encode(x, tile_elements=tile), fused.encode(x, tile_elements=tile)
+    we, wf = eager.payload_to_bytes(pe), fused.payload_to_bytes(pf)
+    offsets = eager._offsets(N)
+    assert torch.equal(we[: offsets[1]], wf[: offsets[1]])  # header, NVFP4's global scale
+    se, sf = pe.scales.float(), pf.scales.float()  # block scales: equal bits, a nan's aside
+    assert torch.equal(se.isnan(), sf.isnan())
+    assert torch.equal(pe.scales[~se.isnan()].view(torch.uint8), pf.scales[~sf.isnan()].view(torch.uint8))
+    free = _nonfinite_blocks(x, eager.block_size)
+    if eager.elements_per_byte == 1:
+        keep = ~free
+        assert torch.equal(_element_bytes(eager, we, N)[keep], _element_bytes(fused, wf, N)[keep])
+    else:  # a byte holds two elements: compare the bytes whose elements are both finite-blocked
+        pair_free = torch.nn.functional.pad(free, (0, N % 2)).view(-1, 2).any(1)
+        assert torch.equal(_element_bytes(eager, we, N)[~pair_free], _element_bytes(fused, wf, N)[~pair_free])
+    _same_values(eager.decode(pe), fused.decode(pf), free)
+
+
+def test_compiled_mode_runs_the_compiled_kernels(monkeypatch):
+    """Not the eager fallback: every whole tile goes through a compiled kernel, the short last
+    block through the eager path; ``by_device`` on this CPU and ``eager`` compile nothing."""
+    used = []
+    real = kernels.compiled
+
+    def recording(fn, **constants):
+        used.append(fn.__name__)
+        return real(fn, **constants)
+
+    monkeypatch.setattr(kernels, "compiled", recording)
+    x = _input()[: 4 * SMALL_TILE + 100]
+    for mode in ("eager", "by_device"):
+        get_format("fp8_e4m3", kernels=mode).encode(x, tile_elements=SMALL_TILE)
+    assert used == []
+    get_format("fp8_e4m3", kernels="compiled").encode(x, tile_elements=SMALL_TILE)
+    assert used == ["fp8_block_encode"] * 4  # four whole tiles; the 100 left over are eager
+
+
+DECODE_CASES = [
+    ("fp8_e4m3", {}, 1, False),
+    ("fp8_e4m3", {}, 0, True),  # the sum starts from the output's values, my term first
+    ("int4", {}, 2, False),
+    ("nvfp4", {}, 1, False),
+    ("fp32", {}, 1, False),  # lossless: the decode is the values themselves
+]
+
+
+@pytest.mark.parametrize("name,options,own_at,from_out", DECODE_CASES,
+                         ids=[f"{c[0]}-own{c[2]}-{'from_out' if c[3] else 'fresh'}" for c in DECODE_CASES])
+def test_compiled_decode_sum_equals_eager(name, options, own_at, from_out):
+    eager = get_format(name, kernels="eager", **options)
+    fused = get_format(name, kernels="compiled", **options)
+    xs = [_input(seed=s) * (1 + s / 4) for s in range(3)]
+    size = eager.nbytes(N)
+    stride = size + 3  # rows at a misaligned stride, as the sections of a received buffer lie
+    buf = torch.zeros(3 * stride, dtype=torch.uint8)
+    rows = buf.as_strided((3, size), (stride, 1))
+    for i, x in enumerate(xs):
+        rows[i].copy_(eager.encode(x).wire)
+    payload = eager.bytes_to_payload(rows, (N,))
+    own = _input(seed=7)
+    start = torch.randn(N)
+    out_e, out_f = start.clone(), start.clone()
+    eager.decode_sum(payload, out_e, own=own, own_at=own_at, from_out=from_out, tile_elements=SMALL_TILE)
+    fused.decode_sum(payload, out_f, own=own, own_at=own_at, from_out=from_out, tile_elements=SMALL_TILE)
+    free = ~torch.isfinite(out_e) | ~torch.isfinite(out_f)
+    for x in xs:  # a scaled block shares its non-finiteness; an unscaled element keeps its own
+        free |= _nonfinite_blocks(x, eager.block_size if eager.scale_kind != "none" else 1)
+    free |= ~torch.isfinite(own)
+    _same_values(out_e, out_f, free)
+    assert torch.isfinite(out_e[~free]).all() and (~free).sum() > N // 2
+    # the eager sum is each payload decoded alone, added in order (the reducer's contract)
+    terms = [eager.decode(eager.bytes_to_payload(rows[i].contiguous(), (N,))) for i in range(3)]
+    terms.insert(own_at, own)
+    expected = start.clone() if from_out else terms.pop(0).clone()
+    for t in terms:
+        expected += t
+    _same_values(expected, out_e, free)
+
+
+def test_kernels_key_is_validated_and_never_auto():
+    assert get_gift_config({"gift": {}}).kernels == "by_device"
+    assert get_gift_config({"gift": {"kernels": "compiled"}}).kernels == "compiled"
+    for bad in ("auto", "fused", 1):
+        with pytest.raises(ValueError, match="kernels"):
+            get_gift_config({"gift": {"kernels": bad}})
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        get_format("fp8_e4m3", kernels="auto")
+    assert not kernels.uses_compiled("by_device", torch.device("cpu"))
+    assert kernels.uses_compiled("by_device", torch.device("cuda"))
+    assert kernels.uses_compiled("compiled", torch.device("cpu"))
