@@ -8,7 +8,9 @@ For each format: median wall time over ``--repeats`` runs of ``encode_to_bytes``
 header check included), elements per second, the relative L2 error of the round trip on
 this Gaussian tensor, and the time relative to ``x.clone()``
 of the same tensor measured in the same run (a memory-bandwidth yardstick: 1.0 means
-"as fast as one read + one write of the fp32 tensor"). ``nvfp4/up`` is NVFP4 with the single
+"as fast as one read + one write of the fp32 tensor"). Each format runs in both codec modes
+(``--kernels``; ``+c`` marks ``gift.kernels: compiled``, whose first use compiles before the
+timing). ``nvfp4/up`` is NVFP4 with the single
 block-scale rule of earlier versions (smallest E4M3 scale that clips nothing), beside the
 per-block choice among three scales. Prints a table; ``--json PATH``
 also writes the numbers.
@@ -100,6 +102,9 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--formats", nargs="+", default=list(FORMAT_NAMES), choices=FORMAT_NAMES)
     parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--kernels", nargs="+", default=["eager", "compiled"], choices=("eager", "compiled"),
+                        help="codec modes to time (gift.kernels); compiled rows are labelled '+c' (first use "
+                             "compiles, outside the timing)")
     parser.add_argument("--shapes", nargs="*", type=parse_shape, default=[(1280, 1280), (3456, 1280), (1280, 3456)],
                         help="layer gradient shapes MxN for the transform table (none: skip it)")
     parser.add_argument("--rank", type=int, default=32, help="rank of the structured whitener")
@@ -118,9 +123,12 @@ def main(argv: List[str] | None = None) -> int:
     variants = []
     for name in args.formats:
         rounding = "nearest" if name == "fp32" else args.rounding
-        variants.append((name, get_format(name, rounding=rounding)))
-        if name == "nvfp4":  # the single scale rule of earlier versions, beside the per-block choice
-            variants.append(("nvfp4/up", NvFp4Codec(rounding=rounding, scale_candidates=("up",))))
+        for mode in args.kernels:
+            tag = "+c" if mode == "compiled" else ""
+            variants.append((name + tag, get_format(name, rounding=rounding, kernels=mode)))
+            if name == "nvfp4":  # the single scale rule of earlier versions, beside the per-block choice
+                variants.append(("nvfp4/up" + tag, NvFp4Codec(rounding=rounding, scale_candidates=("up",),
+                                                              kernels=mode)))
     for label, codec in variants:
         rounding = codec.rounding
         wire = codec.encode_to_bytes(x)
@@ -130,6 +138,7 @@ def main(argv: List[str] | None = None) -> int:
         rows.append(
             {
                 "format": label,
+                "kernels": codec.kernels,
                 "rel_l2_error": rel_err,
                 "rounding": rounding,
                 "block_size": codec.block_size,
@@ -149,14 +158,14 @@ def main(argv: List[str] | None = None) -> int:
         f"torch={torch.__version__} clone={clone_s * 1e3:.3f} ms"
     )
     head = (
-        f"{'format':<9} {'B/elem':>7} {'enc ms':>8} {'dec ms':>8} {'enc Ge/s':>9} {'dec Ge/s':>9} "
+        f"{'format':<11} {'B/elem':>7} {'enc ms':>8} {'dec ms':>8} {'enc Ge/s':>9} {'dec Ge/s':>9} "
         f"{'enc/clone':>9} {'dec/clone':>9} {'rel err':>8}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['format']:<9} {r['bytes_per_element']:>7.4f} {r['encode_ms']:>8.2f} {r['decode_ms']:>8.2f} "
+            f"{r['format']:<11} {r['bytes_per_element']:>7.4f} {r['encode_ms']:>8.2f} {r['decode_ms']:>8.2f} "
             f"{r['encode_gelem_s']:>9.3f} {r['decode_gelem_s']:>9.3f} {r['encode_vs_clone']:>9.2f} "
             f"{r['decode_vs_clone']:>9.2f} {r['rel_l2_error']:>8.4f}"
         )

@@ -4,14 +4,14 @@
 What the plugin must do on an accelerator before a user trusts it there, in one command; it
 writes a JSON and prints a table:
 
-1. ``parity``: every format's encode/decode on the device against the CPU codec (nearest
-   rounding): the same bytes, the same byte count, the same decoded values; stochastic
+1. ``parity``: every format's encode/decode on the device (``gift.kernels``' default: compiled on
+   CUDA; and eager) against the CPU's eager codec (nearest rounding): the same bytes, the same byte count, the same decoded values; stochastic
    rounding gives the same bytes twice from one seed; a batch of 5 payloads laid out as an owner
    receives them (one stride, fp32 scales misaligned) decodes on the device to what each decodes
    to alone, and to the CPU's batch (nan equal to nan). (On ``--device cpu``: the codec
    against itself, run twice; the byte count against ``nbytes``.)
-2. ``codec``: encode and decode throughput (GB/s of fp32 input) and peak extra memory per
-   element for fp8 per block and per tensor, nvfp4 and int4 at 64M and 512M elements
+2. ``codec``: encode and decode throughput (GB/s of fp32 input), eager and compiled, and peak
+   extra memory per element for fp8 per block and per tensor, nvfp4 and int4 at 64M and 512M elements
    (``--quick``: 1M), beside a device copy of the same tensor.
 3. ``whitener``: a kfac whitener's apply + inverse on a (4096 x 4096) gradient (quick: 512):
    seconds and round-trip error, with TF32 matmuls on and off, and inside the reducer's
@@ -33,6 +33,7 @@ writes a JSON and prints a table:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -84,6 +85,9 @@ def check_parity(device, numel: int) -> list:
                "count_equal": got.numel() == ref.numel() == cpu_codec.nbytes(numel),
                "decode_equal": torch.equal(decoded, cpu_codec.decode_from_bytes(ref, (numel,)))}
         row["batch_decode_equal"] = _batch_decode_equal(cpu_codec, x_cpu, device)
+        # the device codec above runs gift.kernels' default: compiled on CUDA; eager beside it
+        eager = formats.get_format(name, kernels="eager")
+        row["eager_bytes_equal"] = torch.equal(ref, eager.encode_to_bytes(x_cpu.to(device)).cpu())
         try:
             codec = formats.get_format(name, rounding="stochastic", seed=7)
             again = formats.get_format(name, rounding="stochastic", seed=7)
@@ -123,9 +127,11 @@ def codec_speed(device, sizes, repeats: int) -> list:
     for numel in sizes:
         x = torch.randn(numel, device=device)
         copy_s = timed(lambda: x.clone(), device, repeats)
-        for label, name, options in CODEC_ROWS:
-            codec = formats.get_format(name, **options)
-            wire = codec.encode_to_bytes(x)
+        # compiled on CUDA only: the CPU part checks the check, not inductor's C++ (minutes to build)
+        modes = ("eager", "compiled") if device.type == "cuda" else ("eager",)
+        for (label, name, options), kernels in itertools.product(CODEC_ROWS, modes):
+            codec = formats.get_format(name, kernels=kernels, **options)
+            wire = codec.encode_to_bytes(x)  # compiled: compiles here, before the timing
             enc_s = timed(lambda: codec.encode_to_bytes(x), device, repeats)
             dec_s = timed(lambda: codec.decode_from_bytes(wire, (numel,)), device, repeats)
             peak = None
@@ -136,7 +142,7 @@ def codec_speed(device, sizes, repeats: int) -> list:
                 codec.decode_from_bytes(codec.encode_to_bytes(x), (numel,))
                 torch.cuda.synchronize(device)
                 peak = (torch.cuda.max_memory_allocated(device) - base) / numel
-            rows.append({"codec": label, "numel": numel, "encode_gbs": 4 * numel / enc_s / 1e9,
+            rows.append({"codec": label, "kernels": kernels, "numel": numel, "encode_gbs": 4 * numel / enc_s / 1e9,
                          "decode_gbs": 4 * numel / dec_s / 1e9, "copy_gbs": 4 * numel / copy_s / 1e9,
                          "encode_vs_copy": enc_s / copy_s, "peak_extra_bytes_per_elem": peak})
     return rows

@@ -290,3 +290,20 @@ def test_owner_ops_decode_is_one_batch_whatever_the_world(tmp_path):
             assert len({r["decode_ops"] for r in counts}) == 1 and counts[0]["decode_ops"] > 5, counts
             adds = [0, 0] if part == "owner" and route == "relay" else [3, 7]  # the owner only places chunks
             assert [r["sum_ops"] for r in counts] == adds, counts
+
+def test_codec_traffic_counts_kernels_and_bytes_against_the_floor():
+    # issue 41: the eager codec is a chain (each op a kernel and a pass over the tile, one add
+    # per sender in the sum); compiled, the owner's decode-and-sum of every sender is one kernel
+    # that reads each payload once and writes the sum once (inductor's count: the output twice)
+    from benchmarks import codec_traffic as ct
+
+    enc = ct._measure("eager", "fp8_e4m3", {}, "encode", 1)
+    assert enc["floor"] == pytest.approx(4 + 1 + 4 / 128) and enc["kernels"] >= 8
+    assert enc["bytes_per_element"] > 2 * enc["floor"]
+    sums = [ct._measure("eager", "fp8_e4m3", {}, "decode_sum", s) for s in (3, 7)]
+    assert sums[1]["kernels"] - sums[0]["kernels"] >= 4  # at least one add per sender more
+    fused = ct._measure("compiled", "fp8_e4m3", {}, "decode_sum", 3)
+    assert fused["kernels"] == 1 and fused["eager_ops"] == 0
+    floor = 3 * (1 + 4 / 128) + 4
+    assert fused["floor"] == pytest.approx(floor)
+    assert floor <= fused["bytes_per_element"] <= floor + 4 + 1e-6

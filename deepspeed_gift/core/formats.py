@@ -146,6 +146,14 @@ class Payload:
         """The leading dimensions of a batch of payloads (``()`` for one payload)."""
         return tuple(self.data.shape[:-1])
 
+    def as_batch(self) -> "Payload":
+        """This payload as a batch of one (views)."""
+        def row(t):
+            return None if t is None else t.unsqueeze(0)
+        return Payload(format=self.format, shape=self.shape, data=row(self.data), scales=row(self.scales),
+                       global_scale=row(self.global_scale), block_size=self.block_size,
+                       scale_kind=self.scale_kind, wire=self.wire)
+
     @property
     def nbytes(self) -> int:
         parts = (self.data, self.scales, self.global_scale)
@@ -266,16 +274,22 @@ def _tile_amax(values: Tensor, row_len: int) -> Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _source_amax(src, row_len: int, tile: int, *, finite_blocks_only: bool = False) -> Tensor:
+def _source_amax(src, row_len: int, tile: int, *, finite_blocks_only: bool = False, fused: bool = False) -> Tensor:
     """max |x| over ``src`` (1 element), read tile by tile; nan/inf propagate, or with
-    ``finite_blocks_only`` every row of ``row_len`` holding a nan/inf is left out."""
+    ``finite_blocks_only`` every row of ``row_len`` holding a nan/inf is left out. ``fused``:
+    tiles of whole rows reduce in one compiled kernel (the same value: max is exact)."""
     numel = src.numel
     step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
     work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
     best = None
     for e0 in range(0, numel, step):
         e1 = min(e0 + step, numel)
-        amax = _tile_amax(src.read(e0, e1, work), row_len)
+        values = src.read(e0, e1, work)
+        if fused and (e1 - e0) % row_len == 0:
+            best = fused_kernels.compiled(fused_kernels.rows_amax, finite_blocks_only=finite_blocks_only)(
+                values.view(-1, row_len), best)
+            continue
+        amax = _tile_amax(values, row_len)
         if finite_blocks_only:
             amax = torch.where(torch.isfinite(amax), amax, 0.0)
         top = amax.amax().reshape(1)
@@ -593,6 +607,8 @@ class Codec:
         numel = p.numel
         if numel == 0:
             return out
+        if not p.batch and self._fused_decode_kind() is not None and self.compiled_on(p.device):
+            return self.decode_sum(p.as_batch(), out, from_out=add, tile_elements=tile_elements)
         if add:
             for e0, e1, part in self.decode_tiles(p, tile_elements=tile_elements):
                 out[..., e0:e1].add_(part)  # the same fp32 sum as adding a whole decoded tensor
@@ -868,7 +884,7 @@ class _ScaledCodec(Codec):
         _mul_rows_(out, self._row_scales(p, r0, r1), row_len)
 
     def _per_tensor_divisor(self, src, row_len: int, n_rows: int, p: Payload, qmax: float, tile: int) -> Tensor:
-        scale = _fp32_scales(_source_amax(src, row_len, tile), qmax)
+        scale = _fp32_scales(_source_amax(src, row_len, tile, fused=self.compiled_on(src.device)), qmax)
         p.scales.copy_(scale)
         return _safe_divisor(scale).expand(n_rows)
 
@@ -1259,7 +1275,8 @@ class NvFp4Codec(_ScaledCodec):
             return
         row_len = self.block_size
         n_rows = -(-numel // row_len)
-        g = _fp32_scales(_source_amax(src, row_len, tile, finite_blocks_only=True), _FP4_MAX * _E4M3_MAX)
+        g = _fp32_scales(_source_amax(src, row_len, tile, finite_blocks_only=True,
+                                      fused=gen is None and self.compiled_on(src.device)), _FP4_MAX * _E4M3_MAX)
         p.global_scale.copy_(g)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)

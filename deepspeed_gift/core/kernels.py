@@ -35,13 +35,7 @@ KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
 
 # Inductor's defaults round fp32 division on CUDA approximately (Triton's div.full) and flush
 # subnormals; the codecs' scales need the correctly rounded quotient eager computes.
-_COMPILE_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
-                    # recompute rather than store: a tile's values are read from HBM once and
-                    # every intermediate (NVFP4's candidates, a sender's decoded row) lives in
-                    # registers, where inductor's defaults would write some out and read them back
-                    "realize_reads_threshold": 64, "realize_opcount_threshold": 2000,
-                    "realize_cpu_opcount_threshold": 2000, "realize_acc_reads_threshold": 256,
-                    "realize_cpu_acc_reads_threshold": 256, "aggressive_fusion": True}
+_COMPILE_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
 
 
 def check_kernels(mode: str, key: str = "kernels") -> str:
@@ -62,15 +56,18 @@ def uses_compiled(mode: str, device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def compiled(fn: Callable, **constants) -> Callable:
     """``fn`` with its keyword-only arguments fixed to ``constants``, compiled once per process
-    and set of constants (dynamic shapes: one compile serves every tile and section size;
-    inductor's on-disk cache serves later processes)."""
+    and set of constants (then once more with the sizes that vary made symbolic: those serve
+    every tile and section size; inductor's on-disk cache serves later processes)."""
     # a copy of ``fn`` with a code object of its own and the constants as its keyword defaults:
     # dynamo counts recompiles per code object (8 at most), so each set of constants is a
     # compile of its own rather than a recompile of one shared function
     code = fn.__code__.replace()
     own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__ = dict(constants)
-    return torch.compile(own, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
+    # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
+    # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
+    # never changes and stays a constant the C++/Triton code vectorizes over
+    return torch.compile(own, dynamic=None, fullgraph=True, options=_COMPILE_OPTIONS)
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -79,10 +76,13 @@ def compiled(fn: Callable, **constants) -> Callable:
 def row_sum_pairwise(a: Tensor) -> Tensor:
     """Sum over the last dimension (a power of two) by halving: one fixed order of fp32 adds,
     the same in eager and compiled code (a stock reduction's order is the kernel's own)."""
-    while a.shape[-1] > 1:
-        half = a.shape[-1] // 2
-        a = a[..., :half] + a[..., half:]
-    return a[..., 0]
+    # column by column (each a (rows,) vector): in compiled code every add is then one pointwise
+    # over the rows that fuses with the rest, where halving the tensor would make buffers
+    cols = list(a.unbind(-1))
+    while len(cols) > 1:
+        half = len(cols) // 2
+        cols = [cols[i] + cols[i + half] for i in range(half)]
+    return cols[0]
 
 
 def _rows_amax(x: Tensor) -> Tensor:
@@ -105,6 +105,16 @@ def _safe(scale: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- encode
+
+
+def rows_amax(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool) -> Tensor:
+    """max |x| over the rows ``x`` (1 element), and over ``best`` (an earlier tile's) when given;
+    ``finite_blocks_only``: rows holding inf/nan left out. A per-tensor scale's first pass."""
+    amax = _rows_amax(x)
+    if finite_blocks_only:
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    top = amax.amax().reshape(1)
+    return top if best is None else torch.maximum(best, top)
 
 
 # Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32
@@ -155,33 +165,62 @@ _FP4_MAX = 6.0
 _E4M3_MAX = 448.0
 
 
+# E2M1 codes are carried as fp32 values 0..15 (exact): comparisons, selects and floors of floats
+# vectorize in C++ and Triton alike, where shifts and small-integer arithmetic fall back to
+# scalar code on a CPU.
+
+
 def _fp4_magnitude_codes(a: Tensor) -> Tensor:
-    """formats._fp4_magnitude_codes as one expression: the count of midpoints below ``a``."""
-    c = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
-         + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
-         + (a > 5.0).to(torch.uint8))
+    """formats._fp4_magnitude_codes as one expression: the count of midpoints below ``a`` (as
+    fp32; nan counts none)."""
+    c = (a > 0.25).to(torch.float32)
+    for midpoint, tie_up in ((0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
+        c = c + (a >= midpoint if tie_up else a > midpoint).to(torch.float32)
     return c
 
 
 def fp4_signed_codes(y: Tensor) -> Tensor:
-    """The signed E2M1 code (uint8 0..15) of fp32 ``y``, nearest with ties to even, saturating
+    """The signed E2M1 code (fp32 0..15) of fp32 ``y``, nearest with ties to even, saturating
     at +-6 (nan: magnitude 0): what :func:`formats._fp4_keys` and its tables give."""
-    return _fp4_magnitude_codes(y.abs()) | (torch.signbit(y).to(torch.uint8) << 3)
+    negative = (y.view(torch.int32) < 0).to(torch.float32)  # the sign bit (-0.0 included)
+    return _fp4_magnitude_codes(y.abs()) + negative * 8.0
 
 
 def e2m1_of_codes(codes: Tensor) -> Tensor:
-    """The fp32 value of signed E2M1 codes (0..15; -0.0 for code 8)."""
-    m = (codes & 7).to(torch.int32)
-    mag = torch.where(m < 2, m.to(torch.float32) * 0.5,
-                      (1.0 + (m & 1).to(torch.float32) * 0.5)
-                      * torch.where(m < 4, 1.0, torch.where(m < 6, 2.0, 4.0)))
-    return torch.where(codes >= 8, -mag, mag)
+    """The fp32 value of signed E2M1 codes (0..15, as fp32; -0.0 for code 8): magnitude code
+    m >= 2 is 2**(floor(m / 2) - 1) * (1 + (m mod 2) / 2), m < 2 is m / 2."""
+    negative = codes >= 8.0
+    m = codes - negative.to(torch.float32) * 8.0
+    e = torch.floor(m * 0.5)
+    mag = torch.where(m < 2.0, m * 0.5, (1.0 + (m - 2.0 * e) * 0.5)
+                      * torch.where(e < 2.0, 1.0, torch.where(e < 3.0, 2.0, 4.0)))
+    return torch.where(negative, -mag, mag)
+
+
+def _pack_fp4(codes: Tensor) -> Tensor:
+    pairs = codes.unflatten(-1, (-1, 2))
+    return (pairs[..., 0] + pairs[..., 1] * 16.0).to(torch.uint8)
+
+
+def _fp4_nibbles(data: Tensor) -> Tensor:
+    """The nibbles (fp32 0..15) of packed bytes, element 2i the low one."""
+    shifts = torch.tensor([0, 4], dtype=torch.int32, device=data.device)
+    return ((data.to(torch.int32).unsqueeze(-1) >> shifts) & 0x0F).flatten(-2).to(torch.float32)
 
 
 def _e4m3_at_least(target: Tensor) -> Tensor:
     s8 = target.to(torch.float8_e4m3fn)
     codes = s8.view(torch.uint8)
     return codes + ((s8.to(torch.float32) < target) & (codes < 0x7E)).to(torch.uint8)
+
+
+def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
+    return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
+
+
+def _e2m1_rounded(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` rounded to E2M1 under per-row ``scale`` and scaled back: what a block decodes to."""
+    return e2m1_of_codes(fp4_signed_codes(x / _safe(scale)[:, None])) * scale[:, None]
 
 
 def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequence[str]) -> Tensor:
@@ -194,21 +233,20 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequenc
     up = _e4m3_at_least(target)
     options = {"up": up, "down": torch.where(up > 0, up - 1, up),
                "4/6": _e4m3_at_least((target * 1.5).clamp(max=_E4M3_MAX))}
-    best_codes = best_err = best = None
-    for name in candidates:
+    best_codes = best_err = None
+    for name in candidates:  # per candidate only its error per block is kept
         cand = options[name]
-        scale = cand.view(torch.float8_e4m3fn).to(torch.float32) * g
-        codes = fp4_signed_codes(x / _safe(scale)[:, None])
-        err = row_sum_pairwise(torch.square(e2m1_of_codes(codes) * scale[:, None] - x))
-        if best is None:
-            best_codes, best_err, best = cand, err, codes
+        err = row_sum_pairwise(torch.square(_e2m1_rounded(x, _e4m3_scale(cand, g)) - x))
+        if best_err is None:
+            best_codes, best_err = cand, err
             continue
         better = err < best_err
         best_codes = torch.where(better, cand, best_codes)
         best_err = torch.where(better, err, best_err)
-        best = torch.where(better[:, None], codes, best)
-    pairs = best.unflatten(-1, (-1, 2))
-    data.copy_(pairs[..., 0] | (pairs[..., 1] << 4))
+    # the winner's element codes made again from its scale (the same operations as when it was
+    # tried), so no candidate's codes are ever stored
+    best = fp4_signed_codes(x / _safe(_e4m3_scale(best_codes, g))[:, None])
+    data.copy_(_pack_fp4(best))
     return torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
 
 
@@ -219,15 +257,17 @@ def _fp8_values(data: Tensor) -> Tensor:
     return data.to(torch.float32)
 
 
+# Nibbles unpacked by broadcasting each byte against two factors (element 2i the low nibble):
+# one pointwise expression, where a stack of the two halves would be a buffer of its own.
+
+
 def _int4_values(data: Tensor) -> Tensor:
-    d = data.view(torch.int8)
-    lo = torch.bitwise_left_shift(d, 4).bitwise_right_shift(4)  # sign-extended nibbles
-    hi = d.bitwise_right_shift(4)
-    return torch.stack([lo, hi], dim=-1).flatten(-2).to(torch.float32)
+    n = _fp4_nibbles(data)  # two's complement nibbles
+    return torch.where(n >= 8.0, n - 16.0, n)
 
 
 def _nvfp4_values(data: Tensor) -> Tensor:
-    return e2m1_of_codes(torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2))
+    return e2m1_of_codes(_fp4_nibbles(data))
 
 
 def _e8m0_values(codes: Tensor) -> Tensor:
@@ -254,7 +294,9 @@ def decoded_rows(kind: str, data: Tensor, scales: Optional[Tensor], glob: Option
     s = values.shape[0]
     if block == 0:
         return values * row_scale.view(s, 1)
-    return (values.view(s, -1, block) * row_scale.view(s, -1, 1)).view(s, -1)
+    rows = row_scale.shape[-1]
+    torch._check(values.shape[-1] == rows * block)  # whole blocks: tells the symbolic shapes so
+    return (values.view(s, rows, block) * row_scale.view(s, rows, 1)).view(s, -1)
 
 
 def decode_sum(data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], out: Tensor,
