@@ -38,7 +38,10 @@ rate) / efficiency``, with the bytes of one rank's tensor S (:func:`collective_b
 the codec's measured time relative to a copy of the tensor (``benchmarks/codec_speed.py``,
 measured here unless ``--codec-json``) times a copy on the target (8 bytes per element at
 ``--hbm-tbs``); with ``gift.params`` also the parameters' encode of N/W elements and decode
-plus add of all N (one more copy's worth per element). ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
+plus add of all N (one more copy's worth per element). With ``--codec-traffic`` the GPU codec
+time comes from counted traffic instead (``benchmarks/codec_traffic.py``: bytes per element over
+the copy bandwidth, plus ``--launch-us`` per kernel per tile), the compiled kernels' in the
+tables, the CPU ratio and the eager count printed beside it. ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
 and factors are fp32): the input statistics (2 tokens n^2 flops per distinct layer input
 every ``collect_interval`` steps), whitening of what a rank sends and the inverse of what
 it owns (8 and 4 m n r flops, for selected layers), and every rank's Nystrom
@@ -350,12 +353,40 @@ def codec_ratios(args) -> Dict[str, float]:
     else:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec_speed.py"), "--numel",
-                                   str(args.codec_numel), "--repeats", "3", "--shapes", "--json", f.name],
+                                   str(args.codec_numel), "--repeats", "3", "--shapes", "--kernels", "eager",
+                                   "--json", f.name],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"benchmarks/codec_speed.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             data = json.loads(Path(f.name).read_text())
-    return {r["format"]: {"encode": r["encode_vs_clone"], "decode": r["decode_vs_clone"]} for r in data["formats"]}
+    return {r["format"]: {"encode": r["encode_vs_clone"], "decode": r["decode_vs_clone"]} for r in data["formats"]
+            if r.get("kernels", "eager") == "eager"}
+
+
+# codec_traffic's cases by the format names the configs use
+TRAFFIC_CASES = {"fp8_e4m3": "fp8_e4m3/128", "nvfp4": "nvfp4", "int8": "int8/128", "int4": "int4/128"}
+
+
+def traffic_ratios(args, mode: str) -> Dict[str, dict]:
+    """encode and decode time of each format on the target GPU as multiples of one fp32 copy,
+    from the counted traffic (``benchmarks/codec_traffic.py --json``, ``mode`` eager or
+    compiled): bytes per element over the GPU's copy bandwidth, plus each kernel's launch
+    latency spread over a tile of 2^24 elements. Decode is the owner's decode-and-sum of
+    ``--traffic-senders`` senders, per payload element (what the model's decode counts)."""
+    rows = json.loads(Path(args.codec_traffic).read_text())["rows"]
+    bw = args.hbm_tbs * 1e12 * args.hbm_eff
+    copy_s = 8 / bw
+    tile = 1 << 24
+    out = {}
+    for fmt, case in TRAFFIC_CASES.items():
+        def seconds(op, per):
+            r = next((r for r in rows if (r["case"], r["op"], r["mode"]) == (case, op, mode)), None)
+            if r is None:
+                raise SystemExit(f"--codec-traffic has no row {case} / {op} / {mode}")
+            return (r["bytes_per_element"] / bw + r["kernels"] * args.launch_us * 1e-6 / tile) / per
+        s = args.traffic_senders
+        out[fmt] = {"encode": seconds("encode", 1) / copy_s, "decode": seconds(f"decode_sum S={s}", s) / copy_s}
+    return out
 
 
 # label, gradient path ("native" all-reduce, "native_rs", GIFT "flat" or "two_level"),
@@ -505,6 +536,12 @@ def main(argv=None) -> dict:
     p.add_argument("--codec-json", help="benchmarks/codec_speed.py --json output (default: measure now)")
     p.add_argument("--codec-numel", type=int, default=16_000_000,
                    help="tensor size of the codec measurement (large enough to leave the CPU caches)")
+    p.add_argument("--codec-traffic", help="benchmarks/codec_traffic.py --json output: the GPU codec time from "
+                                           "counted bytes and kernels (compiled) replaces the CPU-measured ratio "
+                                           "in the tables; both are printed side by side")
+    p.add_argument("--traffic-senders", type=int, default=7, choices=(3, 7, 31),
+                   help="senders of the decode-and-sum row taken from --codec-traffic")
+    p.add_argument("--launch-us", type=float, default=5.0, help="launch latency per kernel, microseconds")
     g = p.add_argument_group("target cluster (defaults: Llama-600M, 64 H100-class GPUs, 8 per node)")
     g.add_argument("--world", type=int, default=64)
     g.add_argument("--bucket", type=float, default=DEEPSPEED_BUCKET, help="reduce_bucket_size (DeepSpeed's default)")
@@ -563,6 +600,11 @@ def main(argv=None) -> dict:
         setattr(args, name, value)
     ratios = codec_ratios(args)
     result["codec_vs_copy"] = ratios
+    if args.codec_traffic:
+        counted = {mode: traffic_ratios(args, mode) for mode in ("eager", "compiled")}
+        result["codec_vs_copy_counted"] = counted
+        print_codec_sources(ratios, counted)
+        ratios = dict(ratios, **counted["compiled"])
     scale = scale_table(args, ratios)
     result["scale"] = scale
     print_scale(args, scale)
@@ -592,6 +634,18 @@ def print_calibration(cal: dict, fit: dict) -> None:
     if pred:
         print(f"\nprediction error over {len(pred)} points: median {statistics.median(pred):.1f}%, "
               f"max {max(pred):.1f}%\n")
+
+
+def print_codec_sources(cpu: Dict[str, dict], counted: Dict[str, Dict[str, dict]]) -> None:
+    """The codec's encode + decode per element as multiples of a GPU copy, by where it comes from."""
+    print("codec encode + decode, x a copy on the target GPU: (a) the CPU-measured ratio carried over, "
+          "(b) counted traffic, eager, (c) counted traffic, compiled (used below)\n")
+    print("| format | (a) CPU ratio | (b) eager, counted | (c) compiled, counted |")
+    print("|---|---:|---:|---:|")
+    for fmt in TRAFFIC_CASES:
+        cells = [cpu.get(fmt), counted["eager"][fmt], counted["compiled"][fmt]]
+        print(f"| {fmt} | " + " | ".join("-" if c is None else f"{c['encode'] + c['decode']:.2f}" for c in cells) + " |")
+    print()
 
 
 def print_scale(args, scale: dict) -> None:

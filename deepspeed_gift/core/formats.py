@@ -884,9 +884,15 @@ class _ScaledCodec(Codec):
         _mul_rows_(out, self._row_scales(p, r0, r1), row_len)
 
     def _per_tensor_divisor(self, src, row_len: int, n_rows: int, p: Payload, qmax: float, tile: int) -> Tensor:
-        scale = _fp32_scales(_source_amax(src, row_len, tile, fused=self.compiled_on(src.device)), qmax)
+        fused = self.compiled_on(src.device)
+        amax = _source_amax(src, row_len, tile, fused=fused)
+        if fused:  # the scale and its divisor in one kernel
+            scale, divisor = fused_kernels.compiled(fused_kernels.per_tensor_scale, qmax=qmax)(amax)
+        else:
+            scale = _fp32_scales(amax, qmax)
+            divisor = _safe_divisor(scale)
         p.scales.copy_(scale)
-        return _safe_divisor(scale).expand(n_rows)
+        return divisor.expand(n_rows)
 
     def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement _prepare")

@@ -53,6 +53,9 @@ def uses_compiled(mode: str, device: torch.device) -> bool:
     return mode == "compiled" or (mode == "by_device" and torch.device(device).type == "cuda")
 
 
+_COPIES = 0
+
+
 @functools.lru_cache(maxsize=None)
 def compiled(fn: Callable, **constants) -> Callable:
     """``fn`` with its keyword-only arguments fixed to ``constants``, compiled once per process
@@ -61,8 +64,12 @@ def compiled(fn: Callable, **constants) -> Callable:
     # a copy of ``fn`` with a code object of its own and the constants as its keyword defaults:
     # dynamo counts recompiles per code object (8 at most), so each set of constants is a
     # compile of its own rather than a recompile of one shared function
-    code = fn.__code__.replace()
-    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    # (a name of its own too: dynamo remembers which sizes changed per file, line and name, and a
+    # size that varied in one format's kernel would otherwise start another's as symbolic)
+    global _COPIES
+    _COPIES += 1
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__ = dict(constants)
     # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
     # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
@@ -120,6 +127,12 @@ def rows_amax(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool) ->
 # Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32
 # block scales are returned (a graph input that is a 4-byte view of the uint8 buffer cannot be
 # written under dynamic shapes): the caller copies them, 1/32 of the element bytes at block 128.
+
+
+def per_tensor_scale(amax: Tensor, *, qmax: float) -> Tuple[Tensor, Tensor]:
+    """A per-tensor scale from its amax, and the divisor that applies it (1 for a zero scale)."""
+    scale = _fp32_scales(amax, qmax)
+    return scale, _safe(scale)
 
 
 def fp8_block_encode(x: Tensor, data: Tensor, *, fmax: float, dtype: torch.dtype) -> Tensor:
