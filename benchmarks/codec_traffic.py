@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
-import math
 import os
 import sys
 from typing import Dict, List, Optional

@@ -303,20 +303,11 @@ def _div_scalar(a: Tensor, value: float) -> Tensor:
     return a / torch.full((), value, dtype=a.dtype, device=a.device)
 
 
-def _fp32_scales(amax: Tensor, qmax: float) -> Tensor:
-    """amax / qmax, nudged up one ulp where needed so that fl(amax / scale) <= qmax.
-
-    Only matters when amax / qmax is subnormal (rounded with few bits) or lands on a
-    rounding edge; it guarantees that no finite element is scaled past the format max.
-    """
-    scale = _div_scalar(amax, qmax)
-    over = amax / scale > qmax  # false for nan, inf and 0/0
-    return torch.where(over, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
-
-
-def _safe_divisor(scale: Tensor) -> Tensor:
-    # an all-zero block has scale 0; dividing by 1 keeps its zeros (0/0 would be nan)
-    return scale.masked_fill(scale == 0, 1.0)
+# one definition each, shared with the compiled kernels
+_fp32_scales = fused_kernels.fp32_scales
+_safe_divisor = fused_kernels.safe_divisor
+_e8m0_to_fp32 = fused_kernels.e8m0_to_fp32
+_e4m3_at_least = fused_kernels.e4m3_at_least
 
 
 def _mul_rows_(values: Tensor, row_scale: Tensor, row_len: int) -> None:
@@ -386,18 +377,6 @@ def _unpack_nibbles(data: Tensor, table: Tensor, out: Tensor) -> None:
 
 def _nibbles(data: Tensor, numel: int) -> Tensor:
     return torch.stack([data & 0x0F, data >> 4], dim=1).view(-1)[:numel]
-
-
-def _e8m0_to_fp32(codes: Tensor) -> Tensor:
-    """2**(code - 127); code 0 -> 2**-127 (an fp32 subnormal), code 255 -> nan."""
-    c = codes.to(torch.int32)
-    edge = ((c == 0) | (c == 255)).to(torch.int32)
-    return (c.bitwise_left_shift(23) | edge.bitwise_left_shift(22)).view(torch.float32)
-
-
-def _wire_bytes(t: Tensor) -> Tensor:
-    """A payload part as uint8 bytes (what the compiled encoders write into)."""
-    return t.view(torch.uint8)
 
 
 def _view_dtype(buf: Tensor, dtype: torch.dtype) -> Tensor:
@@ -963,13 +942,13 @@ class _Fp8Codec(_ScaledCodec):
         e0 = r0 * row_len
         if divisor is not None:  # one scale per tensor: a flat cast of the tile
             fused_kernels.compiled(fused_kernels.scaled_cast, dtype=self.data_dtype)(
-                x.view(-1)[: e1 - e0], divisor, _wire_bytes(p.data[e0:e1]))
+                x.view(-1)[: e1 - e0], divisor, p.data[e0:e1].view(torch.uint8))
             return True
         if self.scale_kind != "fp32" or e1 - e0 != x.numel():
             return False
         p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.fp8_block_encode, fmax=self.fmax,
                                                      dtype=self.data_dtype)(
-            x, _wire_bytes(p.data[e0:e1]).view(r1 - r0, row_len)))
+            x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len)))
         return True
 
     def _fused_decode_kind(self) -> Optional[str]:
@@ -1067,12 +1046,12 @@ class _IntCodec(_ScaledCodec):
             if packed and (e0 % 2 or (e1 - e0) % 2):
                 return False
             fused_kernels.compiled(fused_kernels.int_scaled_round, packed=packed)(
-                x.view(-1)[: e1 - e0], divisor, _wire_bytes(p.data[e0 // epb : e1 // epb]))
+                x.view(-1)[: e1 - e0], divisor, p.data[e0 // epb : e1 // epb].view(torch.uint8))
             return True
         if e1 - e0 != x.numel() or (packed and row_len % 2):
             return False
         p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.int_block_encode, qmax=self.qmax, packed=packed)(
-            x, _wire_bytes(p.data[e0 // epb : e1 // epb]).view(r1 - r0, row_len // epb)))
+            x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb)))
         return True
 
     def _fused_decode_kind(self) -> Optional[str]:
@@ -1185,13 +1164,6 @@ def _fp4_keys(y: Tensor) -> Tensor:
 _FP4_VALUES_T = torch.tensor(_FP4_VALUES)
 
 
-def _e4m3_at_least(target: Tensor) -> Tensor:
-    """uint8 code of the smallest E4M3 value >= ``target`` (>= 0, <= 448; nan stays nan)."""
-    s8 = target.to(torch.float8_e4m3fn)
-    codes = s8.view(torch.uint8).clone()
-    return codes.add_((s8.float() < target) & (codes < 0x7E))
-
-
 def _e2m1_of_keys(key: Tensor) -> Tensor:
     """The E2M1 value (fp32) of every :func:`_fp4_keys` key, same shape: one lookup each."""
     return torch.index_select(_table_on(_FP4_KEY_VALUES, key.device), 0, key.reshape(-1)).view(key.shape)
@@ -1281,13 +1253,14 @@ class NvFp4Codec(_ScaledCodec):
             return
         row_len = self.block_size
         n_rows = -(-numel // row_len)
-        g = _fp32_scales(_source_amax(src, row_len, tile, finite_blocks_only=True,
-                                      fused=gen is None and self.compiled_on(src.device)), _FP4_MAX * _E4M3_MAX)
+        compiled = gen is None and self.compiled_on(src.device)
+        g = _fp32_scales(_source_amax(src, row_len, tile, finite_blocks_only=True, fused=compiled),
+                         _FP4_MAX * _E4M3_MAX)
         p.global_scale.copy_(g)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
-        fused = (fused_kernels.compiled(fused_kernels.nvfp4_tile_encode, candidates=self.scale_candidates)
-                 if gen is None and self.compiled_on(src.device) else None)
+        fused = fused_kernels.compiled(fused_kernels.nvfp4_tile_encode, candidates=self.scale_candidates) \
+            if compiled else None
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)

@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import math
 import types
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "row_sum_pairwise",
+__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "row_sum_pairwise", "fp32_scales",
+           "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "rows_amax", "per_tensor_scale",
            "fp8_block_encode", "scaled_cast", "int_block_encode", "int_scaled_round",
            "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_of_codes", "decode_sum"]
 
@@ -99,16 +100,40 @@ def _rows_amax(x: Tensor) -> Tensor:
     return torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg()).abs()
 
 
-def _fp32_scales(amax: Tensor, qmax: float) -> Tensor:
-    # formats._fp32_scales, op for op: amax / qmax, nudged up an ulp where the quotient would
-    # scale an element past qmax
-    scale = amax / torch.full((), qmax, dtype=torch.float32, device=amax.device)
-    over = amax / scale > qmax
+# The scale helpers below serve the eager codecs too (formats imports them), so both paths run
+# the same operations.
+
+
+def fp32_scales(amax: Tensor, qmax: float) -> Tensor:
+    """amax / qmax, nudged up one ulp where needed so that fl(amax / scale) <= qmax.
+
+    Only matters when amax / qmax is subnormal (rounded with few bits) or lands on a
+    rounding edge; it guarantees that no finite element is scaled past the format max. The
+    divisor is a 0-d tensor: CUDA turns division by a Python scalar into a product with its
+    rounded reciprocal, a tensor keeps the correctly rounded quotient on every device.
+    """
+    scale = amax / torch.full((), qmax, dtype=amax.dtype, device=amax.device)
+    over = amax / scale > qmax  # false for nan, inf and 0/0
     return torch.where(over, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
 
 
-def _safe(scale: Tensor) -> Tensor:
+def safe_divisor(scale: Tensor) -> Tensor:
+    """An all-zero block has scale 0; dividing by 1 keeps its zeros (0/0 would be nan)."""
     return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def e8m0_to_fp32(codes: Tensor) -> Tensor:
+    """2**(code - 127); code 0 -> 2**-127 (an fp32 subnormal), code 255 -> nan."""
+    c = codes.to(torch.int32)
+    edge = ((c == 0) | (c == 255)).to(torch.int32)
+    return (c.bitwise_left_shift(23) | edge.bitwise_left_shift(22)).view(torch.float32)
+
+
+def e4m3_at_least(target: Tensor) -> Tensor:
+    """uint8 code of the smallest E4M3 value >= ``target`` (>= 0, <= 448; nan stays nan)."""
+    s8 = target.to(torch.float8_e4m3fn)
+    codes = s8.view(torch.uint8)
+    return codes + ((s8.to(torch.float32) < target) & (codes < 0x7E)).to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------- encode
@@ -131,15 +156,15 @@ def rows_amax(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool) ->
 
 def per_tensor_scale(amax: Tensor, *, qmax: float) -> Tuple[Tensor, Tensor]:
     """A per-tensor scale from its amax, and the divisor that applies it (1 for a zero scale)."""
-    scale = _fp32_scales(amax, qmax)
-    return scale, _safe(scale)
+    scale = fp32_scales(amax, qmax)
+    return scale, safe_divisor(scale)
 
 
 def fp8_block_encode(x: Tensor, data: Tensor, *, fmax: float, dtype: torch.dtype) -> Tensor:
     """One tile of whole blocks: ``x`` (rows, block) fp32 -> ``data`` (the bytes of (rows, block)
     elements of the fp8 ``dtype``), round to nearest; returns the rows' fp32 scales."""
-    scale = _fp32_scales(_rows_amax(x), fmax)
-    data.view(dtype).copy_((x / _safe(scale)[:, None]).to(dtype))
+    scale = fp32_scales(_rows_amax(x), fmax)
+    data.view(dtype).copy_((x / safe_divisor(scale)[:, None]).to(dtype))
     return scale
 
 
@@ -161,8 +186,8 @@ def _pack_int4(codes: Tensor) -> Tensor:
 def int_block_encode(x: Tensor, data: Tensor, *, qmax: int, packed: bool) -> Tensor:
     """One tile of whole blocks of a symmetric integer format: ``data`` the bytes of (rows, block)
     int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``; returns the fp32 scales."""
-    scale = _fp32_scales(_rows_amax(x), float(qmax))
-    codes = _int_codes(x / _safe(scale)[:, None])
+    scale = fp32_scales(_rows_amax(x), float(qmax))
+    codes = _int_codes(x / safe_divisor(scale)[:, None])
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
     return scale
 
@@ -221,19 +246,13 @@ def _fp4_nibbles(data: Tensor) -> Tensor:
     return ((data.to(torch.int32).unsqueeze(-1) >> shifts) & 0x0F).flatten(-2).to(torch.float32)
 
 
-def _e4m3_at_least(target: Tensor) -> Tensor:
-    s8 = target.to(torch.float8_e4m3fn)
-    codes = s8.view(torch.uint8)
-    return codes + ((s8.to(torch.float32) < target) & (codes < 0x7E)).to(torch.uint8)
-
-
 def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
     return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
 
 
 def _e2m1_rounded(x: Tensor, scale: Tensor) -> Tensor:
     """``x`` rounded to E2M1 under per-row ``scale`` and scaled back: what a block decodes to."""
-    return e2m1_of_codes(fp4_signed_codes(x / _safe(scale)[:, None])) * scale[:, None]
+    return e2m1_of_codes(fp4_signed_codes(x / safe_divisor(scale)[:, None])) * scale[:, None]
 
 
 def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequence[str]) -> Tensor:
@@ -242,10 +261,10 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequenc
     a tie), and the block's E2M1 codes packed two a byte into ``data`` (rows, 8); returns the
     scales' uint8 codes (0x7F for a non-finite block). ``NvFp4Codec._encode_into``, nearest."""
     amax = _rows_amax(x)
-    target = amax / (_safe(g) * _FP4_MAX)
-    up = _e4m3_at_least(target)
+    target = amax / (safe_divisor(g) * _FP4_MAX)
+    up = e4m3_at_least(target)
     options = {"up": up, "down": torch.where(up > 0, up - 1, up),
-               "4/6": _e4m3_at_least((target * 1.5).clamp(max=_E4M3_MAX))}
+               "4/6": e4m3_at_least((target * 1.5).clamp(max=_E4M3_MAX))}
     best_codes = best_err = None
     for name in candidates:  # per candidate only its error per block is kept
         cand = options[name]
@@ -258,7 +277,7 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequenc
         best_err = torch.where(better, err, best_err)
     # the winner's element codes made again from its scale (the same operations as when it was
     # tried), so no candidate's codes are ever stored
-    best = fp4_signed_codes(x / _safe(_e4m3_scale(best_codes, g))[:, None])
+    best = fp4_signed_codes(x / safe_divisor(_e4m3_scale(best_codes, g))[:, None])
     data.copy_(_pack_fp4(best))
     return torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
 
@@ -283,12 +302,6 @@ def _nvfp4_values(data: Tensor) -> Tensor:
     return e2m1_of_codes(_fp4_nibbles(data))
 
 
-def _e8m0_values(codes: Tensor) -> Tensor:
-    c = codes.to(torch.int32)
-    edge = ((c == 0) | (c == 255)).to(torch.int32)
-    return (c.bitwise_left_shift(23) | edge.bitwise_left_shift(22)).view(torch.float32)
-
-
 def decoded_rows(kind: str, data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], block: int) -> Tensor:
     """(senders, n) fp32 values of a batch of payloads of whole blocks (``kind``: ``fp8``,
     ``int8``, ``int4``, ``nvfp4``, ``e8m0`` (fp8 elements), ``cast`` (bf16/fp32)), each
@@ -301,7 +314,7 @@ def decoded_rows(kind: str, data: Tensor, scales: Optional[Tensor], glob: Option
     if kind == "nvfp4":
         row_scale = scales.view(torch.float8_e4m3fn).to(torch.float32) * glob
     elif kind == "e8m0":
-        row_scale = _e8m0_values(scales)
+        row_scale = e8m0_to_fp32(scales)
     else:
         row_scale = scales
     s = values.shape[0]
