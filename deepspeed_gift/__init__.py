@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from .config import GiftConfig, get_gift_config  # noqa: E402
 from .core.formats import FORMAT_NAMES, Codec, Payload, get_format  # noqa: E402
+from .core.rng import CounterRng  # noqa: E402
 from .core.geometry import (CovarianceEMA, FactoredScaling, LowRankDiag, Transform, Whitener,  # noqa: E402
                             factored_scaling_from_sums, fit_low_rank_diag, fit_whitener, make_whitener)
 from .switch import initialize, install, installed, uninstall  # noqa: E402
@@ -30,6 +31,7 @@ __all__ = [
     "Codec",
     "Payload",
     "get_format",
+    "CounterRng",
     # geometry
     "CovarianceEMA",
     "FactoredScaling",

@@ -27,6 +27,7 @@ from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
 from .core.geometry import row_col_sums
+from .core.rng import CounterRng
 from .lifecycle import GeometryManager, find_candidates
 from .core import metrics
 from .exchange.param_gather import ReplicaGather
@@ -351,8 +352,7 @@ class GiftState:
         self.main_codec = _main_codec(cfg)
         self.high_codec = (formats.get_format(cfg.others, kernels=cfg.kernels) if cfg.others in ("bf16", "fp32")
                            else None)
-        generator = torch.Generator(device=device)
-        generator.manual_seed(cfg.seed * 1_000_003 + self.comm.rank + 1)
+        generator = CounterRng(cfg.seed * 1_000_003 + self.comm.rank + 1)
         self.hierarchy, self.ranks_per_node = choose_topology(self.comm, cfg)
         # what error-feedback residuals are laid out for (the flat exchange: the ranks alone)
         self.exchange = ([Hierarchy.TWO_LEVEL.value, self.ranks_per_node] if self.hierarchy == Hierarchy.TWO_LEVEL

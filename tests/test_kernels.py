@@ -15,6 +15,7 @@ import torch
 from deepspeed_gift.config import get_gift_config
 from deepspeed_gift.core import kernels
 from deepspeed_gift.core.formats import get_format
+from deepspeed_gift.core.rng import CounterRng, counter_bits
 
 N = 20000 + 37  # a short last block for every block size here
 SMALL_TILE = 4096  # several tiles, the last one short
@@ -62,14 +63,12 @@ ENCODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tile", [None, SMALL_TILE], ids=["tile", "small_tile"])
-@pytest.mark.parametrize("name,options", ENCODE_CASES, ids=[f"{n}-{o}" for n, o in ENCODE_CASES])
-def test_compiled_encode_equals_eager(name, options, tile):
-    x = _input()
-    eager = get_format(name, kernels="eager", **options)
-    fused = get_format(name, kernels="compiled", **options)
-    pe, pf = eager.encode(x, tile_elements=tile), fused.encode(x, tile_elements=tile)
-    we, wf = eager.payload_to_bytes(pe), fused.payload_to_bytes(pf)
+def _same_payloads(eager, pe, pf, x):
+    """Encodes of ``x`` by two codecs of one format: the same bytes where blocks are finite."""
+    we, wf = eager.payload_to_bytes(pe), eager.payload_to_bytes(pf)
+    if eager.scale_kind == "none":  # element by element: every bit alike, nan and inf included
+        assert torch.equal(we, wf)
+        return
     offsets = eager._offsets(N)
     assert torch.equal(we[: offsets[1]], wf[: offsets[1]])  # header, NVFP4's global scale
     se, sf = pe.scales.float(), pf.scales.float()  # block scales: equal bits, a nan's aside
@@ -78,11 +77,78 @@ def test_compiled_encode_equals_eager(name, options, tile):
     free = _nonfinite_blocks(x, eager.block_size)
     if eager.elements_per_byte == 1:
         keep = ~free
-        assert torch.equal(_element_bytes(eager, we, N)[keep], _element_bytes(fused, wf, N)[keep])
+        assert torch.equal(_element_bytes(eager, we, N)[keep], _element_bytes(eager, wf, N)[keep])
     else:  # a byte holds two elements: compare the bytes whose elements are both finite-blocked
         pair_free = torch.nn.functional.pad(free, (0, N % 2)).view(-1, 2).any(1)
-        assert torch.equal(_element_bytes(eager, we, N)[~pair_free], _element_bytes(fused, wf, N)[~pair_free])
-    _same_values(eager.decode(pe), fused.decode(pf), free)
+        assert torch.equal(_element_bytes(eager, we, N)[~pair_free], _element_bytes(eager, wf, N)[~pair_free])
+    _same_values(eager.decode(pe), eager.decode(pf), free)
+
+
+@pytest.mark.parametrize("tile", [None, SMALL_TILE], ids=["tile", "small_tile"])
+@pytest.mark.parametrize("name,options", ENCODE_CASES, ids=[f"{n}-{o}" for n, o in ENCODE_CASES])
+def test_compiled_encode_equals_eager(name, options, tile):
+    x = _input()
+    eager = get_format(name, kernels="eager", **options)
+    fused = get_format(name, kernels="compiled", **options)
+    _same_payloads(eager, eager.encode(x, tile_elements=tile), fused.encode(x, tile_elements=tile), x)
+
+
+STOCHASTIC_CASES = [
+    ("fp8_e4m3", {}),  # fp8_block_encode's stochastic variant
+    ("fp8_e5m2", {"block_size": 0}),  # scaled_cast's
+    ("int4", {}),  # int_block_encode's, packed
+    ("nvfp4", {}),  # the two candidates that never clip, then the winner rounded by chance
+    ("bf16", {}),  # the passthrough's cast
+]
+
+
+@pytest.mark.parametrize("name,options", STOCHASTIC_CASES, ids=[f"{n}-{o}" for n, o in STOCHASTIC_CASES])
+def test_compiled_stochastic_encode_equals_eager_at_any_tile(name, options):
+    """Counter-based random bits: the compiled kernel over whole tiles and the eager chain over
+    small ones draw the same bits for each element, so they give the same bytes; a second encode
+    takes the next key and differs."""
+    eager = get_format(name, kernels="eager", rounding="stochastic", seed=11, **options)
+    fused = get_format(name, kernels="compiled", rounding="stochastic", seed=11, **options)
+    x = _input()
+    _same_payloads(eager, eager.encode(x, tile_elements=SMALL_TILE), fused.encode(x), x)
+    finite = torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-3.0)  # (a per-tensor scale of inf hides all)
+    pe = eager.encode(finite, tile_elements=SMALL_TILE)
+    _same_payloads(eager, pe, fused.encode(finite), finite)
+    again = eager.encode(finite, tile_elements=SMALL_TILE)
+    assert not torch.equal(again.wire, pe.wire)
+    _same_payloads(eager, again, fused.encode(finite), finite)
+
+
+def test_counter_bits_are_uniform_and_keyed():
+    """The hash's bits against a uniform law, by arithmetic: over 2**20 consecutive offsets the
+    top and the bottom 8 bits fall in 256 bins with chi-square below its mean + 6 sd (255 + 6 *
+    sqrt(510)); an identity or a weak mix fails by orders of magnitude (consecutive counters
+    share their top bits). Another key draws other bits; neighbours are uncorrelated."""
+    offsets = torch.arange(1 << 20, dtype=torch.int64)
+    a = counter_bits(torch.tensor(CounterRng(5).next_key()), offsets)
+    b = counter_bits(torch.tensor(CounterRng(6).next_key()), offsets)
+    assert int(a.min()) >= 0 and int(a.max()) < 2**32
+    bound = 255 + 6 * 510 ** 0.5
+    expected = offsets.numel() / 256
+    for bits in (a >> 24, a & 0xFF, b >> 24, (a >> 12) & 0xFF):
+        chi2 = float(((torch.bincount(bits, minlength=256) - expected) ** 2 / expected).sum())
+        assert chi2 < bound, chi2
+    assert float((a == b).float().mean()) < 1e-3
+    u = a.double() / 2**32 - 0.5
+    corr = float((u[1:] * u[:-1]).mean() / u.var())
+    assert abs(corr) < 6 / (1 << 10), corr  # 6 sd of a correlation over 2**20 pairs
+
+
+def test_counter_rng_state_round_trips():
+    rng = CounterRng(2**63 + 12345)
+    rng.next_key()
+    state = rng.get_state()
+    expected = rng.next_key()
+    other = CounterRng(0)
+    other.set_state(state)
+    assert other.next_key() == expected
+    with pytest.raises(ValueError, match="counter-based"):
+        other.set_state(torch.ByteTensor(5056))  # a torch generator's state
 
 
 def test_compiled_mode_runs_the_compiled_kernels(monkeypatch):

@@ -9,6 +9,7 @@ import time
 import torch
 
 from deepspeed_gift.core import formats
+from deepspeed_gift.core.rng import CounterRng
 from deepspeed_gift.core import geometry as geo
 from deepspeed_gift.exchange.plan import GEO, HIGH, MAIN, ParamSlice, split_slice_rows
 from deepspeed_gift.exchange.reducer import GiftReducer
@@ -314,10 +315,10 @@ def _two_level_body(rank, world, fmt, rounding, error_feedback):
     node_comm, slot_comm = split_by_node(comm, 2)
     codec = formats.get_format(fmt) if fmt == "fp32" else formats.get_format(fmt, rounding=rounding, seed=3)
     inner = GiftReducer(slot_comm, codec, formats.get_format("bf16"), error_feedback=error_feedback,
-                        generator=torch.Generator().manual_seed(1000 + rank), shared_seed=3)
+                        generator=CounterRng(1000 + rank), shared_seed=3)
     two = TwoLevelReducer(node_comm, inner, 2)
     flat = GiftReducer(comm, codec, formats.get_format("bf16"), error_feedback=error_feedback,
-                       generator=torch.Generator().manual_seed(1000 + rank))
+                       generator=CounterRng(1000 + rank))
     grads = [torch.randn(total, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
     exact = torch.stack(grads).sum(0) / world
     whiteners = _whiteners()

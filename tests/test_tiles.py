@@ -7,6 +7,7 @@ torch profiler's allocation events (validated here on allocations of known size)
 import torch
 
 from deepspeed_gift.core import formats
+from deepspeed_gift.core.rng import CounterRng
 from deepspeed_gift.core import geometry as geo
 from deepspeed_gift.exchange.plan import GEO, HIGH, MAIN, ParamSlice, Piece, SectionSource, transform_pieces
 from deepspeed_gift.exchange.reducer import GiftReducer
@@ -66,7 +67,7 @@ def _tiled_body(rank, world, fmt, options, route, rounding, kind="hadamard"):
     for tile in (HUGE_TILE, SMALL_TILE):
         codec = formats.get_format(fmt, rounding=rounding, seed=5, **options)
         reducer = GiftReducer(comm, codec, formats.get_format("bf16"), route=route, tile_elements=tile,
-                              generator=torch.Generator().manual_seed(rank + 1))
+                              generator=CounterRng(rank + 1))
         bucket = grad.clone()
         outputs = [torch.zeros(s.numel) if s.dst == rank or rank in s.copy_ranks else None for s in slices]
         for step in range(2):  # the second step with the first one's plan from the cache
@@ -102,7 +103,7 @@ def test_a_small_tile_reduces_bit_for_bit_as_the_untiled_nvfp4_relayed():
 
 def test_a_small_tile_reduces_bit_for_bit_as_the_untiled_per_tensor_int4_stochastic():
     # one scale per tensor (another first pass), odd tails of 4-bit data, stochastic rounding
-    # (the CPU's generator draws element by element, whatever the tile)
+    # (its bits come from a counter over the element offset, whatever the tile or device)
     _check_tiles_change_no_bit("int4", {"block_size": 0}, "direct", "stochastic")
 
 

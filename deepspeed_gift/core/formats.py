@@ -51,7 +51,9 @@ Range limits (the fp32 scales cover fp32's range; what remains):
   amax decode to 0. ``quantization_stats`` reports the underflow count.
 
 Stochastic rounding picks one of the two neighbouring representable values with
-probability proportional to the distance. For fp8/nvfp4/bf16 a uniform random integer
+probability proportional to the distance. Its random bits come from a counter (:mod:`.rng`:
+a hash of the encode's key and the element's offset), so they do not depend on the device,
+the kernel mode or the tile. For fp8/nvfp4/bf16 a uniform random integer
 is added to the fp32 bits below the target precision, then they are truncated: exactly
 unbiased in the target's normal range. Values in the target's subnormal range are first
 shifted up by its smallest normal (same spacing there), which rounds away fp32 bits
@@ -73,6 +75,7 @@ from torch import Tensor
 
 from . import kernels as fused_kernels
 from .devices import host_to_device
+from .rng import CounterRng
 
 __all__ = [
     "FORMAT_NAMES",
@@ -322,26 +325,24 @@ def _mul_rows_(values: Tensor, row_scale: Tensor, row_len: int) -> None:
         values[..., full * row_len :].mul_(tail if tail.dim() == 0 else tail[..., None])
 
 
-def _stochastic_round_bits(y: Tensor, mant_bits: int, min_normal: float, gen: torch.Generator) -> Tensor:
-    """Round fp32 ``y`` in place to a float grid with ``mant_bits`` mantissa bits.
+# Stochastic rounding's eager chain works in chunks of this many elements: its counter hash
+# holds a few int64 temporaries per element, which a GPU tile (2**24) would make 0.5 GB.
+_RANDOM_CHUNK = 1 << 20
 
-    Values below ``min_normal`` are shifted by it into the first normal binade, whose
-    spacing equals the subnormal spacing, so one bit-level rule covers both ranges.
-    Adding r ~ U{0..2^k-1} to the k dropped bits and truncating rounds up with
-    probability (dropped bits) / 2^k, i.e. exactly the distance to the lower neighbour.
-    Requires |y| <= the grid's largest value (no carry past the format max); nan stays nan.
-    """
-    drop = 23 - mant_bits
-    bits = y.view(torch.int32)
-    sign_bits = bits & -(2**31)
-    y.abs_()
-    small = y < min_normal
-    y.add_(small, alpha=min_normal)
-    noise = torch.randint(0, 1 << drop, y.shape, dtype=torch.int32, device=y.device, generator=gen)
-    bits.add_(noise).bitwise_and_(~((1 << drop) - 1))
-    del noise
-    y.add_(small, alpha=-min_normal)
-    bits.bitwise_or_(sign_bits)
+
+def _chunks(n: int) -> Iterator[Tuple[int, int]]:
+    for c0 in range(0, n, _RANDOM_CHUNK):
+        yield c0, min(c0 + _RANDOM_CHUNK, n)
+
+
+def _stochastic_round_bits(y: Tensor, mant_bits: int, min_normal: float, key: Tensor, e0: int) -> Tensor:
+    """Round flat fp32 ``y`` (the encode's elements e0..) in place to a float grid with
+    ``mant_bits`` mantissa bits, stochastically (:func:`.kernels.stochastic_grid`, the
+    compiled kernels' rule, with their counter's bits)."""
+    for c0, c1 in _chunks(y.numel()):
+        part = y[c0:c1]
+        noise = fused_kernels.random_bits(key, e0 + c0, part, 23 - mant_bits)
+        part.copy_(fused_kernels.stochastic_grid(part, noise, mant_bits=mant_bits, min_normal=min_normal))
     return y
 
 
@@ -435,7 +436,7 @@ class Codec:
         self.tile_elements = check_tile_elements(tile_elements)
         self.kernels = fused_kernels.check_kernels(kernels)
         self.block_size, self.scale_kind = self._check_options(block_size, scale)
-        self._generators: Dict[torch.device, torch.Generator] = {}
+        self._rng = CounterRng(seed)  # stochastic rounding's keys when no generator is passed
         self._headers: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> header bytes there
 
     # -- options ---------------------------------------------------------------
@@ -528,17 +529,13 @@ class Codec:
 
     # -- randomness --------------------------------------------------------------
 
-    def _generator(self, device: torch.device, generator: Optional[torch.Generator]) -> torch.Generator:
-        if generator is not None:
-            return generator
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
-            self._generators[device] = gen
-        return gen
+    def _random_key(self, device: torch.device, generator: Optional[CounterRng]) -> Tensor:
+        """The next encode's stochastic rounding key, from ``generator`` or the codec's own."""
+        rng = self._rng if generator is None else generator
+        if not isinstance(rng, CounterRng):
+            raise TypeError(f"generator must be a deepspeed_gift CounterRng (counter-based: the same bits on every "
+                            f"device and kernel mode), got {type(rng).__name__}")
+        return rng.key_on(device)
 
     # -- public API --------------------------------------------------------------
 
@@ -546,19 +543,20 @@ class Codec:
         tile = self.tile_elements if tile_elements is None else check_tile_elements(tile_elements)
         return _device_tile(tile, device)
 
-    def encode(self, x: Tensor, *, generator: Optional[torch.Generator] = None,
+    def encode(self, x: Tensor, *, generator: Optional[CounterRng] = None,
                tile_elements: Optional[int] = None) -> Payload:
         """Quantize ``x`` (any float dtype, any shape) into a payload backed by its wire bytes.
 
-        Stochastic rounding draws from ``generator`` if given, else from a generator
-        owned by the codec, seeded with ``seed`` once per device (same run -> same bytes).
-        ``tile_elements`` (default: the codec's) bounds the work's temporaries; the bytes do
-        not depend on it, except that stochastic rounding on an accelerator draws per tile.
+        Stochastic rounding takes one key per encode from ``generator`` if given, else from a
+        :class:`CounterRng` owned by the codec and seeded with ``seed`` (same run -> same
+        bytes), and draws element i's bits from (key, i): the same on every device and in
+        either kernel mode. ``tile_elements`` (default: the codec's) bounds the work's
+        temporaries; the bytes do not depend on it.
         """
         return self.encode_source(TensorSource(_flat_input(x)), x.shape, generator=generator,
                                   tile_elements=tile_elements)
 
-    def encode_source(self, src, shape: Optional[Shape] = None, *, generator: Optional[torch.Generator] = None,
+    def encode_source(self, src, shape: Optional[Shape] = None, *, generator: Optional[CounterRng] = None,
                       tile_elements: Optional[int] = None) -> Payload:
         """:meth:`encode` of values read tile by tile from ``src`` (see :class:`TensorSource`),
         which is read in order, once or (per-tensor and NVFP4 global scales) twice."""
@@ -567,8 +565,8 @@ class Codec:
         buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=src.device)
         buf[:HEADER_BYTES].copy_(self.header_on(numel, buf.device))
         p = self._views(buf, numel, shape)
-        gen = self._generator(src.device, generator) if self.rounding == Rounding.STOCHASTIC and numel else None
-        self._encode_into(src, p, gen, self._tile(src.device, tile_elements))
+        key = self._random_key(src.device, generator) if self.rounding == Rounding.STOCHASTIC and numel else None
+        self._encode_into(src, p, key, self._tile(src.device, tile_elements))
         return p
 
     def decode(self, p: Payload, *, tile_elements: Optional[int] = None) -> Tensor:
@@ -749,7 +747,7 @@ class Codec:
         rows[:, d:end].copy_(p.data.view(torch.uint8).view(parts, -1))
         return rows
 
-    def encode_to_bytes(self, x: Tensor, *, generator: Optional[torch.Generator] = None) -> Tensor:
+    def encode_to_bytes(self, x: Tensor, *, generator: Optional[CounterRng] = None) -> Tensor:
         return self.payload_to_bytes(self.encode(x, generator=generator))
 
     def decode_from_bytes(self, buf: Tensor, shape: Shape, *, check_header: bool = True) -> Tensor:
@@ -792,7 +790,7 @@ class Codec:
 
     # -- subclass hooks ----------------------------------------------------------
 
-    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _encode_into")
 
     def _row_len(self, numel: int, tile: int) -> int:
@@ -834,7 +832,7 @@ class _ScaledCodec(Codec):
         # one scale per tensor: rows are only a tiling unit, all share the one scale
         return self.block_size or min(numel, tile)
 
-    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
         numel = src.numel
         if numel == 0:
             if p.global_scale is not None:
@@ -845,17 +843,17 @@ class _ScaledCodec(Codec):
         row_divisor = self._prepare(src, row_len, n_rows, p, tile)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
-        fused = gen is None and self.compiled_on(src.device)
+        fused = self.compiled_on(src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             x, y = _load_rows(src, row_len, r0, r1, work)
             if fused and self._fused_tile(x, p, r0, r1, min(r1 * row_len, numel),
-                                          row_divisor[0] if row_divisor is not None else None):
+                                          row_divisor[0] if row_divisor is not None else None, key):
                 continue
             div = row_divisor[r0:r1] if row_divisor is not None else self._tile_divisor(x, p, r0, r1)
             torch.div(x, div[:, None], out=y)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            self._store(y.view(-1)[: e1 - e0], p, e0, e1, gen)
+            self._store(y.view(-1)[: e1 - e0], p, e0, e1, key)
 
     def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
         r0, r1 = e0 // row_len, -(-e1 // row_len)
@@ -876,15 +874,17 @@ class _ScaledCodec(Codec):
     def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement _prepare")
 
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor]) -> bool:
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+                    key: Optional[Tensor]) -> bool:
         """Encode rows r0:r1 (``x``, padded to whole rows; elements up to ``e1``) with the compiled
-        kernels, round to nearest; False where they do not serve the tile (the eager path does)."""
+        kernels (stochastic under ``key``); False where they do not serve the tile (the eager
+        path does)."""
         return False
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _tile_divisor")
 
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _store")
 
     def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
@@ -937,26 +937,28 @@ class _Fp8Codec(_ScaledCodec):
         p.scales[r0:r1].copy_(scale)
         return _safe_divisor(scale)
 
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor]) -> bool:
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+                    key: Optional[Tensor]) -> bool:
         row_len = x.shape[1]
         e0 = r0 * row_len
+        grid = dict(mant_bits=self.mant_bits, min_normal=self.min_normal) if key is not None else {}
         if divisor is not None:  # one scale per tensor: a flat cast of the tile
-            fused_kernels.compiled(fused_kernels.scaled_cast, dtype=self.data_dtype)(
-                x.view(-1)[: e1 - e0], divisor, p.data[e0:e1].view(torch.uint8))
+            fused_kernels.compiled(fused_kernels.scaled_cast, dtype=self.data_dtype, **grid)(
+                x.view(-1)[: e1 - e0], divisor, p.data[e0:e1].view(torch.uint8), key, e0)
             return True
         if self.scale_kind != "fp32" or e1 - e0 != x.numel():
             return False
         p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.fp8_block_encode, fmax=self.fmax,
-                                                     dtype=self.data_dtype)(
-            x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len)))
+                                                     dtype=self.data_dtype, **grid)(
+            x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len), key, e0))
         return True
 
     def _fused_decode_kind(self) -> Optional[str]:
         return "e8m0" if self.scale_kind == "e8m0" else "fp8"
 
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
-        if gen is not None:
-            _stochastic_round_bits(y, self.mant_bits, self.min_normal, gen)
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
+        if key is not None:
+            _stochastic_round_bits(y, self.mant_bits, self.min_normal, key, e0)
         # |y| <= fmax by construction of the scale, so the cast never overflows
         p.data[e0:e1].copy_(y)
 
@@ -1038,7 +1040,8 @@ class _IntCodec(_ScaledCodec):
         p.scales[r0:r1].copy_(scale)
         return _safe_divisor(scale)
 
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor]) -> bool:
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+                    key: Optional[Tensor]) -> bool:
         row_len = x.shape[1]
         e0, epb = r0 * row_len, self.elements_per_byte
         packed = epb == 2
@@ -1046,25 +1049,24 @@ class _IntCodec(_ScaledCodec):
             if packed and (e0 % 2 or (e1 - e0) % 2):
                 return False
             fused_kernels.compiled(fused_kernels.int_scaled_round, packed=packed)(
-                x.view(-1)[: e1 - e0], divisor, p.data[e0 // epb : e1 // epb].view(torch.uint8))
+                x.view(-1)[: e1 - e0], divisor, p.data[e0 // epb : e1 // epb].view(torch.uint8), key, e0)
             return True
         if e1 - e0 != x.numel() or (packed and row_len % 2):
             return False
         p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.int_block_encode, qmax=self.qmax, packed=packed)(
-            x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb)))
+            x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
         return True
 
     def _fused_decode_kind(self) -> Optional[str]:
         return self.name  # int8 / int4
 
-    def _round(self, y: Tensor, gen: Optional[torch.Generator]) -> Tensor:
-        if gen is None:
+    def _round(self, y: Tensor, key: Optional[Tensor], e0: int) -> Tensor:
+        if key is None:
             return y.round_()  # half to even
-        lower = torch.floor(y)
-        y.sub_(lower).mul_(2.0**24)  # fractional part in [0, 1) in units of 2**-24, exact
-        # P(r < f) = ceil(f) / 2**24 for r uniform on {0 .. 2**24 - 1}: exact on the 2**-24 grid
-        draw = torch.randint(0, 1 << 24, y.shape, dtype=torch.int32, device=y.device, generator=gen)
-        return lower.add_(draw < y)
+        for c0, c1 in _chunks(y.numel()):  # kernels.stochastic_int, the compiled kernels' rule
+            part = y[c0:c1]
+            part.copy_(fused_kernels.stochastic_int(part, fused_kernels.random_bits(key, e0 + c0, part, 24)))
+        return y
 
     def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
         return p.scales.expand(*p.batch, r1 - r0) if self.block_size == 0 else p.scales[..., r0:r1]
@@ -1077,8 +1079,8 @@ class Int8Codec(_IntCodec):
     data_dtype = torch.int8
     qmax = 127
 
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
-        p.data[e0:e1].copy_(self._round(y, gen))
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
+        p.data[e0:e1].copy_(self._round(y, key, e0))
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         out.copy_(p.data[..., e0:e1])
@@ -1097,8 +1099,8 @@ class Int4Codec(_IntCodec):
     elements_per_byte = 2
     qmax = 7
 
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, gen: Optional[torch.Generator]) -> None:
-        codes = self._round(y, gen).to(torch.int8).view(torch.uint8).bitwise_and_(0x0F)
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
+        codes = self._round(y, key, e0).to(torch.int8).view(torch.uint8).bitwise_and_(0x0F)
         _pack_nibbles(codes, p.data[e0 // 2 : (e1 + 1) // 2])
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
@@ -1240,7 +1242,7 @@ class NvFp4Codec(_ScaledCodec):
                    "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
         return [options[k] for k in self.scale_candidates]
 
-    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
         # Two passes over the tiles: the first finds the global scale (the finite blocks' amax);
         # the second, per tile, its blocks' amax and candidate scales: every candidate divides
         # the tile and rounds it to E2M1 (by the fp32-bit keys), each block keeps the candidate
@@ -1253,9 +1255,12 @@ class NvFp4Codec(_ScaledCodec):
             return
         row_len = self.block_size
         n_rows = -(-numel // row_len)
-        compiled = gen is None and self.compiled_on(src.device)
-        g = _fp32_scales(_source_amax(src, row_len, tile, finite_blocks_only=True, fused=compiled),
-                         _FP4_MAX * _E4M3_MAX)
+        compiled = self.compiled_on(src.device)
+        amax = _source_amax(src, row_len, tile, finite_blocks_only=True, fused=compiled)
+        if compiled:  # the scale in one kernel, not a chain of launches on one element
+            g = fused_kernels.compiled(fused_kernels.per_tensor_scale, qmax=_FP4_MAX * _E4M3_MAX)(amax)[0]
+        else:
+            g = _fp32_scales(amax, _FP4_MAX * _E4M3_MAX)
         p.global_scale.copy_(g)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
@@ -1266,7 +1271,9 @@ class NvFp4Codec(_ScaledCodec):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x, _ = _load_rows(src, row_len, r0, r1, work)
             if fused is not None and e1 - e0 == x.numel():
-                p.scales.view(torch.uint8)[r0:r1].copy_(fused(x, g, p.data[e0 // 2 : e1 // 2].view(r1 - r0, row_len // 2)))
+                scale_codes, packed = fused(x, g, key, e0)
+                p.scales.view(torch.uint8)[r0:r1].copy_(scale_codes)
+                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
                 continue
             amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
             candidates = self._candidate_codes(amax, g)
@@ -1275,10 +1282,10 @@ class NvFp4Codec(_ScaledCodec):
             for cand in candidates:
                 scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
                 y = torch.div(x, _safe_divisor(scale)[:, None])
-                key = _fp4_keys(y)
+                keys = _fp4_keys(y)
                 # summed in a fixed order, the compiled kernel's (fused_kernels.row_sum_pairwise)
-                err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(key).mul_(scale[:, None]).sub_(x).square_())
-                keep = y if gen is not None else key
+                err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(keys).mul_(scale[:, None]).sub_(x).square_())
+                keep = y if key is not None else keys
                 if best is None:
                     best, best_err = keep, err
                     continue
@@ -1287,9 +1294,9 @@ class NvFp4Codec(_ScaledCodec):
                 best_err = torch.where(better, err, best_err)
                 torch.where(better[:, None], keep, best, out=best)
             best = best.view(-1)[: e1 - e0]
-            if gen is not None:
+            if key is not None:
                 best.clamp_(-_FP4_MAX, _FP4_MAX)
-                best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, gen))
+                best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, key, e0))
             self._pack_keys(best, p, e0, e1)
             codes.masked_fill_(~torch.isfinite(amax), 0x7F)  # nan scale marks a non-finite block
             p.scales.view(torch.uint8)[r0:r1].copy_(codes)
@@ -1324,7 +1331,7 @@ class _PassthroughCodec(Codec):
             raise ValueError(f"format {self.name!r} has no blocks: block_size must be None or 0, got {block_size}")
         return 0, "none"
 
-    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
+    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
         if isinstance(src, TensorSource):  # a cast, with no temporary to bound
             p.data.copy_(src.flat)
             return
@@ -1352,25 +1359,25 @@ class Bf16Codec(_PassthroughCodec):
     data_dtype = torch.bfloat16
     bytes_per_element = 2
 
-    def _encode_into(self, src, p: Payload, gen: Optional[torch.Generator], tile: int) -> None:
-        if gen is None:
-            super()._encode_into(src, p, gen, tile)
+    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
+        if key is None:
+            super()._encode_into(src, p, key, tile)
             return
         numel = src.numel
         step = tile
         work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
+        fused = fused_kernels.compiled(fused_kernels.bf16_stochastic_cast) if self.compiled_on(src.device) else None
         for e0 in range(0, numel, step):
             e1 = min(e0 + step, numel)
             y = work[: e1 - e0]
             values = src.read(e0, e1, y)
-            if values.data_ptr() != y.data_ptr():
-                y.copy_(values)
-            # inf (low bits 0) truncates back to itself; nan keeps an all-ones exponent
-            # (stays nan, or inf if its payload sat in the low 16 bits); the largest finite
-            # values may carry into inf, as round-to-nearest can
-            noise = torch.randint(0, 1 << 16, y.shape, dtype=torch.int32, device=y.device, generator=gen)
-            y.view(torch.int32).add_(noise).bitwise_and_(~0xFFFF)
-            p.data[e0 : e0 + step].copy_(y)  # exact: the low 16 bits are zero
+            if values.dtype != torch.float32:
+                values = y.copy_(values)
+            if fused:
+                fused(values, key, e0, p.data[e0:e1])
+                continue
+            for c0, c1 in _chunks(e1 - e0):
+                fused_kernels.bf16_stochastic_cast(values[c0:c1], key, e0 + c0, p.data[e0 + c0 : e0 + c1])
 
 
 @_register

@@ -10,9 +10,10 @@ into one kernel that reads each payload once and writes the sum once.
 
 Every function here computes exactly what the eager chain computes, operation by operation in
 the same order (the same roundings: ``tests/test_kernels.py`` compares bytes), so the modes
-give the same bits. What they leave to the eager path: stochastic rounding (its generator's
-draws are the eager path's), E8M0 scales' encode, rows that are not whole blocks (a section's
-last, short block) and odd rows of 4-bit data.
+give the same bits. Stochastic rounding draws from a counter (:mod:`.rng`: a hash of the
+encode's key and the element's offset), so both modes, on any device, draw the same bits.
+What they leave to the eager path: E8M0 scales' encode, rows that are not whole blocks (a
+section's last, short block) and odd rows of 4-bit data.
 
 Pure tensor math: no ``torch.distributed``.
 """
@@ -27,16 +28,22 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "row_sum_pairwise", "fp32_scales",
+from .rng import counter_bits, offsets_of
+
+__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise", "fp32_scales",
            "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "rows_amax", "per_tensor_scale",
            "fp8_block_encode", "scaled_cast", "int_block_encode", "int_scaled_round",
-           "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_of_codes", "decode_sum"]
+           "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_of_codes", "decode_sum", "random_bits",
+           "stochastic_grid", "stochastic_int", "bf16_stochastic_cast"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
 
 # Inductor's defaults round fp32 division on CUDA approximately (Triton's div.full) and flush
-# subnormals; the codecs' scales need the correctly rounded quotient eager computes.
-_COMPILE_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+# subnormals; the codecs' scales need the correctly rounded quotient eager computes. Its fusion
+# stops at 64 nodes by default: NVFP4's tile (three candidates over 16 columns) is a few hundred,
+# which that cap cut into five kernels, each reading the tile again.
+_COMPILE_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
+                    "max_fusion_size": 4096}
 
 
 def check_kernels(mode: str, key: str = "kernels") -> str:
@@ -71,7 +78,7 @@ def compiled(fn: Callable, **constants) -> Callable:
     _COPIES += 1
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    own.__kwdefaults__ = dict(constants)
+    own.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **constants}
     # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
     # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
     # never changes and stays a constant the C++/Triton code vectorizes over
@@ -81,16 +88,21 @@ def compiled(fn: Callable, **constants) -> Callable:
 # ----------------------------------------------------------------------------- shared pieces
 
 
-def row_sum_pairwise(a: Tensor) -> Tensor:
-    """Sum over the last dimension (a power of two) by halving: one fixed order of fp32 adds,
+def sum_pairwise(cols: Sequence[Tensor]) -> Tensor:
+    """The sum of a power-of-two count of like tensors by halving: one fixed order of fp32 adds,
     the same in eager and compiled code (a stock reduction's order is the kernel's own)."""
-    # column by column (each a (rows,) vector): in compiled code every add is then one pointwise
-    # over the rows that fuses with the rest, where halving the tensor would make buffers
-    cols = list(a.unbind(-1))
+    cols = list(cols)
     while len(cols) > 1:
         half = len(cols) // 2
         cols = [cols[i] + cols[i + half] for i in range(half)]
     return cols[0]
+
+
+def row_sum_pairwise(a: Tensor) -> Tensor:
+    """Sum over the last dimension (a power of two) in :func:`sum_pairwise`'s order."""
+    # column by column (each a (rows,) vector): in compiled code every add is then one pointwise
+    # over the rows that fuses with the rest, where halving the tensor would make buffers
+    return sum_pairwise(a.unbind(-1))
 
 
 def _rows_amax(x: Tensor) -> Tensor:
@@ -136,6 +148,49 @@ def e4m3_at_least(target: Tensor) -> Tensor:
     return codes + ((s8.to(torch.float32) < target) & (codes < 0x7E)).to(torch.uint8)
 
 
+# ----------------------------------------------------------------------------- stochastic rounding
+
+
+def random_bits(key: Tensor, e0: int, like: Tensor, bits: int) -> Tensor:
+    """``bits`` (<= 24) random bits (int32) per element of ``like``, whose flat element i is the
+    encode's element e0 + i: the top bits of :func:`.rng.counter_bits`."""
+    offsets = offsets_of(e0, like.numel(), like.device).view(like.shape)
+    return (counter_bits(key, offsets) >> (32 - bits)).to(torch.int32)
+
+
+def stochastic_grid(y: Tensor, noise: Tensor, *, mant_bits: int, min_normal: float) -> Tensor:
+    """fp32 ``y`` rounded to a float grid of ``mant_bits`` mantissa bits, up with probability
+    equal to its distance from the value below: ``noise`` (uniform on 0 .. 2**(23 - mant_bits)
+    - 1) is added to the bits that are dropped, which are then cleared.
+
+    Values below ``min_normal`` are first shifted by it into the first normal binade, whose
+    spacing is the subnormal spacing, so one rule covers both ranges. Requires |y| <= the
+    grid's largest value (no carry past the format max); nan stays nan."""
+    drop = 23 - mant_bits
+    sign = y.view(torch.int32) & -(2**31)
+    a = y.abs()
+    small = a < min_normal
+    a = torch.where(small, a + min_normal, a)
+    a = ((a.view(torch.int32) + noise) & ~((1 << drop) - 1)).view(torch.float32)
+    a = torch.where(small, a - min_normal, a)
+    return (a.view(torch.int32) | sign).view(torch.float32)
+
+
+def stochastic_int(y: Tensor, draw: Tensor) -> Tensor:
+    """``y`` rounded to an integer (fp32), up with probability ceil(f * 2**24) / 2**24 for its
+    fractional part f (exact on the 2**-24 grid): ``draw`` is uniform on 0 .. 2**24 - 1."""
+    lower = torch.floor(y)
+    return lower + (draw < (y - lower) * 2.0**24).to(torch.float32)
+
+
+def bf16_stochastic_cast(x: Tensor, key: Tensor, e0: int, data: Tensor) -> None:
+    """``data`` (bf16) = ``x`` stochastically rounded to bfloat16 (16 random bits added to the
+    dropped ones). inf (low bits 0) truncates to itself; nan keeps an all-ones exponent; the
+    largest finite values may carry into inf, as round-to-nearest can."""
+    bits = (x.view(torch.int32) + random_bits(key, e0, x, 16)) & ~0xFFFF
+    data.copy_(bits.view(torch.float32).to(torch.bfloat16))  # exact: the low 16 bits are zero
+
+
 # ----------------------------------------------------------------------------- encode
 
 
@@ -160,21 +215,36 @@ def per_tensor_scale(amax: Tensor, *, qmax: float) -> Tuple[Tensor, Tensor]:
     return scale, safe_divisor(scale)
 
 
-def fp8_block_encode(x: Tensor, data: Tensor, *, fmax: float, dtype: torch.dtype) -> Tensor:
-    """One tile of whole blocks: ``x`` (rows, block) fp32 -> ``data`` (the bytes of (rows, block)
-    elements of the fp8 ``dtype``), round to nearest; returns the rows' fp32 scales."""
+def _fp8_rounded(y: Tensor, key: Optional[Tensor], e0: int, mant_bits: int, min_normal: float) -> Tensor:
+    """Scaled values ready for the fp8 cast: as they are (the cast rounds to nearest), or on the
+    grid by stochastic rounding when a ``key`` is given (the cast is then exact)."""
+    if key is None:
+        return y
+    return stochastic_grid(y, random_bits(key, e0, y, 23 - mant_bits), mant_bits=mant_bits, min_normal=min_normal)
+
+
+def fp8_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, fmax: float,
+                     dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> Tensor:
+    """One tile of whole blocks: ``x`` (rows, block) fp32, the encode's elements e0.. -> ``data``
+    (the bytes of (rows, block) elements of the fp8 ``dtype``), round to nearest, or stochastic
+    under ``key`` (``mant_bits``, ``min_normal``: the format's); returns the rows' fp32 scales."""
     scale = fp32_scales(_rows_amax(x), fmax)
-    data.view(dtype).copy_((x / safe_divisor(scale)[:, None]).to(dtype))
+    y = _fp8_rounded(x / safe_divisor(scale)[:, None], key, e0, mant_bits, min_normal)
+    data.view(dtype).copy_(y.to(dtype))
     return scale
 
 
-def scaled_cast(x: Tensor, divisor: Tensor, data: Tensor, *, dtype: torch.dtype) -> None:
-    """One tile under a per-tensor scale: ``data`` (bytes) = cast(x / divisor), round to nearest."""
-    data.view(dtype).copy_((x / divisor).to(dtype))
+def scaled_cast(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> None:
+    """One tile under a per-tensor scale: ``data`` (bytes) = cast(x / divisor), round to nearest or
+    stochastic under ``key``."""
+    data.view(dtype).copy_(_fp8_rounded(x / divisor, key, e0, mant_bits, min_normal).to(dtype))
 
 
-def _int_codes(y: Tensor) -> Tensor:
-    return torch.round(y).to(torch.int8)  # half to even, as eager's round_
+def _int_codes(y: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
+    if key is None:
+        return torch.round(y).to(torch.int8)  # half to even, as eager's round_
+    return stochastic_int(y, random_bits(key, e0, y, 24)).to(torch.int8)
 
 
 def _pack_int4(codes: Tensor) -> Tensor:
@@ -183,18 +253,21 @@ def _pack_int4(codes: Tensor) -> Tensor:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def int_block_encode(x: Tensor, data: Tensor, *, qmax: int, packed: bool) -> Tensor:
+def int_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int,
+                     packed: bool) -> Tensor:
     """One tile of whole blocks of a symmetric integer format: ``data`` the bytes of (rows, block)
-    int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``; returns the fp32 scales."""
+    int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``, round half to even or
+    stochastic under ``key``; returns the fp32 scales."""
     scale = fp32_scales(_rows_amax(x), float(qmax))
-    codes = _int_codes(x / safe_divisor(scale)[:, None])
+    codes = _int_codes(x / safe_divisor(scale)[:, None], key, e0)
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
     return scale
 
 
-def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, *, packed: bool) -> None:
+def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                     packed: bool) -> None:
     """One tile under a per-tensor scale (flat ``x``; ``packed``: an even count)."""
-    codes = _int_codes(x / divisor)
+    codes = _int_codes(x / divisor, key, e0)
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
 
 
@@ -235,11 +308,6 @@ def e2m1_of_codes(codes: Tensor) -> Tensor:
     return torch.where(negative, -mag, mag)
 
 
-def _pack_fp4(codes: Tensor) -> Tensor:
-    pairs = codes.unflatten(-1, (-1, 2))
-    return (pairs[..., 0] + pairs[..., 1] * 16.0).to(torch.uint8)
-
-
 def _fp4_nibbles(data: Tensor) -> Tensor:
     """The nibbles (fp32 0..15) of packed bytes, element 2i the low one."""
     shifts = torch.tensor([0, 4], dtype=torch.int32, device=data.device)
@@ -250,17 +318,21 @@ def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
     return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
 
 
-def _e2m1_rounded(x: Tensor, scale: Tensor) -> Tensor:
-    """``x`` rounded to E2M1 under per-row ``scale`` and scaled back: what a block decodes to."""
-    return e2m1_of_codes(fp4_signed_codes(x / safe_divisor(scale)[:, None])) * scale[:, None]
-
-
-def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequence[str]) -> Tensor:
-    """One tile of whole 16-blocks (``x``: (rows, 16) fp32; ``g``: the 1-element global scale):
-    per block the candidate E4M3 scale whose nearest-rounded block errs least (the first wins
-    a tie), and the block's E2M1 codes packed two a byte into ``data`` (rows, 8); returns the
-    scales' uint8 codes (0x7F for a non-finite block). ``NvFp4Codec._encode_into``, nearest."""
-    amax = _rows_amax(x)
+def nvfp4_tile_encode(x: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                      candidates: Sequence[str]) -> Tuple[Tensor, Tensor]:
+    """One tile of whole 16-blocks (``x``: (rows, 16) fp32, the encode's elements e0..; ``g``:
+    the 1-element global scale): per block the candidate E4M3 scale whose nearest-rounded block
+    errs least (the first wins a tie), and the block's E2M1 codes, nearest or stochastic under
+    ``key``, packed two a byte; returns the scales' uint8 codes (0x7F for a non-finite block)
+    and each block's 8 bytes as one int64 (little-endian). ``NvFp4Codec._encode_into``."""
+    # Written over the block's 16 columns, each a (rows,) vector: every step, the block amax and
+    # each candidate's summed error included, is then a pointwise expression over the rows, so
+    # the whole tile is one kernel that reads each block once and writes its 8 bytes (one int64)
+    # and its scale (a reduction over the block would be a kernel of its own, and the byte
+    # packing, over (rows, 8), a third, each reading the tile again). The bytes are returned, not
+    # written into the payload: its data sit at any byte offset, where no int64 view lies.
+    cols = x.unbind(-1)
+    amax = functools.reduce(torch.maximum, [c.abs() for c in cols])  # max is exact: _rows_amax's value
     target = amax / (safe_divisor(g) * _FP4_MAX)
     up = e4m3_at_least(target)
     options = {"up": up, "down": torch.where(up > 0, up - 1, up),
@@ -268,7 +340,9 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequenc
     best_codes = best_err = None
     for name in candidates:  # per candidate only its error per block is kept
         cand = options[name]
-        err = row_sum_pairwise(torch.square(_e2m1_rounded(x, _e4m3_scale(cand, g)) - x))
+        scale = _e4m3_scale(cand, g)
+        divisor = safe_divisor(scale)
+        err = sum_pairwise([torch.square(e2m1_of_codes(fp4_signed_codes(c / divisor)) * scale - c) for c in cols])
         if best_err is None:
             best_codes, best_err = cand, err
             continue
@@ -277,9 +351,27 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, data: Tensor, *, candidates: Sequenc
         best_err = torch.where(better, err, best_err)
     # the winner's element codes made again from its scale (the same operations as when it was
     # tried), so no candidate's codes are ever stored
-    best = fp4_signed_codes(x / safe_divisor(_e4m3_scale(best_codes, g))[:, None])
-    data.copy_(_pack_fp4(best))
-    return torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
+    divisor = safe_divisor(_e4m3_scale(best_codes, g))
+    codes = []
+    for j, c in enumerate(cols):
+        y = c / divisor
+        if key is not None:  # onto the E2M1 grid (1 mantissa bit, smallest normal 1) by chance
+            noise = (counter_bits(key, offsets_of(0, y.numel(), y.device) * 16 + (e0 + j)) >> 10).to(torch.int32)
+            y = stochastic_grid(y.clamp(-_FP4_MAX, _FP4_MAX), noise, mant_bits=1, min_normal=1.0)
+        codes.append(fp4_signed_codes(y))
+    scale_codes = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
+    return scale_codes, _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
+
+
+def _bytes_as_int64(byte_values: Sequence[Tensor]) -> Tensor:
+    """Eight byte values (fp32 0..255, each a (rows,) vector) as one int64 per row whose
+    little-endian bytes they are: the row's 8 bytes in one pointwise store. The top byte enters
+    as its signed value times 2**56, so no product or sum leaves the int64 range."""
+    top = byte_values[7].to(torch.int64)
+    total = torch.where(top >= 128, top - 256, top) * (1 << 56)
+    for k in range(7):
+        total = total + byte_values[k].to(torch.int64) * (1 << (8 * k))
+    return total
 
 
 # ----------------------------------------------------------------------------- decode and sum

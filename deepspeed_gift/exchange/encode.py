@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..core.formats import DEFAULT_TILE_ELEMENTS, SampleRecorder, TensorSource, get_format
+from ..core.rng import CounterRng
 from .plan import Section
 from .stats import StepStats
 
@@ -40,14 +41,14 @@ def copy_codec_for(main_codec, high_codec=None):
 class SectionEncoder:
     """Encodes sections for one rank: the main codec, or the high-precision one for ``others``.
 
-    ``generator`` drives stochastic rounding. With ``shared_seed`` (two-level, stochastic
-    rounding) a shared section is rounded with a generator seeded from (that seed, this rank =
-    the node, step, parameters), so the same node partial encoded by the node's ranks of
+    ``generator`` (a :class:`CounterRng`) keys stochastic rounding. With ``shared_seed``
+    (two-level, stochastic rounding) a shared section is rounded with a generator seeded from
+    (that seed, this rank = the node, step, parameters), so the same node partial encoded by the node's ranks of
     different slot groups gives the same bytes. ``tile_elements`` bounds the codec's
     temporaries and the sample that sampled steps measure. ``relay_codec`` (``gift.relay_format``)
     encodes the relay route's sums on their way to the owner (None: the main codec)."""
 
-    def __init__(self, rank: int, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
+    def __init__(self, rank: int, main_codec, high_codec=None, *, generator: Optional[CounterRng] = None,
                  shared_seed: Optional[int] = None, tile_elements: int = DEFAULT_TILE_ELEMENTS,
                  relay_codec=None) -> None:
         self.rank = rank
@@ -75,9 +76,7 @@ class SectionEncoder:
             return self.generator
         digest = hashlib.blake2b(repr((self.shared_seed, self.rank, step, [p.param_key for p in sec.pieces]))
                                  .encode(), digest_size=7).digest()
-        gen = torch.Generator(device=self.generator.device)
-        gen.manual_seed(int.from_bytes(digest, "little"))
-        return gen
+        return CounterRng(int.from_bytes(digest, "little"))
 
     def encode(self, sec: Section, values, stats: StepStats, sample: bool, generator, *,
                decode: bool, codec=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -26,6 +26,7 @@ from .fidelity import exact_sample_reduction
 from .headers import (CONTROL_HEADER_BYTES, DISAGREE, FINGERPRINT_BYTES, HeaderChecks, agree_on_plan, expect_codec_header,
                       expect_control_header)
 from ..core.formats import DEFAULT_TILE_ELEMENTS, check_tile_elements
+from ..core.rng import CounterRng
 from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, SectionSource, describe_plan,
                    gather_pieces, plan_difference, plan_fingerprint, plan_route, scatter_section, transform_pieces)
 from .relay import relay_totals
@@ -45,7 +46,7 @@ class GiftReducer:
     section; the results do not depend on it. ``relay_codec``: the codec of the relay route's
     sums on their way to the owner (None: the main codec)."""
 
-    def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[torch.Generator] = None,
+    def __init__(self, comm, main_codec, high_codec=None, *, generator: Optional[CounterRng] = None,
                  error_feedback: bool = False, ranks_per_node: int = 1, defer_checks: bool = False,
                  fidelity_elements: int = 65536, route: str = "direct", shared_seed: Optional[int] = None,
                  tile_elements: int = DEFAULT_TILE_ELEMENTS, relay_codec=None) -> None:
