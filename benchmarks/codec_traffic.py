@@ -5,24 +5,30 @@ format and operation, the kernels a tile launches and the bytes it reads and wri
 element, beside the floor (what the operation must move at least) and their ratio. Both modes:
 
 - eager (``gift.kernels: eager``): the codec runs on torch's meta device (no data; the
-  accelerator's code path and its tile of 2^24 elements; a fake CPU tensor for stochastic
-  rounding, whose generator needs a real device) under a dispatch counter; every ATen operator that is not a view or an allocation is a kernel, and
-  it reads its tensor inputs and writes its outputs (a broadcast input counted once).
+  accelerator's code path and its tile of 2^24 elements) under a dispatch counter; every ATen
+  operator that is not a view or an allocation is a kernel, and it reads its tensor inputs and
+  writes its outputs (a broadcast input counted once).
 - compiled (``gift.kernels: compiled``): the same operation on this CPU with inductor compiling
   afresh (caches off), which reports each graph's fused kernels and the bytes they read and
   write (its scheduler's count: the same fusion decisions decide CUDA's kernels; it counts the
   output a graph writes into its input twice, so its bytes are an upper bound), plus the eager
   operators the codec still runs around the graph (counted as above: the header's copy, the
-  block scales' copy into the payload). The CPU tile is 2^20
-  elements; the per-element figures do not depend on the tile.
+  block scales' copy into the payload), with the tile laid out as on a GPU (NVFP4's blocks read
+  as columns of a view, not the CPU's transposed copy). The CPU tile is 2^20 elements; the
+  per-element figures do not depend on the tile.
 
 Operations: ``encode`` (a tile of fp32 to its payload; per-tensor and NVFP4's global scales
 need a first pass for the amax, counted), ``decode_sum`` (the owner's batched decode of S
-senders' payloads and their fp32 sum into the section, S = ``--senders``), and the eager-only
-ones: stochastic rounding's encode and error feedback's residual (decode and subtract).
+senders' payloads and their fp32 sum into the section, S = ``--senders``), stochastic
+rounding's encode, and ``encode+feedback``: error feedback's step for a section (last step's
+int8 residual added, the encode, the new residual kept in int8 per 128).
 
 Floors per element: encode, 4 B read + the payload's bytes (data and scales); decode-and-sum,
-S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here).
+S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here);
+encode+feedback, the encode's floor + the old residual read + the new one written. A format
+with a scale per tensor (fp8/int ``block_size`` 0, NVFP4's global scale) cannot write an element
+before it has read every element for the amax: its encode reads the input twice, and the
+``2-pass`` column gives its ratio to that floor (4 B more).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ if ROOT not in sys.path:
 
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.core import formats  # noqa: E402
+from deepspeed_gift.exchange import feedback  # noqa: E402
 from deepspeed_gift.exchange.feedback import StoredResidual  # noqa: E402
 
 # (label, format, get_format options): the issue's list, the relay's second hop included
@@ -125,6 +132,10 @@ def _codec(fmt: str, options: dict, kernels: str, rounding: str = "nearest") -> 
     return formats.get_format(fmt, kernels=kernels, rounding=rounding, **options)
 
 
+def _per_tensor_scale(codec: formats.Codec) -> bool:
+    return codec.block_size == 0 or codec.has_global_scale
+
+
 def _inputs(numel: int, device: str, senders: int, codec: formats.Codec, seed: int = 0):
     gen = torch.Generator(device=device).manual_seed(seed) if device == "cpu" else None
     spread = torch.rand(numel // 128, 1, generator=gen, device=device)  # blocks of unlike scales
@@ -143,6 +154,7 @@ def _fresh_inductor():
     from torch.utils._python_dispatch import _pop_mode_temporarily, _get_current_dispatch_mode
 
     real = formats.fused_kernels.compiled
+    real_columns = formats._blocks_as_columns
 
     def compiled_uncounted(fn, **constants):
         graph = real(fn, **constants)
@@ -158,69 +170,76 @@ def _fresh_inductor():
     real.cache_clear()
     torch._logging.set_logs(inductor_metrics=True)
     formats.fused_kernels.compiled = compiled_uncounted
+    formats._blocks_as_columns = lambda x: x.t()  # a GPU's layout: a view, no transposed copy
     try:
         with inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
             metrics.reset()
             yield metrics
     finally:
         formats.fused_kernels.compiled = real
+        formats._blocks_as_columns = real_columns
         torch._logging.set_logs(inductor_metrics=False)
 
 
-def _fake_cpu():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
+@contextlib.contextmanager
+def _residual_codec(kernels: str):
+    """Error feedback's int8 residual codec in ``kernels`` mode (its own rule, ``by_device``,
+    compiles on a GPU; here the CPU stands in for one)."""
+    real = feedback.RESIDUAL_CODEC
+    feedback.RESIDUAL_CODEC = formats.get_format(feedback.RESIDUAL_FORMAT, block_size=feedback.RESIDUAL_BLOCK,
+                                                 kernels=kernels)
+    try:
+        yield
+    finally:
+        feedback.RESIDUAL_CODEC = real
 
 
 def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
     """One operation of one format, one tile: kernels and bytes per element."""
-    if kernels == "eager":
-        # the meta device: no data, an accelerator's code path and tile; stochastic rounding's
-        # generator needs a real device: a fake CPU there (the same operations per tile)
-        if rounding == "nearest":
-            numel, device, mode = GPU_TILE, "meta", contextlib.nullcontext()
-        else:
-            numel, device, mode = CPU_TILE, "cpu", _fake_cpu()
-    else:
-        numel, device, mode = CPU_TILE, "cpu", contextlib.nullcontext()
+    # eager: the meta device, no data, an accelerator's code path and tile
+    numel, device = (GPU_TILE, "meta") if kernels == "eager" else (CPU_TILE, "cpu")
     codec = _codec(fmt, options, kernels, rounding)
     compiled_kernels = compiled_bytes = 0
-    with mode:
-        x, rows = _inputs(numel, device, senders, codec)
-        payload = codec.bytes_to_payload(rows, (numel,), check_header=False)
-        out = torch.empty(numel, device=device)
+    x, rows = _inputs(numel, device, senders, codec)
+    payload = codec.bytes_to_payload(rows, (numel,), check_header=False)
+    out = torch.empty(numel, device=device)
+    old = StoredResidual.encode(x * 0.01)
+    staged = [x.clone() for _ in range(3)] if op == "feedback" else []
 
-        def run():
-            if op == "encode":
-                codec.encode(x)
-            elif op == "decode_sum":
-                codec.decode_sum(payload, out)
-            elif op == "feedback":  # error feedback: encode, then the residual kept in int8 per 128
-                sent = codec.encode(x)
-                StoredResidual.encode(x - codec.decode(sent))
+    def run():
+        if op == "encode":
+            codec.encode(x)
+        elif op == "decode_sum":
+            codec.decode_sum(payload, out)
+        elif op == "feedback":  # error feedback: the old residual in, encode, the new one kept
+            values = staged.pop()  # the reducer stages a section with feedback whole (not counted)
+            old.add_to(values)
+            sent = codec.encode(values)
+            StoredResidual.encode(values.sub_(codec.decode(sent)))
 
-        counter = TrafficCounter()
-        if kernels == "compiled":
-            with _fresh_inductor() as metrics:
-                run()  # compiles: inductor counts each graph's kernels and bytes once
-                # a fused scheduler node is one kernel on CUDA (on a CPU one C++ function may
-                # hold a few loops); its bytes are inductor's count, which counts a graph input
-                # the graph writes twice (the computed buffer and the copy into the input, one
-                # store in the generated code): an upper bound by that input's bytes
-                compiled_kernels, compiled_bytes = len(metrics.nodes_num_elem), metrics.num_bytes_accessed
-                with counter:
-                    run()
-        else:
-            run()  # warm: lazily made tables and headers
+    counter = TrafficCounter()
+    if kernels == "compiled":
+        with _fresh_inductor() as metrics, _residual_codec(kernels):
+            run()  # compiles: inductor counts each graph's kernels and bytes once
+            # a fused scheduler node is one kernel on CUDA (on a CPU one C++ function may
+            # hold a few loops); its bytes are inductor's count, which counts a graph input
+            # the graph writes twice (the computed buffer and the copy into the input, one
+            # store in the generated code): an upper bound by that input's bytes
+            compiled_kernels, compiled_bytes = len(metrics.nodes_num_elem), metrics.num_bytes_accessed
             with counter:
                 run()
-    floor = payload_bytes_per_element(codec, numel)
-    floor = 4 + floor if op == "encode" else senders * floor + 4
+    else:
+        run()  # warm: lazily made tables and headers
+        with counter:
+            run()
+    payload = payload_bytes_per_element(codec, numel)
+    residual = payload_bytes_per_element(feedback.RESIDUAL_CODEC, numel)
+    floor = {"encode": 4 + payload, "decode_sum": senders * payload + 4, "feedback": 4 + payload + 2 * residual}[op]
+    two_pass = floor + 4 if op != "decode_sum" and _per_tensor_scale(codec) else floor
     moved = (counter.read + counter.written + compiled_bytes) / numel
     return {"kernels": counter.kernels + compiled_kernels, "compiled_kernels": compiled_kernels,
             "eager_ops": counter.kernels, "bytes_per_element": moved, "floor": floor,
-            "x_floor": moved / floor, "host_reads": counter.host_reads}
+            "x_floor": moved / floor, "x_two_pass_floor": moved / two_pass, "host_reads": counter.host_reads}
 
 
 def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled")) -> List[dict]:
@@ -231,10 +250,11 @@ def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled")) ->
             for s in senders:
                 rows.append(dict(case=label, op=f"decode_sum S={s}", mode=mode,
                                  **_measure(mode, fmt, options, "decode_sum", s)))
-        rows.append(dict(case=label, op="encode stochastic", mode="eager",
-                         **_measure("eager", fmt, options, "encode", 1, rounding="stochastic")))
-        rows.append(dict(case=label, op="encode+feedback", mode="eager",
-                         **_measure("eager", fmt, options, "feedback", 1)))
+        for mode in modes:
+            rows.append(dict(case=label, op="encode stochastic", mode=mode,
+                             **_measure(mode, fmt, options, "encode", 1, rounding="stochastic")))
+            rows.append(dict(case=label, op="encode+feedback", mode=mode,
+                             **_measure(mode, fmt, options, "feedback", 1)))
     return rows
 
 
@@ -246,10 +266,11 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     args = ap.parse_args(argv)
     cases = [c for c in CASES if args.cases is None or c[0] in args.cases]
     rows = measure_all(args.senders, cases)
-    print(f"{'case':<17}{'operation':<19}{'mode':<10}{'kernels':>8}{'B/elem':>9}{'floor':>8}{'x floor':>9}")
+    print(f"{'case':<17}{'operation':<19}{'mode':<10}{'kernels':>8}{'B/elem':>9}{'floor':>8}{'x floor':>9}"
+          f"{'2-pass':>8}")
     for r in rows:
         print(f"{r['case']:<17}{r['op']:<19}{r['mode']:<10}{r['kernels']:>8}{r['bytes_per_element']:>9.2f}"
-              f"{r['floor']:>8.2f}{r['x_floor']:>9.2f}")
+              f"{r['floor']:>8.2f}{r['x_floor']:>9.2f}{r['x_two_pass_floor']:>8.2f}")
     if args.json:
         write_json(args.json, {"rows": rows})
     return rows

@@ -277,27 +277,32 @@ def _tile_amax(values: Tensor, row_len: int) -> Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _source_amax(src, row_len: int, tile: int, *, finite_blocks_only: bool = False, fused: bool = False) -> Tensor:
-    """max |x| over ``src`` (1 element), read tile by tile; nan/inf propagate, or with
-    ``finite_blocks_only`` every row of ``row_len`` holding a nan/inf is left out. ``fused``:
-    tiles of whole rows reduce in one compiled kernel (the same value: max is exact)."""
+def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_only: bool = False,
+                  fused: bool = False) -> Tuple[Tensor, Tensor]:
+    """A per-tensor scale over ``src`` read tile by tile: max |x| / ``qmax`` (``_fp32_scales``;
+    nan/inf propagate, or with ``finite_blocks_only`` every row of ``row_len`` holding a nan/inf
+    is left out) and its divisor. ``fused``: tiles of whole rows reduce in one compiled kernel,
+    the last one making the scale too (the same value: max is exact)."""
     numel = src.numel
     step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
     work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
-    best = None
+    best = scaled = None
     for e0 in range(0, numel, step):
         e1 = min(e0 + step, numel)
         values = src.read(e0, e1, work)
         if fused and (e1 - e0) % row_len == 0:
-            best = fused_kernels.compiled(fused_kernels.rows_amax, finite_blocks_only=finite_blocks_only)(
-                values.view(-1, row_len), best)
+            best, *scaled = fused_kernels.compiled(fused_kernels.rows_amax_scale, finite_blocks_only=finite_blocks_only,
+                                                   qmax=qmax)(values.view(-1, row_len), best)
             continue
         amax = _tile_amax(values, row_len)
         if finite_blocks_only:
             amax = torch.where(torch.isfinite(amax), amax, 0.0)
         top = amax.amax().reshape(1)
-        best = top if best is None else torch.maximum(best, top)
-    return best
+        best, scaled = top if best is None else torch.maximum(best, top), None
+    if scaled:
+        return scaled[0], scaled[1]
+    scale = _fp32_scales(best, qmax)
+    return scale, _safe_divisor(scale)
 
 
 def _div_scalar(a: Tensor, value: float) -> Tensor:
@@ -326,8 +331,9 @@ def _mul_rows_(values: Tensor, row_scale: Tensor, row_len: int) -> None:
 
 
 # Stochastic rounding's eager chain works in chunks of this many elements: its counter hash
-# holds a few int64 temporaries per element, which a GPU tile (2**24) would make 0.5 GB.
-_RANDOM_CHUNK = 1 << 20
+# holds a few int64 temporaries per element, which a GPU tile (2**24) would make 0.5 GB, and a
+# CPU's work stays in its cache (2 MB of int64).
+_RANDOM_CHUNK = 1 << 18
 
 
 def _chunks(n: int) -> Iterator[Tuple[int, int]]:
@@ -861,13 +867,7 @@ class _ScaledCodec(Codec):
         _mul_rows_(out, self._row_scales(p, r0, r1), row_len)
 
     def _per_tensor_divisor(self, src, row_len: int, n_rows: int, p: Payload, qmax: float, tile: int) -> Tensor:
-        fused = self.compiled_on(src.device)
-        amax = _source_amax(src, row_len, tile, fused=fused)
-        if fused:  # the scale and its divisor in one kernel
-            scale, divisor = fused_kernels.compiled(fused_kernels.per_tensor_scale, qmax=qmax)(amax)
-        else:
-            scale = _fp32_scales(amax, qmax)
-            divisor = _safe_divisor(scale)
+        scale, divisor = _source_scale(src, row_len, tile, qmax, fused=self.compiled_on(src.device))
         p.scales.copy_(scale)
         return divisor.expand(n_rows)
 
@@ -1197,6 +1197,13 @@ def warm_device_tables(device) -> None:
         _table_on(table, device)
 
 
+def _blocks_as_columns(x: Tensor) -> Tensor:
+    """A tile of 16-blocks (rows, 16) as the (16, rows) columns NVFP4's kernel reads: a copy on
+    a CPU, where C++ vectorizes across rows only over adjacent elements; a view elsewhere (a GPU
+    thread takes its block's 16 strided loads from cache: no extra pass)."""
+    return x.t().contiguous() if x.device.type == "cpu" else x.t()
+
+
 @_register
 class NvFp4Codec(_ScaledCodec):
     """E2M1 elements, E4M3 scale per 16, fp32 global scale per encoded tensor."""
@@ -1256,11 +1263,7 @@ class NvFp4Codec(_ScaledCodec):
         row_len = self.block_size
         n_rows = -(-numel // row_len)
         compiled = self.compiled_on(src.device)
-        amax = _source_amax(src, row_len, tile, finite_blocks_only=True, fused=compiled)
-        if compiled:  # the scale in one kernel, not a chain of launches on one element
-            g = fused_kernels.compiled(fused_kernels.per_tensor_scale, qmax=_FP4_MAX * _E4M3_MAX)(amax)[0]
-        else:
-            g = _fp32_scales(amax, _FP4_MAX * _E4M3_MAX)
+        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)[0]
         p.global_scale.copy_(g)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
@@ -1271,7 +1274,7 @@ class NvFp4Codec(_ScaledCodec):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x, _ = _load_rows(src, row_len, r0, r1, work)
             if fused is not None and e1 - e0 == x.numel():
-                scale_codes, packed = fused(x, g, key, e0)
+                scale_codes, packed = fused(_blocks_as_columns(x), g, key, e0)
                 p.scales.view(torch.uint8)[r0:r1].copy_(scale_codes)
                 p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
                 continue

@@ -31,9 +31,9 @@ from torch import Tensor
 from .rng import counter_bits, offsets_of
 
 __all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise", "fp32_scales",
-           "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "rows_amax", "per_tensor_scale",
+           "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "rows_amax_scale",
            "fp8_block_encode", "scaled_cast", "int_block_encode", "int_scaled_round",
-           "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_of_codes", "decode_sum", "random_bits",
+           "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_nearest", "e2m1_of_codes", "decode_sum", "random_bits",
            "stochastic_grid", "stochastic_int", "bf16_stochastic_cast"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
@@ -155,7 +155,7 @@ def random_bits(key: Tensor, e0: int, like: Tensor, bits: int) -> Tensor:
     """``bits`` (<= 24) random bits (int32) per element of ``like``, whose flat element i is the
     encode's element e0 + i: the top bits of :func:`.rng.counter_bits`."""
     offsets = offsets_of(e0, like.numel(), like.device).view(like.shape)
-    return (counter_bits(key, offsets) >> (32 - bits)).to(torch.int32)
+    return (counter_bits(key, offsets, wide=e0 + like.numel() > 2**32) >> (32 - bits)).to(torch.int32)
 
 
 def stochastic_grid(y: Tensor, noise: Tensor, *, mant_bits: int, min_normal: float) -> Tensor:
@@ -194,25 +194,24 @@ def bf16_stochastic_cast(x: Tensor, key: Tensor, e0: int, data: Tensor) -> None:
 # ----------------------------------------------------------------------------- encode
 
 
-def rows_amax(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool) -> Tensor:
-    """max |x| over the rows ``x`` (1 element), and over ``best`` (an earlier tile's) when given;
-    ``finite_blocks_only``: rows holding inf/nan left out. A per-tensor scale's first pass."""
+def rows_amax_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool,
+                    qmax: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """A per-tensor scale's first pass, one tile: max |x| over the rows ``x`` (1 element) and
+    over ``best`` (the earlier tiles') when given, ``finite_blocks_only``: rows holding inf/nan
+    left out; with the scale amax / ``qmax`` so far and its divisor (1 for a zero scale), which
+    the last tile's call gives for the whole tensor in the same kernel."""
     amax = _rows_amax(x)
     if finite_blocks_only:
         amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
     top = amax.amax().reshape(1)
-    return top if best is None else torch.maximum(best, top)
+    top = top if best is None else torch.maximum(best, top)
+    scale = fp32_scales(top, qmax)
+    return top, scale, safe_divisor(scale)
 
 
 # Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32
 # block scales are returned (a graph input that is a 4-byte view of the uint8 buffer cannot be
 # written under dynamic shapes): the caller copies them, 1/32 of the element bytes at block 128.
-
-
-def per_tensor_scale(amax: Tensor, *, qmax: float) -> Tuple[Tensor, Tensor]:
-    """A per-tensor scale from its amax, and the divisor that applies it (1 for a zero scale)."""
-    scale = fp32_scales(amax, qmax)
-    return scale, safe_divisor(scale)
 
 
 def _fp8_rounded(y: Tensor, key: Optional[Tensor], e0: int, mant_bits: int, min_normal: float) -> Tensor:
@@ -297,6 +296,17 @@ def fp4_signed_codes(y: Tensor) -> Tensor:
     return _fp4_magnitude_codes(y.abs()) + negative * 8.0
 
 
+def e2m1_nearest(y: Tensor) -> Tensor:
+    """fp32 ``y`` rounded to the nearest E2M1 value, ties to the even code, saturating at +-6 (the
+    value of :func:`fp4_signed_codes`' code for finite ``y``; nan stays nan): E2M1's steps are
+    0.5 below 2, 1 below 4, 2 above, and round-half-even of the value over its step is the
+    even code at a tie (fewer operations than finding the code and decoding it)."""
+    a = y.abs()
+    mag = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
+                      torch.where(a < 4.0, torch.round(a), torch.clamp(torch.round(a * 0.5) * 2.0, max=_FP4_MAX)))
+    return torch.copysign(mag, y)
+
+
 def e2m1_of_codes(codes: Tensor) -> Tensor:
     """The fp32 value of signed E2M1 codes (0..15, as fp32; -0.0 for code 8): magnitude code
     m >= 2 is 2**(floor(m / 2) - 1) * (1 + (m mod 2) / 2), m < 2 is m / 2."""
@@ -318,9 +328,10 @@ def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
     return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
 
 
-def nvfp4_tile_encode(x: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
                       candidates: Sequence[str]) -> Tuple[Tensor, Tensor]:
-    """One tile of whole 16-blocks (``x``: (rows, 16) fp32, the encode's elements e0..; ``g``:
+    """One tile of whole 16-blocks (``xt``: (16, rows) fp32, the blocks as columns: the tile's
+    transpose, a view of it or a copy; the encode's elements e0..; ``g``:
     the 1-element global scale): per block the candidate E4M3 scale whose nearest-rounded block
     errs least (the first wins a tie), and the block's E2M1 codes, nearest or stochastic under
     ``key``, packed two a byte; returns the scales' uint8 codes (0x7F for a non-finite block)
@@ -331,7 +342,9 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: in
     # and its scale (a reduction over the block would be a kernel of its own, and the byte
     # packing, over (rows, 8), a third, each reading the tile again). The bytes are returned, not
     # written into the payload: its data sit at any byte offset, where no int64 view lies.
-    cols = x.unbind(-1)
+    # (A copy, contiguous, on a CPU: C++ vectorizes across rows only where a column's elements
+    # are adjacent; a GPU thread takes its row's 16 strided loads from cache.)
+    cols = xt.unbind(0)
     amax = functools.reduce(torch.maximum, [c.abs() for c in cols])  # max is exact: _rows_amax's value
     target = amax / (safe_divisor(g) * _FP4_MAX)
     up = e4m3_at_least(target)
@@ -342,7 +355,7 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: in
         cand = options[name]
         scale = _e4m3_scale(cand, g)
         divisor = safe_divisor(scale)
-        err = sum_pairwise([torch.square(e2m1_of_codes(fp4_signed_codes(c / divisor)) * scale - c) for c in cols])
+        err = sum_pairwise([torch.square(e2m1_nearest(c / divisor) * scale - c) for c in cols])
         if best_err is None:
             best_codes, best_err = cand, err
             continue
@@ -356,7 +369,8 @@ def nvfp4_tile_encode(x: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: in
     for j, c in enumerate(cols):
         y = c / divisor
         if key is not None:  # onto the E2M1 grid (1 mantissa bit, smallest normal 1) by chance
-            noise = (counter_bits(key, offsets_of(0, y.numel(), y.device) * 16 + (e0 + j)) >> 10).to(torch.int32)
+            offsets = offsets_of(0, y.numel(), y.device) * 16 + (e0 + j)
+            noise = (counter_bits(key, offsets, wide=e0 + 16 * y.numel() > 2**32) >> 10).to(torch.int32)
             y = stochastic_grid(y.clamp(-_FP4_MAX, _FP4_MAX), noise, mant_bits=1, min_normal=1.0)
         codes.append(fp4_signed_codes(y))
     scale_codes = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))

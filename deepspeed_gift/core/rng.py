@@ -10,7 +10,8 @@ numbers in the order a kernel asks for them.
 The hash works on int64 holding 32-bit values: every product is of a value below 2**32 and a
 constant below 2**31, so it stays below 2**63 and no signed overflow (undefined in the C++ and
 Triton that inductor writes) ever happens. Two rounds of a multiply-xorshift finalizer (odd
-constants, xorshifts of 15-16 bits) mix the counter's low and high words with the key's.
+constants, xorshifts of 15-16 bits) mixes the counter with the key's first word; an encode of
+2**32 elements or more takes a second round for the counter's high word and the key's second.
 
 Pure tensor math: no ``torch.distributed``.
 """
@@ -40,25 +41,28 @@ def splitmix64(x: int) -> int:
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit finalizer on int64 values in [0, 2**32): constants below 2**31 keep every
-    product below 2**63."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x1B873593) & _M32
-    return x ^ (x >> 16)
+    """A 32-bit finalizer on int64 values in [0, 2**32), in place: constants below 2**31 keep
+    every product below 2**63."""
+    # in place on ``x`` (a fresh tensor at every call site): the eager chain allocates a third
+    # as often; compiled code is the same
+    x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15).mul_(0x1B873593).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 16)
 
 
-def counter_bits(key: Tensor, offsets: Tensor) -> Tensor:
+def counter_bits(key: Tensor, offsets: Tensor, wide: bool = False) -> Tensor:
     """32 random bits (int64 in [0, 2**32)) per element offset (int64 >= 0) under ``key`` (an
-    int64 tensor of the key's two 32-bit words)."""
+    int64 tensor of the key's two 32-bit words). Offsets below 2**32 (every encode of fewer
+    elements) take one round; ``wide`` offsets a second, for their high word."""
+    if not wide:
+        return _mix32(offsets ^ key[0])
     x = _mix32((offsets & _M32) ^ key[0])
     return _mix32(x ^ (offsets >> 32) ^ key[1])
 
 
 def offsets_of(e0: int, n: int, device) -> Tensor:
     """The element offsets e0 .. e0 + n - 1 (int64)."""
-    return torch.arange(n, dtype=torch.int64, device=device) + e0
+    return torch.arange(e0, e0 + n, dtype=torch.int64, device=device)
 
 
 class CounterRng:

@@ -49,7 +49,7 @@ RESIDUAL_BLOCK = 128
 RESIDUAL_BYTES_PER_ELEMENT = 1 + 4 / RESIDUAL_BLOCK
 # The codec encodes and decodes in its tiles (gift.tile_elements' default): a store or an add
 # has a tile's fp32 transients, not a section's.
-_CODEC = formats.get_format(RESIDUAL_FORMAT, block_size=RESIDUAL_BLOCK)
+RESIDUAL_CODEC = formats.get_format(RESIDUAL_FORMAT, block_size=RESIDUAL_BLOCK)
 
 # how a saved residual's values are laid out
 TRANSFORMED, GRADIENT = "transformed", "gradient"
@@ -79,16 +79,16 @@ class StoredResidual:
 
     @classmethod
     def encode(cls, residual: torch.Tensor) -> "StoredResidual":
-        return cls(_CODEC.encode(residual.reshape(-1)).wire, residual.numel())
+        return cls(RESIDUAL_CODEC.encode(residual.reshape(-1)).wire, residual.numel())
 
     def _payload(self) -> formats.Payload:
-        return _CODEC.bytes_to_payload(self.wire, self.numel, check_header=False)
+        return RESIDUAL_CODEC.bytes_to_payload(self.wire, self.numel, check_header=False)
 
     def add_to(self, values: torch.Tensor) -> torch.Tensor:
-        return _CODEC.decode_into(self._payload(), values, add=True)
+        return RESIDUAL_CODEC.decode_into(self._payload(), values, add=True)
 
     def decode(self) -> torch.Tensor:
-        return _CODEC.decode(self._payload())
+        return RESIDUAL_CODEC.decode(self._payload())
 
     def nbytes(self) -> int:
         return self.wire.numel()
