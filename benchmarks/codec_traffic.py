@@ -48,6 +48,7 @@ if ROOT not in sys.path:
 
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.core import formats  # noqa: E402
+from deepspeed_gift.core import kernels as fused_kernels  # noqa: E402
 from deepspeed_gift.exchange import feedback  # noqa: E402
 from deepspeed_gift.exchange.feedback import StoredResidual  # noqa: E402
 
@@ -153,8 +154,8 @@ def _fresh_inductor():
     from torch._inductor import metrics
     from torch.utils._python_dispatch import _pop_mode_temporarily, _get_current_dispatch_mode
 
-    real = formats.fused_kernels.compiled
-    real_columns = formats._blocks_as_columns
+    real = fused_kernels.compiled
+    real_columns = formats.nvfp4._blocks_as_columns
 
     def compiled_uncounted(fn, **constants):
         graph = real(fn, **constants)
@@ -169,15 +170,15 @@ def _fresh_inductor():
     torch._dynamo.reset()
     real.cache_clear()
     torch._logging.set_logs(inductor_metrics=True)
-    formats.fused_kernels.compiled = compiled_uncounted
-    formats._blocks_as_columns = lambda x: x.t()  # a GPU's layout: a view, no transposed copy
+    fused_kernels.compiled = compiled_uncounted
+    formats.nvfp4._blocks_as_columns = lambda x: x.t()  # a GPU's layout: a view, no transposed copy
     try:
         with inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
             metrics.reset()
             yield metrics
     finally:
-        formats.fused_kernels.compiled = real
-        formats._blocks_as_columns = real_columns
+        fused_kernels.compiled = real
+        formats.nvfp4._blocks_as_columns = real_columns
         torch._logging.set_logs(inductor_metrics=False)
 
 

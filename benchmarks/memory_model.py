@@ -424,7 +424,7 @@ def codec_staging_parts(section: float, layer: int, run: Run, design: Design) ->
     (``plan.SectionSource``: whole rows of one piece, about a tile) the codec reads the chunk into
     its own tile and a whitened chunk holds its output and two temporaries (12 B an element). The
     codec's work is over a tile (on a CPU the codecs cut any tile to ``CPU_TILE``, as
-    ``formats._device_tile`` does). The whitening's temporaries are gone before the codec runs."""
+    ``formats.base._device_tile`` does). The whitening's temporaries are gone before the codec runs."""
     work = CODEC_WORK[run.format] + (STOCHASTIC_WORK if run.stochastic else 0.0)
     codec = section if design.codec_tile is None else min(section, design.codec_tile)
     if run.device == "cpu":

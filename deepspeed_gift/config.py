@@ -56,7 +56,7 @@ PASSTHROUGH_FORMATS = tuple(n for n in FORMAT_NAMES if format_class(n).default_b
 RELAY_DEFAULT_FORMAT, RELAY_DEFAULT_BLOCK = "int8", 32
 DEFAULT_BLOCK_SIZE = {n: format_class(n).default_block_size for n in FORMAT_NAMES if n not in PASSTHROUGH_FORMATS}
 NVFP4_BLOCK = format_class("nvfp4").default_block_size
-E8M0_BLOCK = 32  # the OCP MX block of E8M0-scaled FP8 (formats._Fp8Codec)
+E8M0_BLOCK = 32  # the OCP MX block of E8M0-scaled FP8 (formats.fp8._Fp8Codec)
 
 
 class _GiftModel(DeepSpeedConfigModel):

@@ -48,7 +48,7 @@ def tile(request, monkeypatch):
     """Run with the real CPU tile and with a tile of 64 elements, so small tensors cross
     many tile boundaries (odd blocks, odd tails, per-tensor rows)."""
     if request.param == "tiny":
-        monkeypatch.setattr(formats, "_CPU_TILE", 64)
+        monkeypatch.setattr(formats.base, "_CPU_TILE", 64)
     return request.param
 
 
@@ -351,7 +351,7 @@ def test_ties_round_to_even(name):
     kw = {} if name == "nvfp4" else {"block_size": 32}
     assert torch.equal(got, _reference(name, kw, x))
     if name == "nvfp4":  # the block may take another scale than 1 (the one with least error); E2M1 itself:
-        from deepspeed_gift.core.formats import _e2m1_nearest
+        from deepspeed_gift.core.formats.nvfp4 import _e2m1_nearest
 
         mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
         assert _e2m1_nearest(mids).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
@@ -448,7 +448,7 @@ def _nvfp4_block_errors(x, scale_of):
     """Per-block squared error of NVFP4 with the block scale ``scale_of(target)`` (E4M3 value;
     target = amax / (6 g)) and nearest, saturating E2M1 elements: the single-scale codecs
     the per-block choice is measured against."""
-    from deepspeed_gift.core.formats import _e2m1_nearest
+    from deepspeed_gift.core.formats.nvfp4 import _e2m1_nearest
 
     blocks = x.reshape(-1, 16).float()
     amax = blocks.abs().amax(1)
@@ -459,7 +459,7 @@ def _nvfp4_block_errors(x, scale_of):
 
 
 def test_e2m1_lookup_matches_its_reference():
-    from deepspeed_gift.core.formats import _e2m1_nearest
+    from deepspeed_gift.core.formats.nvfp4 import _e2m1_nearest
 
     y = torch.randn(100_000, generator=_gen(3)) * 4
     edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e30, 0.0, -0.0, 1e-40])
@@ -830,7 +830,7 @@ def test_batch_of_payloads_decodes_as_each_alone(cfg, numel, senders, tile):
         into = torch.full((senders, numel), 2.0)
         assert _same_bits(codec.decode_into(batch, into, add=True), torch.full((senders, numel), 2.0).add_(alone))
         tiled = torch.empty(senders, numel)
-        tile_elements = formats._device_tile(codec.tile_elements, rows.device)
+        tile_elements = formats.base._device_tile(codec.tile_elements, rows.device)
         for e0, e1, values in codec.decode_tiles(batch):
             tiled[:, e0:e1] = values
             # a pass decodes every sender, within about a tile in all (whole blocks; 4-bit
@@ -974,8 +974,8 @@ def test_cuda_matches_cpu(cfg):
 
 
 def _e2m1_nearest_reference(y: torch.Tensor) -> torch.Tensor:
-    """Slow reference of ``formats._e2m1_nearest``: count the midpoints below ``|y|``."""
-    from deepspeed_gift.core.formats import _FP4_VALUES_T, _fp4_magnitude_codes, _table_on
+    """Slow reference of ``formats.nvfp4._e2m1_nearest``: count the midpoints below ``|y|``."""
+    from deepspeed_gift.core.formats.nvfp4 import _FP4_VALUES_T, _fp4_magnitude_codes, _table_on
 
     mags = _table_on(_FP4_VALUES_T, y.device)[_fp4_magnitude_codes(y.abs()).long()]
     return mags.copysign_(y)

@@ -1,6 +1,8 @@
-"""Fused tile kernels of the codecs (``gift.kernels``): each a small pure function over one tile
-that ``torch.compile`` turns into one or two kernels, beside the eager chains in
-:mod:`.formats`, which stay the reference and the fallback.
+"""Fused tile kernels of the codecs (``gift.kernels``): how they are compiled, and the pieces the
+format families share (scales, stochastic rounding's rules, a per-tensor scale's first pass,
+nibbles, the owner's decode-and-sum). Each family's own kernels live beside its eager codec in
+:mod:`.formats` (``fp8``, ``integer``, ``nvfp4``, ``passthrough``); the eager chains stay the
+reference and the fallback.
 
 Why: an eager encode is a chain of 10-40 ATen ops, each a pass over the tile; on a GPU every one
 is a kernel launch and a trip through HBM. Written as one function, inductor fuses the block
@@ -30,11 +32,9 @@ from torch import Tensor
 
 from .rng import counter_bits, offsets_of
 
-__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise", "fp32_scales",
-           "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "rows_amax_scale",
-           "fp8_block_encode", "scaled_cast", "int_block_encode", "int_scaled_round",
-           "nvfp4_tile_encode", "fp4_signed_codes", "e2m1_nearest", "e2m1_of_codes", "decode_sum", "random_bits",
-           "stochastic_grid", "stochastic_int", "bf16_stochastic_cast"]
+__all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise",
+           "fp32_scales", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits", "stochastic_grid",
+           "stochastic_int", "rows_amax", "rows_amax_scale", "fp4_nibbles", "decoded_rows", "decode_sum"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
 
@@ -105,7 +105,7 @@ def row_sum_pairwise(a: Tensor) -> Tensor:
     return sum_pairwise(a.unbind(-1))
 
 
-def _rows_amax(x: Tensor) -> Tensor:
+def rows_amax(x: Tensor) -> Tensor:
     """max |x| per row; nan if the row holds a nan (maximum propagates it). The abs makes an
     all-zero row's +0.0 whichever zero maximum(0.0, -0.0) picks (compiled code may ignore
     the sign of zero)."""
@@ -183,14 +183,6 @@ def stochastic_int(y: Tensor, draw: Tensor) -> Tensor:
     return lower + (draw < (y - lower) * 2.0**24).to(torch.float32)
 
 
-def bf16_stochastic_cast(x: Tensor, key: Tensor, e0: int, data: Tensor) -> None:
-    """``data`` (bf16) = ``x`` stochastically rounded to bfloat16 (16 random bits added to the
-    dropped ones). inf (low bits 0) truncates to itself; nan keeps an all-ones exponent; the
-    largest finite values may carry into inf, as round-to-nearest can."""
-    bits = (x.view(torch.int32) + random_bits(key, e0, x, 16)) & ~0xFFFF
-    data.copy_(bits.view(torch.float32).to(torch.bfloat16))  # exact: the low 16 bits are zero
-
-
 # ----------------------------------------------------------------------------- encode
 
 
@@ -200,7 +192,7 @@ def rows_amax_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bo
     over ``best`` (the earlier tiles') when given, ``finite_blocks_only``: rows holding inf/nan
     left out; with the scale amax / ``qmax`` so far and its divisor (1 for a zero scale), which
     the last tile's call gives for the whole tensor in the same kernel."""
-    amax = _rows_amax(x)
+    amax = rows_amax(x)
     if finite_blocks_only:
         amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
     top = amax.amax().reshape(1)
@@ -214,230 +206,42 @@ def rows_amax_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bo
 # written under dynamic shapes): the caller copies them, 1/32 of the element bytes at block 128.
 
 
-def _fp8_rounded(y: Tensor, key: Optional[Tensor], e0: int, mant_bits: int, min_normal: float) -> Tensor:
-    """Scaled values ready for the fp8 cast: as they are (the cast rounds to nearest), or on the
-    grid by stochastic rounding when a ``key`` is given (the cast is then exact)."""
-    if key is None:
-        return y
-    return stochastic_grid(y, random_bits(key, e0, y, 23 - mant_bits), mant_bits=mant_bits, min_normal=min_normal)
-
-
-def fp8_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, fmax: float,
-                     dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> Tensor:
-    """One tile of whole blocks: ``x`` (rows, block) fp32, the encode's elements e0.. -> ``data``
-    (the bytes of (rows, block) elements of the fp8 ``dtype``), round to nearest, or stochastic
-    under ``key`` (``mant_bits``, ``min_normal``: the format's); returns the rows' fp32 scales."""
-    scale = fp32_scales(_rows_amax(x), fmax)
-    y = _fp8_rounded(x / safe_divisor(scale)[:, None], key, e0, mant_bits, min_normal)
-    data.view(dtype).copy_(y.to(dtype))
-    return scale
-
-
-def scaled_cast(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
-                dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> None:
-    """One tile under a per-tensor scale: ``data`` (bytes) = cast(x / divisor), round to nearest or
-    stochastic under ``key``."""
-    data.view(dtype).copy_(_fp8_rounded(x / divisor, key, e0, mant_bits, min_normal).to(dtype))
-
-
-def _int_codes(y: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
-    if key is None:
-        return torch.round(y).to(torch.int8)  # half to even, as eager's round_
-    return stochastic_int(y, random_bits(key, e0, y, 24)).to(torch.int8)
-
-
-def _pack_int4(codes: Tensor) -> Tensor:
-    nib = codes.view(torch.uint8) & 0x0F
-    pairs = nib.unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-def int_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int,
-                     packed: bool) -> Tensor:
-    """One tile of whole blocks of a symmetric integer format: ``data`` the bytes of (rows, block)
-    int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``, round half to even or
-    stochastic under ``key``; returns the fp32 scales."""
-    scale = fp32_scales(_rows_amax(x), float(qmax))
-    codes = _int_codes(x / safe_divisor(scale)[:, None], key, e0)
-    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
-    return scale
-
-
-def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
-                     packed: bool) -> None:
-    """One tile under a per-tensor scale (flat ``x``; ``packed``: an even count)."""
-    codes = _int_codes(x / divisor, key, e0)
-    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
-
-
-# E2M1: magnitudes by code 0..7 and the midpoints between neighbours (a tie goes to the even code)
-_FP4_MAX = 6.0
-_E4M3_MAX = 448.0
-
-
-# E2M1 codes are carried as fp32 values 0..15 (exact): comparisons, selects and floors of floats
-# vectorize in C++ and Triton alike, where shifts and small-integer arithmetic fall back to
-# scalar code on a CPU.
-
-
-def _fp4_magnitude_codes(a: Tensor) -> Tensor:
-    """formats._fp4_magnitude_codes as one expression: the count of midpoints below ``a`` (as
-    fp32; nan counts none)."""
-    c = (a > 0.25).to(torch.float32)
-    for midpoint, tie_up in ((0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
-        c = c + (a >= midpoint if tie_up else a > midpoint).to(torch.float32)
-    return c
-
-
-def fp4_signed_codes(y: Tensor) -> Tensor:
-    """The signed E2M1 code (fp32 0..15) of fp32 ``y``, nearest with ties to even, saturating
-    at +-6 (nan: magnitude 0): what :func:`formats._fp4_keys` and its tables give."""
-    negative = (y.view(torch.int32) < 0).to(torch.float32)  # the sign bit (-0.0 included)
-    return _fp4_magnitude_codes(y.abs()) + negative * 8.0
-
-
-def e2m1_nearest(y: Tensor) -> Tensor:
-    """fp32 ``y`` rounded to the nearest E2M1 value, ties to the even code, saturating at +-6 (the
-    value of :func:`fp4_signed_codes`' code for finite ``y``; nan stays nan): E2M1's steps are
-    0.5 below 2, 1 below 4, 2 above, and round-half-even of the value over its step is the
-    even code at a tie (fewer operations than finding the code and decoding it)."""
-    a = y.abs()
-    mag = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
-                      torch.where(a < 4.0, torch.round(a), torch.clamp(torch.round(a * 0.5) * 2.0, max=_FP4_MAX)))
-    return torch.copysign(mag, y)
-
-
-def e2m1_of_codes(codes: Tensor) -> Tensor:
-    """The fp32 value of signed E2M1 codes (0..15, as fp32; -0.0 for code 8): magnitude code
-    m >= 2 is 2**(floor(m / 2) - 1) * (1 + (m mod 2) / 2), m < 2 is m / 2."""
-    negative = codes >= 8.0
-    m = codes - negative.to(torch.float32) * 8.0
-    e = torch.floor(m * 0.5)
-    mag = torch.where(m < 2.0, m * 0.5, (1.0 + (m - 2.0 * e) * 0.5)
-                      * torch.where(e < 2.0, 1.0, torch.where(e < 3.0, 2.0, 4.0)))
-    return torch.where(negative, -mag, mag)
-
-
-def _fp4_nibbles(data: Tensor) -> Tensor:
+def fp4_nibbles(data: Tensor) -> Tensor:
     """The nibbles (fp32 0..15) of packed bytes, element 2i the low one."""
     shifts = torch.tensor([0, 4], dtype=torch.int32, device=data.device)
     return ((data.to(torch.int32).unsqueeze(-1) >> shifts) & 0x0F).flatten(-2).to(torch.float32)
 
 
-def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
-    return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
-
-
-def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
-                      candidates: Sequence[str]) -> Tuple[Tensor, Tensor]:
-    """One tile of whole 16-blocks (``xt``: (16, rows) fp32, the blocks as columns: the tile's
-    transpose, a view of it or a copy; the encode's elements e0..; ``g``:
-    the 1-element global scale): per block the candidate E4M3 scale whose nearest-rounded block
-    errs least (the first wins a tie), and the block's E2M1 codes, nearest or stochastic under
-    ``key``, packed two a byte; returns the scales' uint8 codes (0x7F for a non-finite block)
-    and each block's 8 bytes as one int64 (little-endian). ``NvFp4Codec._encode_into``."""
-    # Written over the block's 16 columns, each a (rows,) vector: every step, the block amax and
-    # each candidate's summed error included, is then a pointwise expression over the rows, so
-    # the whole tile is one kernel that reads each block once and writes its 8 bytes (one int64)
-    # and its scale (a reduction over the block would be a kernel of its own, and the byte
-    # packing, over (rows, 8), a third, each reading the tile again). The bytes are returned, not
-    # written into the payload: its data sit at any byte offset, where no int64 view lies.
-    # (A copy, contiguous, on a CPU: C++ vectorizes across rows only where a column's elements
-    # are adjacent; a GPU thread takes its row's 16 strided loads from cache.)
-    cols = xt.unbind(0)
-    amax = functools.reduce(torch.maximum, [c.abs() for c in cols])  # max is exact: _rows_amax's value
-    target = amax / (safe_divisor(g) * _FP4_MAX)
-    up = e4m3_at_least(target)
-    options = {"up": up, "down": torch.where(up > 0, up - 1, up),
-               "4/6": e4m3_at_least((target * 1.5).clamp(max=_E4M3_MAX))}
-    best_codes = best_err = None
-    for name in candidates:  # per candidate only its error per block is kept
-        cand = options[name]
-        scale = _e4m3_scale(cand, g)
-        divisor = safe_divisor(scale)
-        err = sum_pairwise([torch.square(e2m1_nearest(c / divisor) * scale - c) for c in cols])
-        if best_err is None:
-            best_codes, best_err = cand, err
-            continue
-        better = err < best_err
-        best_codes = torch.where(better, cand, best_codes)
-        best_err = torch.where(better, err, best_err)
-    # the winner's element codes made again from its scale (the same operations as when it was
-    # tried), so no candidate's codes are ever stored
-    divisor = safe_divisor(_e4m3_scale(best_codes, g))
-    codes = []
-    for j, c in enumerate(cols):
-        y = c / divisor
-        if key is not None:  # onto the E2M1 grid (1 mantissa bit, smallest normal 1) by chance
-            offsets = offsets_of(0, y.numel(), y.device) * 16 + (e0 + j)
-            noise = (counter_bits(key, offsets, wide=e0 + 16 * y.numel() > 2**32) >> 10).to(torch.int32)
-            y = stochastic_grid(y.clamp(-_FP4_MAX, _FP4_MAX), noise, mant_bits=1, min_normal=1.0)
-        codes.append(fp4_signed_codes(y))
-    scale_codes = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
-    return scale_codes, _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
-
-
-def _bytes_as_int64(byte_values: Sequence[Tensor]) -> Tensor:
-    """Eight byte values (fp32 0..255, each a (rows,) vector) as one int64 per row whose
-    little-endian bytes they are: the row's 8 bytes in one pointwise store. The top byte enters
-    as its signed value times 2**56, so no product or sum leaves the int64 range."""
-    top = byte_values[7].to(torch.int64)
-    total = torch.where(top >= 128, top - 256, top) * (1 << 56)
-    for k in range(7):
-        total = total + byte_values[k].to(torch.int64) * (1 << (8 * k))
-    return total
-
-
 # ----------------------------------------------------------------------------- decode and sum
 
 
-def _fp8_values(data: Tensor) -> Tensor:
-    return data.to(torch.float32)
-
-
-# Nibbles unpacked by broadcasting each byte against two factors (element 2i the low nibble):
-# one pointwise expression, where a stack of the two halves would be a buffer of its own.
-
-
-def _int4_values(data: Tensor) -> Tensor:
-    n = _fp4_nibbles(data)  # two's complement nibbles
-    return torch.where(n >= 8.0, n - 16.0, n)
-
-
-def _nvfp4_values(data: Tensor) -> Tensor:
-    return e2m1_of_codes(_fp4_nibbles(data))
-
-
-def decoded_rows(kind: str, data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], block: int) -> Tensor:
-    """(senders, n) fp32 values of a batch of payloads of whole blocks (``kind``: ``fp8``,
-    ``int8``, ``int4``, ``nvfp4``, ``e8m0`` (fp8 elements), ``cast`` (bf16/fp32)), each
-    element its code's value times its block's scale, as one product (what the eager fill and
-    row scaling give: the eager fp8 path's power-of-two detours are exact)."""
-    if kind == "cast":
-        return data.to(torch.float32)
-    values = {"fp8": _fp8_values, "e8m0": _fp8_values, "int8": _fp8_values,
-              "int4": _int4_values, "nvfp4": _nvfp4_values}[kind](data)
-    if kind == "nvfp4":
-        row_scale = scales.view(torch.float8_e4m3fn).to(torch.float32) * glob
-    elif kind == "e8m0":
-        row_scale = e8m0_to_fp32(scales)
-    else:
-        row_scale = scales
-    s = values.shape[0]
+def decoded_rows(data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], *, values: Callable,
+                 row_scale: Optional[Callable], block: int) -> Tensor:
+    """(senders, n) fp32 values of a batch of payloads of whole blocks: ``values(data)`` each
+    code's value, times its block's scale ``row_scale(scales, glob)`` (None: no scale, a cast),
+    as one product (what the eager fill and row scaling give: the eager fp8 path's power-of-two
+    detours are exact). The two functions are the format family's (:meth:`Codec._fused_decode`)."""
+    v = values(data)
+    if row_scale is None:
+        return v
+    scale = row_scale(scales, glob)
+    s = v.shape[0]
     if block == 0:
-        return values * row_scale.view(s, 1)
-    rows = row_scale.shape[-1]
-    torch._check(values.shape[-1] == rows * block)  # whole blocks: tells the symbolic shapes so
-    return (values.view(s, rows, block) * row_scale.view(s, rows, 1)).view(s, -1)
+        return v * scale.view(s, 1)
+    rows = scale.shape[-1]
+    torch._check(v.shape[-1] == rows * block)  # whole blocks: tells the symbolic shapes so
+    return (v.view(s, rows, block) * scale.view(s, rows, 1)).view(s, -1)
 
 
 def decode_sum(data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], out: Tensor,
-               own: Optional[Tensor], *, kind: str, block: int, own_at: int, from_out: bool) -> None:
+               own: Optional[Tensor], *, values: Callable, row_scale: Optional[Callable], block: int,
+               own_at: int, from_out: bool) -> None:
     """``out`` = the fp32 sum, in rank order, of every sender's decoded payload (rows of
-    ``data``/``scales``/``glob``) with ``own`` at place ``own_at`` of that order when given,
-    starting from ``out``'s own values when ``from_out``: the owner's decode-and-sum as one
-    pass (``GiftReducer.sum_sources`` adds the same terms in the same order)."""
-    rows = decoded_rows(kind, data, scales, glob, block)
+    ``data``/``scales``/``glob``; :func:`decoded_rows`) with ``own`` at place ``own_at`` of
+    that order when given, starting from ``out``'s own values when ``from_out``: the owner's
+    decode-and-sum as one pass (``GiftReducer.sum_sources`` adds the same terms in the same
+    order)."""
+    rows = decoded_rows(data, scales, glob, values=values, row_scale=row_scale, block=block)
     terms = [rows[i] for i in range(rows.shape[0])]
     if own is not None:
         terms.insert(own_at, own)
@@ -445,3 +249,9 @@ def decode_sum(data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor], o
     for term in terms:
         total = total + term
     out.copy_(total)
+
+
+def fp32_row_scale(scales: Tensor, glob: Optional[Tensor]) -> Tensor:
+    """Block scales carried as fp32: as they are (:func:`decoded_rows`' ``row_scale`` of the
+    fp8 and integer families)."""
+    return scales

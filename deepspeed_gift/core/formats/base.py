@@ -1,65 +1,7 @@
-"""Low-precision wire formats: tensor -> payload -> uint8 bytes and back.
-
-Pure tensor math (no ``torch.distributed``); every function works on the input's
-device. A :class:`Codec` turns a float tensor into a :class:`Payload` (quantized data
-plus scales) and a payload into the exact uint8 buffer that travels between ranks.
-
-Wire layout of one encoded tensor (all integers little-endian)::
-
-    [0:16)   header: 'G', version, format id, scale kind, block size (uint32),
-             numel (int64)
-    [16:..)  nvfp4 only: fp32 global scale (4 bytes)
-    [..:..)  block scales: fp32 (4 B each, 4-byte aligned because the header is
-             16 B), E8M0 or E4M3 (1 B each)
-    [..:end) element data: fp8/int8 1 B, int4/nvfp4 two per byte (element 2i in
-             the low nibble), bf16 2 B, fp32 4 B
-
-``Codec.nbytes(numel)`` is the exact length of that buffer. Blocks are consecutive
-runs of ``block_size`` elements of the flattened tensor; the last block is padded
-with zeros internally (padding never travels and never changes a scale).
-
-Non-finite inputs (never silently made finite, DeepSpeed's overflow check needs them):
-
-- fp8 / int8 / int4 with fp32 scales: a block holding inf or nan gets an inf/nan
-  scale and decodes to nan in all its elements; other blocks are unaffected. With
-  ``block_size=0`` the block is the whole tensor. Decoding relies on that scale: an
-  fp8 nan code under a finite scale (never produced by ``encode``) would read as 480.
-- fp8 with E8M0 scales: the block's scale byte is 0xFF (nan); the block decodes nan.
-- nvfp4: the block's E4M3 scale is nan and the block decodes nan; the fp32 global
-  scale is computed from the finite blocks only, so other blocks are unaffected.
-- bf16: inf/nan stay inf/nan (sign kept); finite values above bf16's largest finite
-  value round to inf, as a bf16 cast does.
-- fp32: bit-identical passthrough (inf, nan payloads, -0.0 included).
-
-Range limits (the fp32 scales cover fp32's range; what remains):
-
-- fp8/int with fp32 scales: scale = amax / format_max (nudged up an ulp if needed so
-  nothing scales past the format max). Blocks with amax below ~format_max * 2**-126
-  (about 5e-36 for e4m3) get a subnormal scale and lose relative precision; no finite
-  value ever decodes to a non-finite one.
-- fp8 with E8M0 scales: scale = 2**ceil(log2(amax / format_max)), exponent clamped to
-  [-127, 127]; blocks with amax below about 2**-127 * format_max lose precision.
-- nvfp4: global g = tensor_amax / (6 * 448) (finite blocks only); block scale = per block
-  the one of three E4M3 candidates whose nearest-rounded block errs least: the smallest
-  value >= block_amax / (6 g) (no element clips), the value below it (the largest elements
-  may saturate at 6), the smallest >= block_amax / (4 g); the first two are where the NVFP4
-  recipe's rounded-to-nearest scale lies, so no block errs more than under it. Stochastic
-  rounding tries only the two that never clip. With
-  r = block_amax / tensor_amax: r >= 2**-6 / 448 (3.5e-5) gets a normal E4M3 scale;
-  below that the scale is subnormal and coarser; below 2**-9 / 448 (4.4e-6) the block
-  gets the smallest scale and its elements under ~2**-11 / 2688 (1.8e-7) of the tensor
-  amax decode to 0. ``quantization_stats`` reports the underflow count.
-
-Stochastic rounding picks one of the two neighbouring representable values with
-probability proportional to the distance. Its random bits come from a counter (:mod:`.rng`:
-a hash of the encode's key and the element's offset), so they do not depend on the device,
-the kernel mode or the tile. For fp8/nvfp4/bf16 a uniform random integer
-is added to the fp32 bits below the target precision, then they are truncated: exactly
-unbiased in the target's normal range. Values in the target's subnormal range are first
-shifted up by its smallest normal (same spacing there), which rounds away fp32 bits
-finer than 2**-(23 - m) of a step (m mantissa bits: 2**-20 for e4m3), a bias of at most
-half that. For int8/int4 a uniform draw is compared with the fractional part (bias
-below 2**-24 of a step).
+"""What every wire format shares: the header and byte layout, :class:`Payload`, the
+:class:`Codec` base with its tiling, decode-and-sum and (de)serialization, the block-scaled
+base, the registry and the public functions. The formats themselves, and the package's
+reference of layouts, non-finite values, ranges and rounding: :mod:`deepspeed_gift.core.formats`.
 """
 
 from __future__ import annotations
@@ -68,14 +10,14 @@ import enum
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Iterator, List, Optional, Tuple, Type, Union
+from typing import Callable, ClassVar, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor
 
-from . import kernels as fused_kernels
-from .devices import host_to_device
-from .rng import CounterRng
+from .. import kernels as fused_kernels
+from ..devices import host_to_device
+from ..rng import CounterRng
 
 __all__ = [
     "FORMAT_NAMES",
@@ -112,8 +54,6 @@ _SCALE_IDS: Dict[str, int] = {kind: i for i, kind in enumerate(SCALE_KINDS)}
 _MAX_BLOCK = 2**32 - 1
 
 _SCALE_DTYPES = {"fp32": torch.float32, "e8m0": torch.uint8, "e4m3": torch.float8_e4m3fn}
-_FP4_MAX = 6.0
-_E4M3_MAX = 448.0
 
 Shape = Union[torch.Size, Tuple[int, ...], int]
 
@@ -330,22 +270,24 @@ def _mul_rows_(values: Tensor, row_scale: Tensor, row_len: int) -> None:
         values[..., full * row_len :].mul_(tail if tail.dim() == 0 else tail[..., None])
 
 
-# Stochastic rounding's eager chain works in chunks of this many elements: its counter hash
-# holds a few int64 temporaries per element, which a GPU tile (2**24) would make 0.5 GB, and a
-# CPU's work stays in its cache (2 MB of int64).
-_RANDOM_CHUNK = 1 << 18
+# Stochastic rounding's eager chain works in chunks: its counter hash holds a few int64
+# temporaries per element. On a CPU 2**18 elements (2 MB of int64) stay in cache; elsewhere
+# 2**22 keep a GPU tile's (2**24) temporaries near 0.1 GB in four passes of ~20 launches each.
+_RANDOM_CHUNK_CPU = 1 << 18
+_RANDOM_CHUNK = 1 << 22
 
 
-def _chunks(n: int) -> Iterator[Tuple[int, int]]:
-    for c0 in range(0, n, _RANDOM_CHUNK):
-        yield c0, min(c0 + _RANDOM_CHUNK, n)
+def _chunks(n: int, device: torch.device) -> Iterator[Tuple[int, int]]:
+    step = _RANDOM_CHUNK_CPU if device.type == "cpu" else _RANDOM_CHUNK
+    for c0 in range(0, n, step):
+        yield c0, min(c0 + step, n)
 
 
 def _stochastic_round_bits(y: Tensor, mant_bits: int, min_normal: float, key: Tensor, e0: int) -> Tensor:
     """Round flat fp32 ``y`` (the encode's elements e0..) in place to a float grid with
     ``mant_bits`` mantissa bits, stochastically (:func:`.kernels.stochastic_grid`, the
     compiled kernels' rule, with their counter's bits)."""
-    for c0, c1 in _chunks(y.numel()):
+    for c0, c1 in _chunks(y.numel(), y.device):
         part = y[c0:c1]
         noise = fused_kernels.random_bits(key, e0 + c0, part, 23 - mant_bits)
         part.copy_(fused_kernels.stochastic_grid(part, noise, mant_bits=mant_bits, min_normal=min_normal))
@@ -396,6 +338,36 @@ def _view_dtype(buf: Tensor, dtype: torch.dtype) -> Tensor:
                      or any(stride % size for stride in buf.stride()[:-1])):
         buf = buf.clone(memory_format=torch.contiguous_format)
     return buf.view(dtype)
+
+
+_DEVICE_TABLES: Dict[Tuple[int, torch.device], Tensor] = {}
+
+
+def _table_on(table: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cpu":
+        return table
+    key = (id(table), device)
+    if key not in _DEVICE_TABLES:
+        _DEVICE_TABLES[key] = host_to_device(table, device)
+    return _DEVICE_TABLES[key]
+
+
+_TABLES: List[Tensor] = []  # every family's lookup tables (``device_table``)
+
+
+def device_table(table: Tensor) -> Tensor:
+    """Registers a family's lookup table (host) for :func:`warm_device_tables`; returns it."""
+    _TABLES.append(table)
+    return table
+
+
+def warm_device_tables(device) -> None:
+    """Every lookup table of the codecs made on ``device`` now (at attach), not at a first
+    decode inside a reduction."""
+    device = torch.device(device)
+    for table in _TABLES:
+        _table_on(table, device)
+
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -590,7 +562,7 @@ class Codec:
         numel = p.numel
         if numel == 0:
             return out
-        if not p.batch and self._fused_decode_kind() is not None and self.compiled_on(p.device):
+        if not p.batch and self._fused_decode() is not None and self.compiled_on(p.device):
             return self.decode_sum(p.as_batch(), out, from_out=add, tile_elements=tile_elements)
         if add:
             for e0, e1, part in self.decode_tiles(p, tile_elements=tile_elements):
@@ -650,14 +622,14 @@ class Codec:
             raise ValueError(f"decode_sum needs a batch of payloads (one a row) and a flat float32 output of "
                              f"{numel} elements, got a batch {p.batch} and {out.dtype} of shape {tuple(out.shape)}")
         done = 0
-        kind = self._fused_decode_kind()
-        if numel and kind is not None and self.compiled_on(p.device):
+        fused = self._fused_decode()
+        if numel and fused is not None and self.compiled_on(p.device):
             done = self._fused_whole(numel)
             if done:
                 epb, block = self.elements_per_byte, self.block_size
                 scales = p.scales[:, : done // block] if (p.scales is not None and block) else p.scales
-                run = fused_kernels.compiled(fused_kernels.decode_sum, kind=kind, block=block,
-                                       own_at=own_at, from_out=from_out)
+                run = fused_kernels.compiled(fused_kernels.decode_sum, values=fused[0], row_scale=fused[1],
+                                             block=block, own_at=own_at, from_out=from_out)
                 run(p.data[:, : done // epb], scales, p.global_scale, out[:done],
                     own[:done] if own is not None else None)
         for e0, e1, part in self.decode_tiles(p, tile_elements=tile_elements, begin=done):
@@ -670,8 +642,9 @@ class Codec:
                 acc.add_(term)
         return out
 
-    def _fused_decode_kind(self) -> Optional[str]:
-        """The :func:`fused_kernels.decoded_rows` kind of this codec's payloads (None: eager only)."""
+    def _fused_decode(self) -> Optional[Tuple[Callable, Optional[Callable]]]:
+        """This codec's payload values and block scales as :func:`fused_kernels.decoded_rows`
+        takes them (functions of the family's module), or None: the eager decode only."""
         return None
 
     def _fused_whole(self, numel: int) -> int:
@@ -893,508 +866,6 @@ class _ScaledCodec(Codec):
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _fill")
-
-
-class _Fp8Codec(_ScaledCodec):
-    """FP8 elements, one fp32 scale per block (or per tensor), or E8M0 scales per 32."""
-
-    fmax: ClassVar[float]
-    mant_bits: ClassVar[int]
-    min_normal: ClassVar[float]
-    max_code: ClassVar[int]  # uint8 code of +fmax
-    fill_factor: ClassVar[float] = 1.0  # _fill yields value / fill_factor
-
-    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
-        self._check_scale(scale, ("fp32", "e8m0"))
-        if scale == "e8m0":
-            if block_size not in (None, 32):
-                raise ValueError(f"{self.name} with scale='e8m0' needs block_size 32, got {block_size}")
-            return 32, "e8m0"
-        return _check_block(self.name, block_size, self.default_block_size), "fp32"
-
-    def _e8m0_codes(self, amax: Tensor) -> Tensor:
-        """Smallest power-of-two scale with amax / scale <= fmax, as E8M0 bytes (bias 127)."""
-        mant, exp = torch.frexp(_div_scalar(amax, self.fmax))
-        e = exp - (mant == 0.5).to(exp.dtype)  # ceil(log2 t): exact powers of two keep their exponent
-        e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp_(-127, 127)
-        over = amax / torch.ldexp(torch.ones_like(amax), e) > self.fmax
-        e = (e + over.to(e.dtype)).clamp_(max=127)
-        codes = (e + 127).to(torch.uint8)
-        return codes.masked_fill_(~torch.isfinite(amax), 255)
-
-    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
-        if self.block_size:
-            return None
-        return self._per_tensor_divisor(src, row_len, n_rows, p, self.fmax, tile)
-
-    def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
-        amax = _block_amax(x)
-        if self.scale_kind == "e8m0":
-            codes = self._e8m0_codes(amax)
-            p.scales[r0:r1].copy_(codes)
-            return _e8m0_to_fp32(codes)
-        scale = _fp32_scales(amax, self.fmax)
-        p.scales[r0:r1].copy_(scale)
-        return _safe_divisor(scale)
-
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
-                    key: Optional[Tensor]) -> bool:
-        row_len = x.shape[1]
-        e0 = r0 * row_len
-        grid = dict(mant_bits=self.mant_bits, min_normal=self.min_normal) if key is not None else {}
-        if divisor is not None:  # one scale per tensor: a flat cast of the tile
-            fused_kernels.compiled(fused_kernels.scaled_cast, dtype=self.data_dtype, **grid)(
-                x.view(-1)[: e1 - e0], divisor, p.data[e0:e1].view(torch.uint8), key, e0)
-            return True
-        if self.scale_kind != "fp32" or e1 - e0 != x.numel():
-            return False
-        p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.fp8_block_encode, fmax=self.fmax,
-                                                     dtype=self.data_dtype, **grid)(
-            x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len), key, e0))
-        return True
-
-    def _fused_decode_kind(self) -> Optional[str]:
-        return "e8m0" if self.scale_kind == "e8m0" else "fp8"
-
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
-        if key is not None:
-            _stochastic_round_bits(y, self.mant_bits, self.min_normal, key, e0)
-        # |y| <= fmax by construction of the scale, so the cast never overflows
-        p.data[e0:e1].copy_(y)
-
-    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
-        if self.scale_kind == "e8m0":
-            return _e8m0_to_fp32(p.scales[..., r0:r1])
-        if self.block_size == 0:
-            return (p.scales * self.fill_factor).expand(*p.batch, r1 - r0)
-        return p.scales[..., r0:r1] * self.fill_factor  # exact (power of two), cannot overflow: scale <= fp32 max / fmax
-
-    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        out.copy_(p.data[..., e0:e1])
-
-    def _at_max(self, p: Payload) -> Tensor:
-        return (p.data.view(torch.uint8) & 0x7F) == self.max_code
-
-
-@_register
-class Fp8E4M3Codec(_Fp8Codec):
-    """torch.float8_e4m3fn elements (max 448, no inf: non-finite blocks ride on the scale)."""
-
-    name = "fp8_e4m3"
-    default_block_size = 128
-    data_dtype = torch.float8_e4m3fn
-    fmax = 448.0
-    mant_bits = 3
-    min_normal = 2.0**-6
-    max_code = 0x7E
-    # _fill writes value / 256 (see there); fp32 scales absorb the 256
-    fill_factor = 256.0
-
-    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        # torch's fp8 -> fp32 cast is slow on CPU; moving the bits into an fp16 pattern is
-        # exact: e4m3 and fp16 differ only in exponent bias (7 vs 15), so the fp16 value is
-        # the e4m3 value / 2**8, subnormals included. Code 0x7F/0xFF (nan) would read as
-        # 480; the encoder only emits it in blocks whose scale is non-finite.
-        w = p.data[..., e0:e1].view(torch.int8).to(torch.int16)  # sign-extended
-        sign = w & -(2**15)
-        w.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign)
-        out.copy_(w.view(torch.float16))
-        if self.scale_kind == "e8m0":
-            out.mul_(256.0)  # E8M0 scales go up to 2**127, too big to absorb the factor
-
-
-@_register
-class Fp8E5M2Codec(_Fp8Codec):
-    """torch.float8_e5m2 elements (max 57344)."""
-
-    name = "fp8_e5m2"
-    default_block_size = 128
-    data_dtype = torch.float8_e5m2
-    fmax = 57344.0
-    mant_bits = 2
-    min_normal = 2.0**-14
-    max_code = 0x7B
-
-    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        # e5m2 is the top byte of fp16 (same exponent), so the cast is a shift
-        w = p.data[..., e0:e1].view(torch.int8).to(torch.int16).bitwise_left_shift_(8)
-        out.copy_(w.view(torch.float16))
-
-
-class _IntCodec(_ScaledCodec):
-    """Symmetric integers in [-qmax, qmax], one fp32 scale per block (or per tensor)."""
-
-    qmax: ClassVar[int]
-
-    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
-        self._check_scale(scale, ("fp32",))
-        return _check_block(self.name, block_size, self.default_block_size), "fp32"
-
-    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
-        if self.block_size:
-            return None
-        return self._per_tensor_divisor(src, row_len, n_rows, p, float(self.qmax), tile)
-
-    def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
-        scale = _fp32_scales(_block_amax(x), float(self.qmax))
-        p.scales[r0:r1].copy_(scale)
-        return _safe_divisor(scale)
-
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
-                    key: Optional[Tensor]) -> bool:
-        row_len = x.shape[1]
-        e0, epb = r0 * row_len, self.elements_per_byte
-        packed = epb == 2
-        if divisor is not None:  # one scale per tensor: a flat rounding of the tile
-            if packed and (e0 % 2 or (e1 - e0) % 2):
-                return False
-            fused_kernels.compiled(fused_kernels.int_scaled_round, packed=packed)(
-                x.view(-1)[: e1 - e0], divisor, p.data[e0 // epb : e1 // epb].view(torch.uint8), key, e0)
-            return True
-        if e1 - e0 != x.numel() or (packed and row_len % 2):
-            return False
-        p.scales[r0:r1].copy_(fused_kernels.compiled(fused_kernels.int_block_encode, qmax=self.qmax, packed=packed)(
-            x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
-        return True
-
-    def _fused_decode_kind(self) -> Optional[str]:
-        return self.name  # int8 / int4
-
-    def _round(self, y: Tensor, key: Optional[Tensor], e0: int) -> Tensor:
-        if key is None:
-            return y.round_()  # half to even
-        for c0, c1 in _chunks(y.numel()):  # kernels.stochastic_int, the compiled kernels' rule
-            part = y[c0:c1]
-            part.copy_(fused_kernels.stochastic_int(part, fused_kernels.random_bits(key, e0 + c0, part, 24)))
-        return y
-
-    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
-        return p.scales.expand(*p.batch, r1 - r0) if self.block_size == 0 else p.scales[..., r0:r1]
-
-
-@_register
-class Int8Codec(_IntCodec):
-    name = "int8"
-    default_block_size = 128
-    data_dtype = torch.int8
-    qmax = 127
-
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
-        p.data[e0:e1].copy_(self._round(y, key, e0))
-
-    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        out.copy_(p.data[..., e0:e1])
-
-    def _at_max(self, p: Payload) -> Tensor:
-        return p.data.abs() == self.qmax
-
-
-@_register
-class Int4Codec(_IntCodec):
-    """Two's-complement nibbles in [-7, 7], two per byte."""
-
-    name = "int4"
-    default_block_size = 128
-    data_dtype = torch.uint8
-    elements_per_byte = 2
-    qmax = 7
-
-    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
-        codes = self._round(y, key, e0).to(torch.int8).view(torch.uint8).bitwise_and_(0x0F)
-        _pack_nibbles(codes, p.data[e0 // 2 : (e1 + 1) // 2])
-
-    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        # move each nibble to the top of an int8 and shift back arithmetically: sign-extended
-        data = p.data[..., e0 // 2 : (e1 + 1) // 2].view(torch.int8)
-        w = torch.empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=torch.int8, device=data.device)
-        pairs = w.unflatten(-1, (-1, 2))
-        torch.bitwise_left_shift(data, 4, out=pairs[..., 0])
-        pairs[..., 1].copy_(data)
-        out.copy_(w[..., : out.shape[-1]].bitwise_right_shift_(4))
-
-    def _at_max(self, p: Payload) -> Tensor:
-        nib = _nibbles(p.data, p.numel)
-        return (nib == 7) | (nib == 9)  # +7, -7
-
-
-# E2M1 magnitudes by code 0..7; bit 3 is the sign
-_FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-_FP4_TABLE = _nibble_table(_FP4_VALUES + [-v for v in _FP4_VALUES])
-# midpoints between neighbours; at a tie the even code wins: ">=" where it is the upper one
-_FP4_MIDPOINTS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
-
-
-def _fp4_magnitude_codes(a: Tensor) -> Tensor:
-    """E2M1 magnitude codes (uint8 0..7) of ``a`` >= 0: nearest, ties to even.
-
-    The code is the number of midpoints below ``a``; above 6 saturates to 7, nan gives 0.
-    """
-    codes = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-    for midpoint, tie_up in _FP4_MIDPOINTS:
-        codes.add_(a >= midpoint if tie_up else a > midpoint)
-    return codes
-
-
-def _fp4_key_tables() -> Tuple[Tensor, Tensor]:
-    """Signed E2M1 code (low / high nibble) for every key of ``_fp4_keys``.
-
-    A key is the top 12 bits of an fp32 pattern (sign, exponent, 3 mantissa bits) and
-    a flag "lower 20 bits nonzero". Every midpoint has at most 3 mantissa bits, so all
-    values sharing a key round to the same code; the table is built from one
-    representative per key (the exact value, or one strictly inside the interval).
-    """
-    key = torch.arange(8192, dtype=torch.int64)
-    bits = ((key >> 1) << 20) | ((key & 1) << 19)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    values = bits.view(torch.float32)
-    codes = _fp4_magnitude_codes(values.abs()) | (torch.signbit(values).to(torch.uint8) << 3)
-    return codes, codes << 4
-
-
-_FP4_KEY_LO, _FP4_KEY_HI = _fp4_key_tables()
-# the signed E2M1 value of every key, for measuring a candidate scale's error
-_FP4_KEY_VALUES = torch.tensor(_FP4_VALUES + [-v for v in _FP4_VALUES])[_FP4_KEY_LO.long()]
-
-
-def _fp4_keys(y: Tensor) -> Tensor:
-    """int32 key per fp32 element: (top 12 bits) * 2 + (lower 20 bits != 0)."""
-    bits = y.view(torch.int32)
-    key = (bits >> 20).bitwise_and_(0xFFF).bitwise_left_shift_(1)
-    return key.add_((bits & 0xFFFFF).clamp_(max=1))
-
-
-_FP4_VALUES_T = torch.tensor(_FP4_VALUES)
-
-
-def _e2m1_of_keys(key: Tensor) -> Tensor:
-    """The E2M1 value (fp32) of every :func:`_fp4_keys` key, same shape: one lookup each."""
-    return torch.index_select(_table_on(_FP4_KEY_VALUES, key.device), 0, key.reshape(-1)).view(key.shape)
-
-
-def _e2m1_nearest(y: Tensor) -> Tensor:
-    """``y`` (fp32) rounded to the nearest E2M1 value (ties to even), saturating at +-6, by the
-    fp32-bit keys the encoder uses."""
-    return _e2m1_of_keys(_fp4_keys(y.contiguous()))
-
-
-_DEVICE_TABLES: Dict[Tuple[int, torch.device], Tensor] = {}
-
-
-def _table_on(table: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cpu":
-        return table
-    key = (id(table), device)
-    if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = host_to_device(table, device)
-    return _DEVICE_TABLES[key]
-
-
-def warm_device_tables(device) -> None:
-    """Every lookup table of the codecs made on ``device`` now (at attach), not at a first
-    decode inside a reduction."""
-    device = torch.device(device)
-    for table in (_FP4_KEY_VALUES, _FP4_KEY_LO, _FP4_KEY_HI, _FP4_TABLE):
-        _table_on(table, device)
-
-
-def _blocks_as_columns(x: Tensor) -> Tensor:
-    """A tile of 16-blocks (rows, 16) as the (16, rows) columns NVFP4's kernel reads: a copy on
-    a CPU, where C++ vectorizes across rows only over adjacent elements; a view elsewhere (a GPU
-    thread takes its block's 16 strided loads from cache: no extra pass)."""
-    return x.t().contiguous() if x.device.type == "cpu" else x.t()
-
-
-@_register
-class NvFp4Codec(_ScaledCodec):
-    """E2M1 elements, E4M3 scale per 16, fp32 global scale per encoded tensor."""
-
-    name = "nvfp4"
-    default_block_size = 16
-    data_dtype = torch.uint8
-    elements_per_byte = 2
-    has_global_scale = True
-    SCALE_CANDIDATES: ClassVar[Tuple[str, ...]] = ("up", "down", "4/6")  # tried per block, in tie-break order
-
-    def __init__(self, *, scale_candidates: Tuple[str, ...] = SCALE_CANDIDATES, **options) -> None:
-        """``scale_candidates``: the block scales tried per block (see ``_prepare``); ``("up",)``
-        alone is the single rule the per-block choice is measured against."""
-        if not scale_candidates or any(c not in self.SCALE_CANDIDATES for c in scale_candidates):
-            raise ValueError(f"nvfp4 scale_candidates must be a non-empty subset of {self.SCALE_CANDIDATES}, "
-                             f"got {scale_candidates!r}")
-        super().__init__(**options)
-        # stochastic rounding stays unbiased only with scales that clip nothing: "down" is left out
-        self.scale_candidates = tuple(c for c in scale_candidates if self.rounding == Rounding.NEAREST or c != "down")
-        if not self.scale_candidates:
-            raise ValueError(f"nvfp4 scale_candidates {tuple(scale_candidates)!r} with rounding 'stochastic': "
-                             "'down' may clip, which stochastic rounding cannot keep unbiased; add 'up' or '4/6'")
-
-    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
-        self._check_scale(scale, ("fp32",))
-        if block_size not in (None, 16):
-            raise ValueError(f"nvfp4 needs block_size 16, got {block_size}")
-        return 16, "e4m3"
-
-    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
-        return p.scales[..., r0:r1].float().mul_(p.global_scale)  # a batch: one global scale a row
-
-    def _candidate_codes(self, amax: Tensor, g: Tensor) -> List[Tensor]:
-        """The E4M3 block scale codes tried per block, in tie-break order: "up", the smallest
-        E4M3 value >= amax / (6 g) (no element clips); "down", the E4M3 value below it (the
-        largest elements may saturate at 6); "4/6", the smallest E4M3 value >= amax / (4 g)
-        (the block's amax lands on 4, where E2M1 steps are finer relative to the amax).
-        Stochastic rounding keeps to the two that never clip, so it stays unbiased."""
-        target = amax / (_safe_divisor(g) * _FP4_MAX)  # g == 0: all-zero tensor, target 0
-        up = _e4m3_at_least(target)
-        options = {"up": up, "down": torch.where(up > 0, up - 1, up),
-                   "4/6": _e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
-        return [options[k] for k in self.scale_candidates]
-
-    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
-        # Two passes over the tiles: the first finds the global scale (the finite blocks' amax);
-        # the second, per tile, its blocks' amax and candidate scales: every candidate divides
-        # the tile and rounds it to E2M1 (by the fp32-bit keys), each block keeps the candidate
-        # whose decoded block errs least (the first wins a tie), and the winner's keys (nearest)
-        # or scaled values (stochastic, rounded here) are stored: no tile is divided or looked
-        # up again for the store, and nothing but the scales outlives a tile.
-        numel = src.numel
-        if numel == 0:
-            p.global_scale.zero_()
-            return
-        row_len = self.block_size
-        n_rows = -(-numel // row_len)
-        compiled = self.compiled_on(src.device)
-        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)[0]
-        p.global_scale.copy_(g)
-        step = _tile_rows(n_rows, row_len, tile)
-        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
-        fused = fused_kernels.compiled(fused_kernels.nvfp4_tile_encode, candidates=self.scale_candidates) \
-            if compiled else None
-        for r0 in range(0, n_rows, step):
-            r1 = min(r0 + step, n_rows)
-            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            x, _ = _load_rows(src, row_len, r0, r1, work)
-            if fused is not None and e1 - e0 == x.numel():
-                scale_codes, packed = fused(_blocks_as_columns(x), g, key, e0)
-                p.scales.view(torch.uint8)[r0:r1].copy_(scale_codes)
-                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
-                continue
-            amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
-            candidates = self._candidate_codes(amax, g)
-            codes = candidates[0].clone()
-            best = best_err = None
-            for cand in candidates:
-                scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
-                y = torch.div(x, _safe_divisor(scale)[:, None])
-                keys = _fp4_keys(y)
-                # summed in a fixed order, the compiled kernel's (fused_kernels.row_sum_pairwise)
-                err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(keys).mul_(scale[:, None]).sub_(x).square_())
-                keep = y if key is not None else keys
-                if best is None:
-                    best, best_err = keep, err
-                    continue
-                better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
-                codes = torch.where(better, cand, codes)
-                best_err = torch.where(better, err, best_err)
-                torch.where(better[:, None], keep, best, out=best)
-            best = best.view(-1)[: e1 - e0]
-            if key is not None:
-                best.clamp_(-_FP4_MAX, _FP4_MAX)
-                best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, key, e0))
-            self._pack_keys(best, p, e0, e1)
-            codes.masked_fill_(~torch.isfinite(amax), 0x7F)  # nan scale marks a non-finite block
-            p.scales.view(torch.uint8)[r0:r1].copy_(codes)
-
-    @staticmethod
-    def _pack_keys(key: Tensor, p: Payload, e0: int, e1: int) -> None:
-        """Signed E2M1 codes of elements e0:e1 from their keys, two per byte (codes by table
-        lookup, no search); nan/inf only occur in blocks whose scale is nan, where any code
-        decodes to nan."""
-        if key.numel() % 2:
-            key = torch.cat([key, key.new_zeros(1)])
-        pairs = key.view(-1, 2)
-        lo = torch.index_select(_table_on(_FP4_KEY_LO, key.device), 0, pairs[:, 0])
-        hi = torch.index_select(_table_on(_FP4_KEY_HI, key.device), 0, pairs[:, 1])
-        torch.bitwise_or(lo, hi, out=p.data[e0 // 2 : (e1 + 1) // 2])
-
-    def _fused_decode_kind(self) -> Optional[str]:
-        return "nvfp4"
-
-    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
-        _unpack_nibbles(p.data[..., e0 // 2 : (e1 + 1) // 2], _table_on(_FP4_TABLE, p.device), out)
-
-    def _at_max(self, p: Payload) -> Tensor:
-        return (_nibbles(p.data, p.numel) & 7) == 7
-
-
-class _PassthroughCodec(Codec):
-    _decode_temporaries = False
-    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
-        self._check_scale(scale, ("fp32",))
-        if block_size not in (None, 0):
-            raise ValueError(f"format {self.name!r} has no blocks: block_size must be None or 0, got {block_size}")
-        return 0, "none"
-
-    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
-        if isinstance(src, TensorSource):  # a cast, with no temporary to bound
-            p.data.copy_(src.flat)
-            return
-        step = tile
-        work = torch.empty(min(step, src.numel), dtype=torch.float32, device=src.device)
-        for e0 in range(0, src.numel, step):
-            e1 = min(e0 + step, src.numel)
-            p.data[e0:e1].copy_(src.read(e0, e1, work))
-
-    def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
-        out.copy_(p.data[..., e0:e1])
-
-    def _at_max(self, p: Payload) -> Tensor:
-        return torch.isinf(p.data)
-
-    def _fused_decode_kind(self) -> Optional[str]:
-        return "cast"
-
-
-@_register
-class Bf16Codec(_PassthroughCodec):
-    """bfloat16 elements: torch's round-to-nearest-even cast, or stochastic rounding."""
-
-    name = "bf16"
-    data_dtype = torch.bfloat16
-    bytes_per_element = 2
-
-    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
-        if key is None:
-            super()._encode_into(src, p, key, tile)
-            return
-        numel = src.numel
-        step = tile
-        work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
-        fused = fused_kernels.compiled(fused_kernels.bf16_stochastic_cast) if self.compiled_on(src.device) else None
-        for e0 in range(0, numel, step):
-            e1 = min(e0 + step, numel)
-            y = work[: e1 - e0]
-            values = src.read(e0, e1, y)
-            if values.dtype != torch.float32:
-                values = y.copy_(values)
-            if fused:
-                fused(values, key, e0, p.data[e0:e1])
-                continue
-            for c0, c1 in _chunks(e1 - e0):
-                fused_kernels.bf16_stochastic_cast(values[c0:c1], key, e0 + c0, p.data[e0 + c0 : e0 + c1])
-
-
-@_register
-class Fp32Codec(_PassthroughCodec):
-    """float32 elements, bit-identical passthrough."""
-
-    name = "fp32"
-    data_dtype = torch.float32
-    bytes_per_element = 4
-
-    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
-        if self.rounding != Rounding.NEAREST:
-            raise ValueError(f"fp32 is exact: rounding must be 'nearest', got {self.rounding!r}")
-        return super()._check_options(block_size, scale)
 
 
 # ----------------------------------------------------------------------------- public functions

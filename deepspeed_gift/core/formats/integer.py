@@ -1,0 +1,158 @@
+"""Symmetric integers (INT8, and INT4 two a byte) with an fp32 scale per block or per tensor:
+the eager codecs and their fused kernels."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import kernels as fused_kernels
+from ..kernels import fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor, stochastic_int
+from .base import Payload, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles, _register, _ScaledCodec
+
+# ----------------------------------------------------------------------------- fused kernels
+
+
+def _int_codes(y: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
+    if key is None:
+        return torch.round(y).to(torch.int8)  # half to even, as eager's round_
+    return stochastic_int(y, random_bits(key, e0, y, 24)).to(torch.int8)
+
+
+def _pack_int4(codes: Tensor) -> Tensor:
+    nib = codes.view(torch.uint8) & 0x0F
+    pairs = nib.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def int_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int,
+                     packed: bool) -> Tensor:
+    """One tile of whole blocks of a symmetric integer format: ``data`` the bytes of (rows, block)
+    int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``, round half to even or
+    stochastic under ``key``; returns the fp32 scales."""
+    scale = fp32_scales(rows_amax(x), float(qmax))
+    codes = _int_codes(x / safe_divisor(scale)[:, None], key, e0)
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+    return scale
+
+
+def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                     packed: bool) -> None:
+    """One tile under a per-tensor scale (flat ``x``; ``packed``: an even count)."""
+    codes = _int_codes(x / divisor, key, e0)
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+
+
+def _int8_values(data: Tensor) -> Tensor:
+    return data.to(torch.float32)
+
+
+# Nibbles unpacked by broadcasting each byte against two factors (element 2i the low nibble):
+# one pointwise expression, where a stack of the two halves would be a buffer of its own.
+
+
+def _int4_values(data: Tensor) -> Tensor:
+    n = fused_kernels.fp4_nibbles(data)  # two's complement nibbles
+    return torch.where(n >= 8.0, n - 16.0, n)
+
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+class _IntCodec(_ScaledCodec):
+    """Symmetric integers in [-qmax, qmax], one fp32 scale per block (or per tensor)."""
+
+    qmax: ClassVar[int]
+
+    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
+        self._check_scale(scale, ("fp32",))
+        return _check_block(self.name, block_size, self.default_block_size), "fp32"
+
+    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
+        if self.block_size:
+            return None
+        return self._per_tensor_divisor(src, row_len, n_rows, p, float(self.qmax), tile)
+
+    def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
+        scale = fp32_scales(_block_amax(x), float(self.qmax))
+        p.scales[r0:r1].copy_(scale)
+        return safe_divisor(scale)
+
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+                    key: Optional[Tensor]) -> bool:
+        row_len = x.shape[1]
+        e0, epb = r0 * row_len, self.elements_per_byte
+        packed = epb == 2
+        if divisor is not None:  # one scale per tensor: a flat rounding of the tile
+            if packed and (e0 % 2 or (e1 - e0) % 2):
+                return False
+            fused_kernels.compiled(int_scaled_round, packed=packed)(
+                x.view(-1)[: e1 - e0], divisor, p.data[e0 // epb : e1 // epb].view(torch.uint8), key, e0)
+            return True
+        if e1 - e0 != x.numel() or (packed and row_len % 2):
+            return False
+        p.scales[r0:r1].copy_(fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=packed)(
+            x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
+        return True
+
+    def _fused_decode(self):
+        return (_int4_values if self.elements_per_byte == 2 else _int8_values), fp32_row_scale
+
+    def _round(self, y: Tensor, key: Optional[Tensor], e0: int) -> Tensor:
+        if key is None:
+            return y.round_()  # half to even
+        for c0, c1 in _chunks(y.numel(), y.device):  # kernels.stochastic_int, the compiled kernels' rule
+            part = y[c0:c1]
+            part.copy_(stochastic_int(part, random_bits(key, e0 + c0, part, 24)))
+        return y
+
+    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
+        return p.scales.expand(*p.batch, r1 - r0) if self.block_size == 0 else p.scales[..., r0:r1]
+
+
+@_register
+class Int8Codec(_IntCodec):
+    name = "int8"
+    default_block_size = 128
+    data_dtype = torch.int8
+    qmax = 127
+
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
+        p.data[e0:e1].copy_(self._round(y, key, e0))
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        out.copy_(p.data[..., e0:e1])
+
+    def _at_max(self, p: Payload) -> Tensor:
+        return p.data.abs() == self.qmax
+
+
+@_register
+class Int4Codec(_IntCodec):
+    """Two's-complement nibbles in [-7, 7], two per byte."""
+
+    name = "int4"
+    default_block_size = 128
+    data_dtype = torch.uint8
+    elements_per_byte = 2
+    qmax = 7
+
+    def _store(self, y: Tensor, p: Payload, e0: int, e1: int, key: Optional[Tensor]) -> None:
+        codes = self._round(y, key, e0).to(torch.int8).view(torch.uint8).bitwise_and_(0x0F)
+        _pack_nibbles(codes, p.data[e0 // 2 : (e1 + 1) // 2])
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        # move each nibble to the top of an int8 and shift back arithmetically: sign-extended
+        data = p.data[..., e0 // 2 : (e1 + 1) // 2].view(torch.int8)
+        w = torch.empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=torch.int8, device=data.device)
+        pairs = w.unflatten(-1, (-1, 2))
+        torch.bitwise_left_shift(data, 4, out=pairs[..., 0])
+        pairs[..., 1].copy_(data)
+        out.copy_(w[..., : out.shape[-1]].bitwise_right_shift_(4))
+
+    def _at_max(self, p: Payload) -> Tensor:
+        nib = _nibbles(p.data, p.numel)
+        return (nib == 7) | (nib == 9)  # +7, -7

@@ -1,0 +1,331 @@
+"""NVFP4: E2M1 elements, an E4M3 scale per 16 chosen per block among three candidates, and an
+fp32 global scale per encoded tensor: the eager codec, its tables and its fused kernels."""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import kernels as fused_kernels
+from ..kernels import e4m3_at_least, safe_divisor, stochastic_grid, sum_pairwise
+from ..rng import counter_bits, offsets_of
+from .base import (Payload, Rounding, _load_rows, _nibble_table, _nibbles, _register, _ScaledCodec, _source_scale,
+                   _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles, device_table)
+
+_FP4_MAX = 6.0
+_E4M3_MAX = 448.0
+
+
+# E2M1 magnitudes by code 0..7; bit 3 is the sign
+_FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+_FP4_TABLE = device_table(_nibble_table(_FP4_VALUES + [-v for v in _FP4_VALUES]))
+# midpoints between neighbours; at a tie the even code wins: ">=" where it is the upper one
+_FP4_MIDPOINTS = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
+
+
+def _fp4_magnitude_codes(a: Tensor) -> Tensor:
+    """E2M1 magnitude codes (uint8 0..7) of ``a`` >= 0: nearest, ties to even.
+
+    The code is the number of midpoints below ``a``; above 6 saturates to 7, nan gives 0.
+    """
+    codes = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for midpoint, tie_up in _FP4_MIDPOINTS:
+        codes.add_(a >= midpoint if tie_up else a > midpoint)
+    return codes
+
+
+def _fp4_key_tables() -> Tuple[Tensor, Tensor]:
+    """Signed E2M1 code (low / high nibble) for every key of ``_fp4_keys``.
+
+    A key is the top 12 bits of an fp32 pattern (sign, exponent, 3 mantissa bits) and
+    a flag "lower 20 bits nonzero". Every midpoint has at most 3 mantissa bits, so all
+    values sharing a key round to the same code; the table is built from one
+    representative per key (the exact value, or one strictly inside the interval).
+    """
+    key = torch.arange(8192, dtype=torch.int64)
+    bits = ((key >> 1) << 20) | ((key & 1) << 19)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    values = bits.view(torch.float32)
+    codes = _fp4_magnitude_codes(values.abs()) | (torch.signbit(values).to(torch.uint8) << 3)
+    return codes, codes << 4
+
+
+_FP4_KEY_LO, _FP4_KEY_HI = map(device_table, _fp4_key_tables())
+# the signed E2M1 value of every key, for measuring a candidate scale's error
+_FP4_KEY_VALUES = device_table(torch.tensor(_FP4_VALUES + [-v for v in _FP4_VALUES])[_FP4_KEY_LO.long()])
+
+
+def _fp4_keys(y: Tensor) -> Tensor:
+    """int32 key per fp32 element: (top 12 bits) * 2 + (lower 20 bits != 0)."""
+    bits = y.view(torch.int32)
+    key = (bits >> 20).bitwise_and_(0xFFF).bitwise_left_shift_(1)
+    return key.add_((bits & 0xFFFFF).clamp_(max=1))
+
+
+_FP4_VALUES_T = torch.tensor(_FP4_VALUES)
+
+
+def _e2m1_of_keys(key: Tensor) -> Tensor:
+    """The E2M1 value (fp32) of every :func:`_fp4_keys` key, same shape: one lookup each."""
+    return torch.index_select(_table_on(_FP4_KEY_VALUES, key.device), 0, key.reshape(-1)).view(key.shape)
+
+
+def _e2m1_nearest(y: Tensor) -> Tensor:
+    """``y`` (fp32) rounded to the nearest E2M1 value (ties to even), saturating at +-6, by the
+    fp32-bit keys the encoder uses."""
+    return _e2m1_of_keys(_fp4_keys(y.contiguous()))
+
+
+# ----------------------------------------------------------------------------- fused kernels
+
+
+
+
+# E2M1 codes are carried as fp32 values 0..15 (exact): comparisons, selects and floors of floats
+# vectorize in C++ and Triton alike, where shifts and small-integer arithmetic fall back to
+# scalar code on a CPU.
+
+
+def _fp4_magnitude_codes_f32(a: Tensor) -> Tensor:
+    """:func:`_fp4_magnitude_codes` as one expression: the count of midpoints below ``a`` (as
+    fp32; nan counts none)."""
+    c = (a > 0.25).to(torch.float32)
+    for midpoint, tie_up in ((0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
+        c = c + (a >= midpoint if tie_up else a > midpoint).to(torch.float32)
+    return c
+
+
+def fp4_signed_codes(y: Tensor) -> Tensor:
+    """The signed E2M1 code (fp32 0..15) of fp32 ``y``, nearest with ties to even, saturating
+    at +-6 (nan: magnitude 0): what :func:`_fp4_keys` and its tables give."""
+    negative = (y.view(torch.int32) < 0).to(torch.float32)  # the sign bit (-0.0 included)
+    return _fp4_magnitude_codes_f32(y.abs()) + negative * 8.0
+
+
+def e2m1_nearest(y: Tensor) -> Tensor:
+    """fp32 ``y`` rounded to the nearest E2M1 value, ties to the even code, saturating at +-6 (the
+    value of :func:`fp4_signed_codes`' code for finite ``y``; nan stays nan): E2M1's steps are
+    0.5 below 2, 1 below 4, 2 above, and round-half-even of the value over its step is the
+    even code at a tie (fewer operations than finding the code and decoding it)."""
+    a = y.abs()
+    mag = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
+                      torch.where(a < 4.0, torch.round(a), torch.clamp(torch.round(a * 0.5) * 2.0, max=_FP4_MAX)))
+    return torch.copysign(mag, y)
+
+
+def e2m1_of_codes(codes: Tensor) -> Tensor:
+    """The fp32 value of signed E2M1 codes (0..15, as fp32; -0.0 for code 8): magnitude code
+    m >= 2 is 2**(floor(m / 2) - 1) * (1 + (m mod 2) / 2), m < 2 is m / 2."""
+    negative = codes >= 8.0
+    m = codes - negative.to(torch.float32) * 8.0
+    e = torch.floor(m * 0.5)
+    mag = torch.where(m < 2.0, m * 0.5, (1.0 + (m - 2.0 * e) * 0.5)
+                      * torch.where(e < 2.0, 1.0, torch.where(e < 3.0, 2.0, 4.0)))
+    return torch.where(negative, -mag, mag)
+
+
+def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
+    return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
+
+
+def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                      candidates: Sequence[str]) -> Tuple[Tensor, Tensor]:
+    """One tile of whole 16-blocks (``xt``: (16, rows) fp32, the blocks as columns: the tile's
+    transpose, a view of it or a copy; the encode's elements e0..; ``g``:
+    the 1-element global scale): per block the candidate E4M3 scale whose nearest-rounded block
+    errs least (the first wins a tie), and the block's E2M1 codes, nearest or stochastic under
+    ``key``, packed two a byte; returns the scales' uint8 codes (0x7F for a non-finite block)
+    and each block's 8 bytes as one int64 (little-endian). ``NvFp4Codec._encode_into``."""
+    # Written over the block's 16 columns, each a (rows,) vector: every step, the block amax and
+    # each candidate's summed error included, is then a pointwise expression over the rows, so
+    # the whole tile is one kernel that reads each block once and writes its 8 bytes (one int64)
+    # and its scale (a reduction over the block would be a kernel of its own, and the byte
+    # packing, over (rows, 8), a third, each reading the tile again). The bytes are returned, not
+    # written into the payload: its data sit at any byte offset, where no int64 view lies.
+    # (A copy, contiguous, on a CPU: C++ vectorizes across rows only where a column's elements
+    # are adjacent; a GPU thread takes its row's 16 strided loads from cache.)
+    cols = xt.unbind(0)
+    amax = functools.reduce(torch.maximum, [c.abs() for c in cols])  # max is exact: _rows_amax's value
+    target = amax / (safe_divisor(g) * _FP4_MAX)
+    up = e4m3_at_least(target)
+    options = {"up": up, "down": torch.where(up > 0, up - 1, up),
+               "4/6": e4m3_at_least((target * 1.5).clamp(max=_E4M3_MAX))}
+    best_codes = best_err = None
+    for name in candidates:  # per candidate only its error per block is kept
+        cand = options[name]
+        scale = _e4m3_scale(cand, g)
+        divisor = safe_divisor(scale)
+        err = sum_pairwise([torch.square(e2m1_nearest(c / divisor) * scale - c) for c in cols])
+        if best_err is None:
+            best_codes, best_err = cand, err
+            continue
+        better = err < best_err
+        best_codes = torch.where(better, cand, best_codes)
+        best_err = torch.where(better, err, best_err)
+    # the winner's element codes made again from its scale (the same operations as when it was
+    # tried), so no candidate's codes are ever stored
+    divisor = safe_divisor(_e4m3_scale(best_codes, g))
+    codes = []
+    for j, c in enumerate(cols):
+        y = c / divisor
+        if key is not None:  # onto the E2M1 grid (1 mantissa bit, smallest normal 1) by chance
+            offsets = offsets_of(0, y.numel(), y.device) * 16 + (e0 + j)
+            noise = (counter_bits(key, offsets, wide=e0 + 16 * y.numel() > 2**32) >> 10).to(torch.int32)
+            y = stochastic_grid(y.clamp(-_FP4_MAX, _FP4_MAX), noise, mant_bits=1, min_normal=1.0)
+        codes.append(fp4_signed_codes(y))
+    scale_codes = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
+    return scale_codes, _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
+
+
+def _bytes_as_int64(byte_values: Sequence[Tensor]) -> Tensor:
+    """Eight byte values (fp32 0..255, each a (rows,) vector) as one int64 per row whose
+    little-endian bytes they are: the row's 8 bytes in one pointwise store. The top byte enters
+    as its signed value times 2**56, so no product or sum leaves the int64 range."""
+    top = byte_values[7].to(torch.int64)
+    total = torch.where(top >= 128, top - 256, top) * (1 << 56)
+    for k in range(7):
+        total = total + byte_values[k].to(torch.int64) * (1 << (8 * k))
+    return total
+
+
+def _nvfp4_values(data: Tensor) -> Tensor:
+    return e2m1_of_codes(fused_kernels.fp4_nibbles(data))
+
+
+def _nvfp4_row_scale(scales: Tensor, glob: Tensor) -> Tensor:
+    return scales.view(torch.float8_e4m3fn).to(torch.float32) * glob
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+def _blocks_as_columns(x: Tensor) -> Tensor:
+    """A tile of 16-blocks (rows, 16) as the (16, rows) columns NVFP4's kernel reads: a copy on
+    a CPU, where C++ vectorizes across rows only over adjacent elements; a view elsewhere (a GPU
+    thread takes its block's 16 strided loads from cache: no extra pass)."""
+    return x.t().contiguous() if x.device.type == "cpu" else x.t()
+
+
+@_register
+class NvFp4Codec(_ScaledCodec):
+    """E2M1 elements, E4M3 scale per 16, fp32 global scale per encoded tensor."""
+
+    name = "nvfp4"
+    default_block_size = 16
+    data_dtype = torch.uint8
+    elements_per_byte = 2
+    has_global_scale = True
+    SCALE_CANDIDATES: ClassVar[Tuple[str, ...]] = ("up", "down", "4/6")  # tried per block, in tie-break order
+
+    def __init__(self, *, scale_candidates: Tuple[str, ...] = SCALE_CANDIDATES, **options) -> None:
+        """``scale_candidates``: the block scales tried per block (see ``_prepare``); ``("up",)``
+        alone is the single rule the per-block choice is measured against."""
+        if not scale_candidates or any(c not in self.SCALE_CANDIDATES for c in scale_candidates):
+            raise ValueError(f"nvfp4 scale_candidates must be a non-empty subset of {self.SCALE_CANDIDATES}, "
+                             f"got {scale_candidates!r}")
+        super().__init__(**options)
+        # stochastic rounding stays unbiased only with scales that clip nothing: "down" is left out
+        self.scale_candidates = tuple(c for c in scale_candidates if self.rounding == Rounding.NEAREST or c != "down")
+        if not self.scale_candidates:
+            raise ValueError(f"nvfp4 scale_candidates {tuple(scale_candidates)!r} with rounding 'stochastic': "
+                             "'down' may clip, which stochastic rounding cannot keep unbiased; add 'up' or '4/6'")
+
+    def _check_options(self, block_size: Optional[int], scale: str) -> Tuple[int, str]:
+        self._check_scale(scale, ("fp32",))
+        if block_size not in (None, 16):
+            raise ValueError(f"nvfp4 needs block_size 16, got {block_size}")
+        return 16, "e4m3"
+
+    def _row_scales(self, p: Payload, r0: int, r1: int) -> Tensor:
+        return p.scales[..., r0:r1].float().mul_(p.global_scale)  # a batch: one global scale a row
+
+    def _candidate_codes(self, amax: Tensor, g: Tensor) -> List[Tensor]:
+        """The E4M3 block scale codes tried per block, in tie-break order: "up", the smallest
+        E4M3 value >= amax / (6 g) (no element clips); "down", the E4M3 value below it (the
+        largest elements may saturate at 6); "4/6", the smallest E4M3 value >= amax / (4 g)
+        (the block's amax lands on 4, where E2M1 steps are finer relative to the amax).
+        Stochastic rounding keeps to the two that never clip, so it stays unbiased."""
+        target = amax / (safe_divisor(g) * _FP4_MAX)  # g == 0: all-zero tensor, target 0
+        up = e4m3_at_least(target)
+        options = {"up": up, "down": torch.where(up > 0, up - 1, up),
+                   "4/6": e4m3_at_least((target * 1.5).clamp_(max=_E4M3_MAX))}
+        return [options[k] for k in self.scale_candidates]
+
+    def _encode_into(self, src, p: Payload, key: Optional[Tensor], tile: int) -> None:
+        # Two passes over the tiles: the first finds the global scale (the finite blocks' amax);
+        # the second, per tile, its blocks' amax and candidate scales: every candidate divides
+        # the tile and rounds it to E2M1 (by the fp32-bit keys), each block keeps the candidate
+        # whose decoded block errs least (the first wins a tie), and the winner's keys (nearest)
+        # or scaled values (stochastic, rounded here) are stored: no tile is divided or looked
+        # up again for the store, and nothing but the scales outlives a tile.
+        numel = src.numel
+        if numel == 0:
+            p.global_scale.zero_()
+            return
+        row_len = self.block_size
+        n_rows = -(-numel // row_len)
+        compiled = self.compiled_on(src.device)
+        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)[0]
+        p.global_scale.copy_(g)
+        step = _tile_rows(n_rows, row_len, tile)
+        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+        fused = fused_kernels.compiled(nvfp4_tile_encode, candidates=self.scale_candidates) \
+            if compiled else None
+        for r0 in range(0, n_rows, step):
+            r1 = min(r0 + step, n_rows)
+            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+            x, _ = _load_rows(src, row_len, r0, r1, work)
+            if fused is not None and e1 - e0 == x.numel():
+                scale_codes, packed = fused(_blocks_as_columns(x), g, key, e0)
+                p.scales.view(torch.uint8)[r0:r1].copy_(scale_codes)
+                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
+                continue
+            amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
+            candidates = self._candidate_codes(amax, g)
+            codes = candidates[0].clone()
+            best = best_err = None
+            for cand in candidates:
+                scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
+                y = torch.div(x, safe_divisor(scale)[:, None])
+                keys = _fp4_keys(y)
+                # summed in a fixed order, the compiled kernel's (fused_kernels.row_sum_pairwise)
+                err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(keys).mul_(scale[:, None]).sub_(x).square_())
+                keep = y if key is not None else keys
+                if best is None:
+                    best, best_err = keep, err
+                    continue
+                better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
+                codes = torch.where(better, cand, codes)
+                best_err = torch.where(better, err, best_err)
+                torch.where(better[:, None], keep, best, out=best)
+            best = best.view(-1)[: e1 - e0]
+            if key is not None:
+                best.clamp_(-_FP4_MAX, _FP4_MAX)
+                best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, key, e0))
+            self._pack_keys(best, p, e0, e1)
+            codes.masked_fill_(~torch.isfinite(amax), 0x7F)  # nan scale marks a non-finite block
+            p.scales.view(torch.uint8)[r0:r1].copy_(codes)
+
+    @staticmethod
+    def _pack_keys(key: Tensor, p: Payload, e0: int, e1: int) -> None:
+        """Signed E2M1 codes of elements e0:e1 from their keys, two per byte (codes by table
+        lookup, no search); nan/inf only occur in blocks whose scale is nan, where any code
+        decodes to nan."""
+        if key.numel() % 2:
+            key = torch.cat([key, key.new_zeros(1)])
+        pairs = key.view(-1, 2)
+        lo = torch.index_select(_table_on(_FP4_KEY_LO, key.device), 0, pairs[:, 0])
+        hi = torch.index_select(_table_on(_FP4_KEY_HI, key.device), 0, pairs[:, 1])
+        torch.bitwise_or(lo, hi, out=p.data[e0 // 2 : (e1 + 1) // 2])
+
+    def _fused_decode(self):
+        return _nvfp4_values, _nvfp4_row_scale
+
+    def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
+        _unpack_nibbles(p.data[..., e0 // 2 : (e1 + 1) // 2], _table_on(_FP4_TABLE, p.device), out)
+
+    def _at_max(self, p: Payload) -> Tensor:
+        return (_nibbles(p.data, p.numel) & 7) == 7
