@@ -82,14 +82,15 @@ TRANSIENT = ("statistics_step", "codec_staging", "payload", "param_gather", "ref
 COMPONENTS = HELD + TRANSIENT
 
 # Bytes per element the codec's own work holds over what it encodes (issue 31, read from
-# core/formats.py): fp8's scaled tile and its codes ~4, +9 under stochastic rounding (the noise
-# and its draws); NVFP4's nibble arithmetic ~20; bf16/fp32 a cast.
+# core/formats/): fp8's scaled tile and its codes ~4, +7-9 under stochastic rounding (measured
+# on a CPU tile, 2026-12-03: the counter hash's int64 temporaries over a chunk, a quarter of a
+# GPU tile, and the rounding's own); NVFP4's nibble arithmetic ~20; bf16/fp32 a cast.
 CODEC_WORK = {"fp8_e4m3": 4.0, "fp8_e5m2": 4.0, "int8": 4.0, "int4": 8.0, "nvfp4": 20.0, "bf16": 2.0, "fp32": 0.0}
 STOCHASTIC_WORK = 9.0
 WHITEN_TEMPS = 3  # StructuredWhitener._apply_rows: gp, P and the output, each 4 B an element, live at once
 TELEMETRY_BYTES = 30.0  # quantization_stats: a decode, masks, two fp32 differences and a float64 square
 CAPTURE_BYTES = 12.0  # a captured fp32 gradient and Adam's two moments of the slice (metric "optimizer")
-CPU_TILE = 1 << 20  # core/formats.py's _CPU_TILE: codecs on a CPU already work in tiles of this
+CPU_TILE = 1 << 20  # core/formats/base.py's _CPU_TILE: codecs on a CPU already work in tiles of this
 
 
 @dataclass(frozen=True)

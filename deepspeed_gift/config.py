@@ -263,13 +263,13 @@ class GiftConfig(_GiftModel):
     inverse, encode, and the owner's decode and fp32 sum run over tiles of at most this many
     elements (whole blocks and whole rows; a longer one is a tile of its own), so their
     temporaries stay bounded whatever a section's size. The default (2^24) keeps them under
-    ~0.6 GB on an accelerator: at most ~34 B per tile element (measured: NVFP4 encode 26, the
-    section chunk it reads 4, a sampled step's recorded sample 4; fp8 encode 4, 13 with
+    ~0.6 GB on an accelerator: at most ~34 B per tile element (measured: NVFP4 encode 28, the
+    section chunk it reads 4, a sampled step's recorded sample 4; fp8 encode 4, 11 with
     stochastic rounding; a whitener 12 (fitted) to 16 (Hadamard) while it makes a chunk, the
     chunk included; the sum's decode 4 to 8).
     The CPU cuts the codecs' tiles further to 2^20, which stays in cache. Tiling changes no
-    value, except that stochastic rounding on an accelerator draws its random numbers per tile
-    and a fitted whitener's matrix products may round a row differently (an fp32 ulp) by the
+    value (stochastic rounding's random bits come from a counter over each element's offset),
+    except that a fitted whitener's matrix products may round a row differently (an fp32 ulp) by the
     number of rows in a call; sampled steps measure the quantization on an evenly strided
     sample of whole blocks of at most 2^20 elements or a tile (telemetry's ``quantized`` counts the sample)."""
 
@@ -280,7 +280,8 @@ class GiftConfig(_GiftModel):
     """How the codecs run: ``eager`` (chains of PyTorch ops, the reference), ``compiled`` (each
     format's encode and the owner's decode-and-sum fused by ``torch.compile`` into one or two
     kernels a tile; the same bits), or ``by_device``: compiled on CUDA, eager on a CPU (where
-    the first compile of each format costs 5-40 s a process). Stochastic rounding, E8M0 scales'
+    the first compile of each format costs 5-40 s a process). Stochastic rounding is fused too
+    and draws the same bits in both modes (a counter, not a stateful generator); E8M0 scales'
     encode and a section's last partial block always run eager."""
 
     hierarchy: Literal[tuple(h.value for h in Hierarchy)] = Hierarchy.BY_TOPOLOGY.value

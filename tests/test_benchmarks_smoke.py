@@ -231,7 +231,8 @@ def test_gpu_check_cpu_part(tmp_path):
     assert [r["format"] for r in out["parity"]] == ["fp8_e4m3", "fp8_e5m2", "nvfp4", "int8", "int4", "bf16", "fp32"]
     assert all(r["bytes_equal"] and r["count_equal"] and r["decode_equal"] and r["batch_decode_equal"]
                for r in out["parity"])
-    assert all(r.get("stochastic_repeatable", True) for r in out["parity"])
+    stochastic = [r for r in out["parity"] if r["format"] != "fp32"]  # fp32 is exact: no rounding to draw
+    assert all(r["stochastic_equal"] and r["stochastic_eager_equal"] for r in stochastic)
     assert len(out["codec"]) == 4 and all(r["encode_gbs"] > 0 and r["decode_gbs"] > 0 for r in out["codec"])
     # fp32 round trip through a whitener of condition ~1e2: a few ulps (no TF32 on a CPU)
     assert all(r["round_trip_rel_err"] < 1e-5 for r in out["whitener"])

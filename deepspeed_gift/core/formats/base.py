@@ -108,7 +108,7 @@ class Payload:
 # Every element-wise step of encode and decode runs over a tile of whole blocks, so what a
 # codec allocates besides its input and payload is bounded by the tile, not by the tensor.
 # Measured per tile element (tests/test_tiles.py's LiveBytes, one tile over 4M elements):
-# encode fp8/int8 4.1 B (13 with stochastic rounding), int4 5.5, bf16 stochastic 8, NVFP4 26
+# encode fp8/int8 4.1 B (10-11 with stochastic rounding), int4 5.5, bf16 stochastic 10, NVFP4 28
 # (its three candidate scales); decode 0-4; quantization_stats 31 (on a sample of at most a
 # tile). With the reducer's chunk it reads (4) and a sampled step's recorded sample (4), NVFP4
 # peaks near 34 B per tile element: the default tile (``gift.tile_elements``) keeps that
