@@ -20,8 +20,9 @@ element, beside the floor (what the operation must move at least) and their rati
 Operations: ``encode`` (a tile of fp32 to its payload; per-tensor and NVFP4's global scales
 need a first pass for the amax, counted), ``decode_sum`` (the owner's batched decode of S
 senders' payloads and their fp32 sum into the section, S = ``--senders``), stochastic
-rounding's encode, and ``encode+feedback``: error feedback's step for a section (last step's
-int8 residual added, the encode, the new residual kept in int8 per 128).
+rounding's encode, and ``encode+feedback``: error feedback's step for a section it sends (last
+step's int8 residual added, the encode, the new residual, the values minus the payload's
+decode, kept in int8 per 128).
 
 Floors per element: encode, 4 B read + the payload's bytes (data and scales); decode-and-sum,
 S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here);
@@ -216,7 +217,7 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
             values = staged.pop()  # the reducer stages a section with feedback whole (not counted)
             old.add_to(values)
             sent = codec.encode(values)
-            StoredResidual.encode(values.sub_(codec.decode(sent)))
+            StoredResidual.of_sent(values, codec, sent)  # what the reducer keeps of a section it sends
 
     counter = TrafficCounter()
     if kernels == "compiled":

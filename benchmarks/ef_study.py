@@ -108,7 +108,23 @@ class Probe:
             if self.measuring:
                 measure(fb.relayed[(plan.layout_key, index)][1], residual)
 
+        keep_sent, keep_relayed_sent = fb.keep_sent, fb.keep_relayed_sent
+
+        def keep_sent_measured(plan, sec, values, codec, wire, transforms):
+            # the exact residual, which the fused path never stores: values minus the payload's decode
+            exact = values.reshape(-1) - codec.decode_from_bytes(wire, (values.numel(),)) if self.measuring else None
+            keep_sent(plan, sec, values, codec, wire, transforms)
+            if exact is not None:
+                measure(fb.sent[(plan.layout_key, sec.key)][0], exact)
+
+        def keep_relayed_sent_measured(plan, index, value, codec, wire):
+            exact = value.reshape(-1) - codec.decode_from_bytes(wire, (value.numel(),)) if self.measuring else None
+            keep_relayed_sent(plan, index, value, codec, wire)
+            if exact is not None:
+                measure(fb.relayed[(plan.layout_key, index)][1], exact)
+
         fb.keep, fb.keep_relayed = keep_measured, keep_relayed_measured
+        fb.keep_sent, fb.keep_relayed_sent = keep_sent_measured, keep_relayed_sent_measured
 
     def __call__(self, engine, step: int) -> dict:
         import torch

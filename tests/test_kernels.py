@@ -239,3 +239,37 @@ def test_e2m1_nearest_is_the_encoders_rounding():
     got, want = e2m1_nearest(y), _e2m1_nearest(y)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.isnan(e2m1_nearest(torch.tensor([float("nan")]))).all()
+
+
+RESIDUAL_CASES = [
+    ("fp8_e4m3", {}),  # blocks of 128, as the residual's
+    ("nvfp4", {}),  # blocks of 16, a global scale, nibbles
+    ("int4", {"block_size": 0}),  # one scale per tensor, nibbles
+]
+
+
+@pytest.mark.parametrize("name,options", RESIDUAL_CASES, ids=[f"{n}-{o}" for n, o in RESIDUAL_CASES])
+def test_compiled_residual_equals_eager(name, options, monkeypatch):
+    """Error feedback's residual of a sent payload in one compiled pass (values minus the
+    payload's decode, encoded int8 per 128) gives the eager bytes: the int8 encode of the
+    difference. Over several tiles and a short tail; with an inf/nan anywhere it is stored as
+    zeros, as before."""
+    from deepspeed_gift.exchange import feedback
+
+    sent_eager = get_format(name, kernels="eager", **options)
+    sent_fused = get_format(name, kernels="compiled", **options)
+    store_eager = get_format("int8", block_size=128, kernels="eager")
+    store_fused = get_format("int8", block_size=128, kernels="compiled")
+    finite = torch.nan_to_num(_input(), nan=1.0, posinf=2.0, neginf=-3.0)
+    p = sent_eager.encode(finite)
+    want = store_eager.encode(finite - sent_eager.decode(p))
+    got_eager = store_eager.encode_difference(finite.clone(), sent_eager, p, tile_elements=SMALL_TILE)
+    got_fused = store_fused.encode_difference(finite.clone(), sent_fused, p, tile_elements=SMALL_TILE)
+    assert torch.equal(got_eager.wire, want.wire)
+    assert torch.equal(got_fused.wire, want.wire)
+    monkeypatch.setattr(feedback, "RESIDUAL_CODEC", store_fused)
+    kept = feedback.StoredResidual.of_sent(finite.clone(), sent_fused, p)
+    assert torch.equal(kept.wire, want.wire)
+    x = _input()  # inf and nan in a few blocks: the whole residual kept as zeros
+    kept = feedback.StoredResidual.of_sent(x.clone(), sent_fused, sent_eager.encode(x))
+    assert torch.equal(kept.wire, feedback.StoredResidual.encode(torch.zeros(N)).wire)

@@ -19,7 +19,13 @@ That loss is not fed back (it would need a residual of the residual): EF then tr
 sum up to the sum of these round-offs, not exactly.
 
 An overflowing step (DeepSpeed skips it) must not leak its error into the next, so a residual
-with any inf/nan is kept as zeros, decided on the device (no host read).
+with any inf/nan is kept as zeros, decided on the device (no host read): a non-finite element
+makes its block's scale non-finite, so the stored residual's scales tell, and its scales and
+codes are zeroed (the bytes of an all-zero residual).
+
+A payload this rank sends (and does not decode for itself) gets its residual in one pass where
+the codecs are compiled: the int8 codec encodes the staged values minus the payload's decode
+(``Int8Codec.encode_difference``), and the difference is never stored in fp32.
 
 Checkpoints (:meth:`ErrorFeedback.state_dict`) hand the residuals one tensor at a time to a
 sink (the checkpoint streams each to disk): the stored bytes as they are, with the transform
@@ -65,8 +71,12 @@ def _fit_named(transform_or_fit) -> Fit:
     return transform_or_fit if isinstance(transform_or_fit, tuple) else fit_of(transform_or_fit)
 
 
-def _finite_or_zero(residual: torch.Tensor) -> torch.Tensor:
-    return residual.masked_fill_(~torch.isfinite(residual).all(), 0.0)
+def _zero_unless_finite(stored: formats.Payload) -> torch.Tensor:
+    """The wire of an encoded residual, all zeros after the header if a scale is inf/nan (an
+    element was): what encoding the zeroed residual gives, decided on the device."""
+    finite = torch.isfinite(stored.scales).all()
+    stored.wire[formats.HEADER_BYTES:].masked_fill_(~finite, 0)
+    return stored.wire
 
 
 class StoredResidual:
@@ -79,7 +89,15 @@ class StoredResidual:
 
     @classmethod
     def encode(cls, residual: torch.Tensor) -> "StoredResidual":
-        return cls(RESIDUAL_CODEC.encode(residual.reshape(-1)).wire, residual.numel())
+        """``residual`` stored, as zeros if any of it is inf/nan."""
+        return cls(_zero_unless_finite(RESIDUAL_CODEC.encode(residual.reshape(-1))), residual.numel())
+
+    @classmethod
+    def of_sent(cls, values: torch.Tensor, codec, payload: formats.Payload) -> "StoredResidual":
+        """The residual ``values`` - ``codec``'s decode of ``payload`` stored (as zeros if any of
+        it is inf/nan); ``values`` may be overwritten."""
+        stored = RESIDUAL_CODEC.encode_difference(values.reshape(-1), codec, payload)
+        return cls(_zero_unless_finite(stored), values.numel())
 
     def _payload(self) -> formats.Payload:
         return RESIDUAL_CODEC.bytes_to_payload(self.wire, self.numel, check_header=False)
@@ -177,15 +195,27 @@ class ErrorFeedback:
         return held.add_to(values)
 
     def keep(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, transforms) -> None:
-        stored = StoredResidual.encode(_finite_or_zero(residual))
-        self.sent[(plan.layout_key, sec.key)] = (stored, sec.pieces, dict(transforms))
+        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.encode(residual), sec.pieces, dict(transforms))
+
+    def keep_sent(self, plan: BucketPlan, sec: Section, values: torch.Tensor, codec, wire: torch.Tensor,
+                  transforms) -> None:
+        """:meth:`keep` of ``values`` minus what ``wire`` (``codec``'s bytes of them) decodes to,
+        in one pass where the codecs are compiled; ``values`` may be overwritten."""
+        payload = codec.bytes_to_payload(wire, values.numel(), check_header=False)
+        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.of_sent(values, codec, payload), sec.pieces,
+                                                 dict(transforms))
 
     def add_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor) -> torch.Tensor:
         held = self.relayed.get((plan.layout_key, index))
         return value if held is None or held[0] != plan.hash else held[1].add_to(value)
 
     def keep_relayed(self, plan: BucketPlan, index: int, residual: torch.Tensor) -> None:
-        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.encode(_finite_or_zero(residual)))
+        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.encode(residual))
+
+    def keep_relayed_sent(self, plan: BucketPlan, index: int, value: torch.Tensor, codec, wire: torch.Tensor) -> None:
+        """:meth:`keep_relayed` of ``value`` minus what ``wire`` (``codec``'s bytes) decodes to."""
+        payload = codec.bytes_to_payload(wire, value.numel(), check_header=False)
+        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.of_sent(value, codec, payload))
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self, current: Optional[Callable[[int], object]] = None, sink: Optional[Sink] = None) -> dict:

@@ -207,10 +207,12 @@ class GiftReducer:
             if feedback:
                 values = self.feedback.add(plan, sec, values, whiteners)
             wire, decoded = enc.encode(sec, values, stats, sample, enc.generator_for(sec, step),
-                                       decode=feedback or me in sec.dests)
-            own = decoded if me in sec.dests else None
-            if feedback:
+                                       decode=me in sec.dests)
+            own = decoded
+            if feedback and decoded is not None:
                 self.feedback.keep(plan, sec, values.sub_(decoded), whiteners)
+            elif feedback:  # values minus the payload's decode, in one pass where compiled
+                self.feedback.keep_sent(plan, sec, values, enc.codec_of(sec), wire, whiteners)
             enc.count_sent(sec, wire.numel(), sec.numel, sum(1 for d in sec.dests if d != me), stats)
             if outbox is not None:
                 outbox.put(index, wire)

@@ -86,10 +86,9 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
         if feedback:  # the relay's own residual: the second quantization is fed back too
             value = r.feedback.add_relayed(plan, i, value)
         codec = r.encoder.forward_codec_of(sec)
-        wire, decoded = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=feedback,
-                                         codec=codec)
-        if feedback:
-            r.feedback.keep_relayed(plan, i, value.sub_(decoded))
+        wire, _ = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=False, codec=codec)
+        if feedback:  # the sum minus the payload's decode, in one pass where compiled
+            r.feedback.keep_relayed_sent(plan, i, value, codec, wire)
         r.encoder.count_sent(sec, wire.numel(), sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
     stats.codec_s += r.now() - t0

@@ -3,6 +3,7 @@ the eager codecs and their fused kernels."""
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Optional, Tuple
 
 import torch
@@ -10,7 +11,8 @@ from torch import Tensor
 
 from .. import kernels as fused_kernels
 from ..kernels import fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor, stochastic_int
-from .base import Payload, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles, _register, _ScaledCodec
+from .base import (HEADER_BYTES, Codec, Payload, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles,
+                   _register, _ScaledCodec)
 
 # ----------------------------------------------------------------------------- fused kernels
 
@@ -36,6 +38,18 @@ def int_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: 
     codes = _int_codes(x / safe_divisor(scale)[:, None], key, e0)
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
     return scale
+
+
+def int8_difference_encode(values: Tensor, data: Tensor, scales: Optional[Tensor], glob: Optional[Tensor],
+                           res_data: Tensor, *, values_fn, row_scale, block: int, qmax: int) -> Tensor:
+    """Error feedback's residual of one tile in one pass: ``values`` (n,) minus the decode of a
+    sent payload's tile (``data``/``scales``/``glob``, a batch of one, decoded by the sender's
+    family functions as the owner's sum decodes it), as int8 blocks of ``res_data``'s width
+    written into ``res_data`` (rows, width); returns their fp32 scales."""
+    decoded = fused_kernels.decoded_rows(data, scales, glob, values=values_fn, row_scale=row_scale, block=block)[0]
+    width = res_data.shape[-1]
+    torch._check(values.shape[0] == res_data.shape[0] * width)  # whole residual blocks
+    return int_block_encode((values - decoded).view(-1, width), res_data, qmax=qmax, packed=False)
 
 
 def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
@@ -75,6 +89,46 @@ class _IntCodec(_ScaledCodec):
         if self.block_size:
             return None
         return self._per_tensor_divisor(src, row_len, n_rows, p, float(self.qmax), tile)
+
+    def encode_difference(self, values: Tensor, sent: Codec, p: Payload, *,
+                          tile_elements: Optional[int] = None) -> Payload:
+        """This codec's encode of ``values`` (flat fp32) minus ``sent``'s decode of ``p`` (one
+        payload of as many elements): error feedback's residual. Compiled (int8 blocks; ``sent``
+        compiled too), one kernel a tile reads the values and the payload and writes the codes
+        and scales, the difference never stored; a short tail, and the eager path, subtract the
+        decode in ``values`` and encode that. The same bytes either way."""
+        numel = values.numel()
+        fused = sent._fused_decode()
+        device = values.device
+        if (fused is None or numel == 0 or not self.block_size or self.elements_per_byte != 1
+                or not (self.compiled_on(device) and sent.compiled_on(device))):
+            for e0, e1, part in sent.decode_tiles(p, tile_elements=tile_elements):
+                values[e0:e1].sub_(part)
+            return self.encode(values, tile_elements=tile_elements)
+        block, sent_block, epb = self.block_size, sent.block_size, sent.elements_per_byte
+        unit = math.lcm(block, sent_block or 1, epb)
+        done = numel - numel % unit
+        buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=device)
+        buf[:HEADER_BYTES].copy_(self.header_on(numel, device))
+        q = self._views(buf, numel, values.shape)
+        batch = p.as_batch()
+        run = fused_kernels.compiled(int8_difference_encode, values_fn=fused[0], row_scale=fused[1], block=sent_block,
+                                     qmax=self.qmax)
+        step = max(unit, self._tile(device, tile_elements) // unit * unit)
+        for e0 in range(0, done, step):
+            e1 = min(e0 + step, done)
+            scales = (batch.scales[:, e0 // sent_block : e1 // sent_block] if sent_block and batch.scales is not None
+                      else batch.scales)
+            q.scales[e0 // block : e1 // block].copy_(run(
+                values[e0:e1], batch.data[:, e0 // epb : e1 // epb], scales, batch.global_scale,
+                q.data[e0:e1].view(torch.uint8).view(-1, block)))
+        if done < numel:  # the tail: its blocks start at ``done``, a multiple of the block
+            for e0, e1, part in sent.decode_tiles(p, tile_elements=tile_elements, begin=done):
+                values[e0:e1].sub_(part)
+            tail = self.encode(values[done:], tile_elements=tile_elements)
+            q.scales[done // block :].copy_(tail.scales)
+            q.data[done:].copy_(tail.data)
+        return q
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         scale = fp32_scales(_block_amax(x), float(self.qmax))
