@@ -192,10 +192,11 @@ def rows_amax_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bo
     over ``best`` (the earlier tiles') when given, ``finite_blocks_only``: rows holding inf/nan
     left out; with the scale amax / ``qmax`` so far and its divisor (1 for a zero scale), which
     the last tile's call gives for the whole tensor in the same kernel."""
-    amax = rows_amax(x)
-    if finite_blocks_only:
-        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-    top = amax.amax().reshape(1)
+    if finite_blocks_only:  # a row's amax first, to leave out the rows that are not finite
+        amax = rows_amax(x)
+        top = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).amax().reshape(1)
+    else:  # over the whole tile at once: one reduction, where rows then their max are two (max is exact)
+        top = rows_amax(x.reshape(1, -1))
     top = top if best is None else torch.maximum(best, top)
     scale = fp32_scales(top, qmax)
     return top, scale, safe_divisor(scale)
