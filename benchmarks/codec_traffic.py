@@ -183,19 +183,6 @@ def _fresh_inductor():
         torch._logging.set_logs(inductor_metrics=False)
 
 
-@contextlib.contextmanager
-def _residual_codec(kernels: str):
-    """Error feedback's int8 residual codec in ``kernels`` mode (its own rule, ``by_device``,
-    compiles on a GPU; here the CPU stands in for one)."""
-    real = feedback.RESIDUAL_CODEC
-    feedback.RESIDUAL_CODEC = formats.get_format(feedback.RESIDUAL_FORMAT, block_size=feedback.RESIDUAL_BLOCK,
-                                                 kernels=kernels)
-    try:
-        yield
-    finally:
-        feedback.RESIDUAL_CODEC = real
-
-
 def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
     """One operation of one format, one tile: kernels and bytes per element."""
     # eager: the meta device, no data, an accelerator's code path and tile
@@ -205,7 +192,7 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
     x, rows = _inputs(numel, device, senders, codec)
     payload = codec.bytes_to_payload(rows, (numel,), check_header=False)
     out = torch.empty(numel, device=device)
-    old = StoredResidual.encode(x * 0.01)
+    old = StoredResidual.encode(x * 0.01, feedback.residual_codec(kernels))
     staged = [x.clone() for _ in range(3)] if op == "feedback" else []
 
     def run():
@@ -217,11 +204,12 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
             values = staged.pop()  # the reducer stages a section with feedback whole (not counted)
             old.add_to(values)
             sent = codec.encode(values)
-            StoredResidual.of_sent(values, codec, sent)  # what the reducer keeps of a section it sends
+            # what the reducer keeps of a section it sends, its residual codec in the same mode
+            StoredResidual.of_sent(values, codec, sent, feedback.residual_codec(kernels))
 
     counter = TrafficCounter()
     if kernels == "compiled":
-        with _fresh_inductor() as metrics, _residual_codec(kernels):
+        with _fresh_inductor() as metrics:
             run()  # compiles: inductor counts each graph's kernels and bytes once
             # a fused scheduler node is one kernel on CUDA (on a CPU one C++ function may
             # hold a few loops); its bytes are inductor's count, which counts a graph input

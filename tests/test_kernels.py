@@ -249,7 +249,7 @@ RESIDUAL_CASES = [
 
 
 @pytest.mark.parametrize("name,options", RESIDUAL_CASES, ids=[f"{n}-{o}" for n, o in RESIDUAL_CASES])
-def test_compiled_residual_equals_eager(name, options, monkeypatch):
+def test_compiled_residual_equals_eager(name, options):
     """Error feedback's residual of a sent payload in one compiled pass (values minus the
     payload's decode, encoded int8 per 128) gives the eager bytes: the int8 encode of the
     difference. Over several tiles and a short tail; with an inf/nan anywhere it is stored as
@@ -267,9 +267,10 @@ def test_compiled_residual_equals_eager(name, options, monkeypatch):
     got_fused = store_fused.encode_difference(finite.clone(), sent_fused, p, tile_elements=SMALL_TILE)
     assert torch.equal(got_eager.wire, want.wire)
     assert torch.equal(got_fused.wire, want.wire)
-    monkeypatch.setattr(feedback, "RESIDUAL_CODEC", store_fused)
-    kept = feedback.StoredResidual.of_sent(finite.clone(), sent_fused, p)
+    store = feedback.residual_codec("compiled")  # what ErrorFeedback(kernels="compiled") keeps residuals with
+    assert store.compiled_on(torch.device("cpu")) and feedback.ErrorFeedback("compiled").codec is store
+    kept = feedback.StoredResidual.of_sent(finite.clone(), sent_fused, p, store)
     assert torch.equal(kept.wire, want.wire)
     x = _input()  # inf and nan in a few blocks: the whole residual kept as zeros
-    kept = feedback.StoredResidual.of_sent(x.clone(), sent_fused, sent_eager.encode(x))
+    kept = feedback.StoredResidual.of_sent(x.clone(), sent_fused, sent_eager.encode(x), store)
     assert torch.equal(kept.wire, feedback.StoredResidual.encode(torch.zeros(N)).wire)

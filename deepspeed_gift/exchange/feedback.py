@@ -56,6 +56,15 @@ RESIDUAL_BYTES_PER_ELEMENT = 1 + 4 / RESIDUAL_BLOCK
 # The codec encodes and decodes in its tiles (gift.tile_elements' default): a store or an add
 # has a tile's fp32 transients, not a section's.
 RESIDUAL_CODEC = formats.get_format(RESIDUAL_FORMAT, block_size=RESIDUAL_BLOCK)
+_RESIDUAL_CODECS = {RESIDUAL_CODEC.kernels: RESIDUAL_CODEC}
+
+
+def residual_codec(kernels: str = "by_device") -> formats.Codec:
+    """The residuals' int8 codec running its kernels as ``kernels`` says (``gift.kernels``: the
+    same bytes in every mode)."""
+    if kernels not in _RESIDUAL_CODECS:
+        _RESIDUAL_CODECS[kernels] = formats.get_format(RESIDUAL_FORMAT, block_size=RESIDUAL_BLOCK, kernels=kernels)
+    return _RESIDUAL_CODECS[kernels]
 
 # how a saved residual's values are laid out
 TRANSFORMED, GRADIENT = "transformed", "gradient"
@@ -83,30 +92,34 @@ class StoredResidual:
     """One residual at :data:`RESIDUAL_BYTES_PER_ELEMENT`: the int8 codec's wire bytes (header,
     block scales, codes)."""
 
-    def __init__(self, wire: torch.Tensor, numel: int) -> None:
+    def __init__(self, wire: torch.Tensor, numel: int, codec: Optional[formats.Codec] = None) -> None:
         self.wire = wire
         self.numel = numel
+        self.codec = codec or RESIDUAL_CODEC  # (its kernel mode: the bytes are the same in any)
 
     @classmethod
-    def encode(cls, residual: torch.Tensor) -> "StoredResidual":
+    def encode(cls, residual: torch.Tensor, codec: Optional[formats.Codec] = None) -> "StoredResidual":
         """``residual`` stored, as zeros if any of it is inf/nan."""
-        return cls(_zero_unless_finite(RESIDUAL_CODEC.encode(residual.reshape(-1))), residual.numel())
+        codec = codec or RESIDUAL_CODEC
+        return cls(_zero_unless_finite(codec.encode(residual.reshape(-1))), residual.numel(), codec)
 
     @classmethod
-    def of_sent(cls, values: torch.Tensor, codec, payload: formats.Payload) -> "StoredResidual":
-        """The residual ``values`` - ``codec``'s decode of ``payload`` stored (as zeros if any of
-        it is inf/nan); ``values`` may be overwritten."""
-        stored = RESIDUAL_CODEC.encode_difference(values.reshape(-1), codec, payload)
-        return cls(_zero_unless_finite(stored), values.numel())
+    def of_sent(cls, values: torch.Tensor, sent_codec, payload: formats.Payload,
+                codec: Optional[formats.Codec] = None) -> "StoredResidual":
+        """The residual ``values`` - ``sent_codec``'s decode of ``payload`` stored (as zeros if any
+        of it is inf/nan); ``values`` may be overwritten."""
+        codec = codec or RESIDUAL_CODEC
+        stored = codec.encode_difference(values.reshape(-1), sent_codec, payload)
+        return cls(_zero_unless_finite(stored), values.numel(), codec)
 
     def _payload(self) -> formats.Payload:
-        return RESIDUAL_CODEC.bytes_to_payload(self.wire, self.numel, check_header=False)
+        return self.codec.bytes_to_payload(self.wire, self.numel, check_header=False)
 
     def add_to(self, values: torch.Tensor) -> torch.Tensor:
-        return RESIDUAL_CODEC.decode_into(self._payload(), values, add=True)
+        return self.codec.decode_into(self._payload(), values, add=True)
 
     def decode(self) -> torch.Tensor:
-        return RESIDUAL_CODEC.decode(self._payload())
+        return self.codec.decode(self._payload())
 
     def nbytes(self) -> int:
         return self.wire.numel()
@@ -166,7 +179,8 @@ def _names_parameters(layout_key) -> bool:
 class ErrorFeedback:
     """The residuals of one reducer (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: str = "by_device") -> None:
+        self.codec = residual_codec(kernels)  # gift.kernels, as the wire codecs
         # (layout key, section key) -> (residual, pieces, transforms it is expressed in: objects,
         # or fits for one loaded from a checkpoint)
         self.sent: Dict[Tuple[tuple, object], Tuple[Held, List[Piece], Dict[int, object]]] = {}
@@ -195,27 +209,28 @@ class ErrorFeedback:
         return held.add_to(values)
 
     def keep(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, transforms) -> None:
-        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.encode(residual), sec.pieces, dict(transforms))
+        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.encode(residual, self.codec), sec.pieces,
+                                                 dict(transforms))
 
     def keep_sent(self, plan: BucketPlan, sec: Section, values: torch.Tensor, codec, wire: torch.Tensor,
                   transforms) -> None:
         """:meth:`keep` of ``values`` minus what ``wire`` (``codec``'s bytes of them) decodes to,
         in one pass where the codecs are compiled; ``values`` may be overwritten."""
         payload = codec.bytes_to_payload(wire, values.numel(), check_header=False)
-        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.of_sent(values, codec, payload), sec.pieces,
-                                                 dict(transforms))
+        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.of_sent(values, codec, payload, self.codec),
+                                                 sec.pieces, dict(transforms))
 
     def add_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor) -> torch.Tensor:
         held = self.relayed.get((plan.layout_key, index))
         return value if held is None or held[0] != plan.hash else held[1].add_to(value)
 
     def keep_relayed(self, plan: BucketPlan, index: int, residual: torch.Tensor) -> None:
-        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.encode(residual))
+        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.encode(residual, self.codec))
 
     def keep_relayed_sent(self, plan: BucketPlan, index: int, value: torch.Tensor, codec, wire: torch.Tensor) -> None:
         """:meth:`keep_relayed` of ``value`` minus what ``wire`` (``codec``'s bytes) decodes to."""
         payload = codec.bytes_to_payload(wire, value.numel(), check_header=False)
-        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.of_sent(value, codec, payload))
+        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.of_sent(value, codec, payload, self.codec))
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self, current: Optional[Callable[[int], object]] = None, sink: Optional[Sink] = None) -> dict:
@@ -265,10 +280,10 @@ class ErrorFeedback:
                 unnamed += 1
                 continue
             if isinstance(entry, dict):
-                self.sent[(entry["layout"], entry["key"])] = _load_sent(entry, device, source)
+                self.sent[(entry["layout"], entry["key"])] = _load_sent(entry, device, source, self.codec)
             else:  # (layout key, section key, fp32 residual in gradient coordinates, pieces)
                 layout_key, key, residual, pieces = entry
-                self.sent[(layout_key, key)] = (StoredResidual.encode(source(residual).to(device)),
+                self.sent[(layout_key, key)] = (StoredResidual.encode(source(residual).to(device), self.codec),
                                                 [Piece(*p) for p in pieces], {})
         self.relayed = {}
         old = 0
@@ -278,11 +293,12 @@ class ErrorFeedback:
                 unnamed += 1
                 continue
             if isinstance(entry, dict):
-                held = StoredResidual(source(entry["wire"]).to(device), entry["numel"])
+                held = StoredResidual(source(entry["wire"]).to(device), entry["numel"], self.codec)
                 self.relayed[(entry["layout"], entry["index"])] = (entry["hash"], held)
             elif len(entry) == 4:  # (layout key, index, hash, fp32 residual)
                 layout_key, index, plan_hash, residual = entry
-                self.relayed[(layout_key, index)] = (plan_hash, StoredResidual.encode(source(residual).to(device)))
+                self.relayed[(layout_key, index)] = (plan_hash, StoredResidual.encode(source(residual).to(device),
+                                                                                      self.codec))
             else:
                 old += 1
         # entries of (hash, index, residual), as saved before residuals were held per layout: their
@@ -302,10 +318,11 @@ class ErrorFeedback:
                 + sum(held.nbytes() for _, held in self.relayed.values()))
 
 
-def _load_sent(entry: dict, device, source: Source) -> Tuple[Held, List[Piece], Dict[int, object]]:
+def _load_sent(entry: dict, device, source: Source,
+               codec: formats.Codec) -> Tuple[Held, List[Piece], Dict[int, object]]:
     pieces = [Piece(*p) for p in entry["pieces"]]
     if entry["coords"] == TRANSFORMED:
-        held: Held = StoredResidual(source(entry["wire"]).to(device), entry["numel"])
+        held: Held = StoredResidual(source(entry["wire"]).to(device), entry["numel"], codec)
         return held, pieces, {int(k): tuple(fit) for k, fit in entry["fits"].items()}
     token = entry["values"]
     return DeferredResidual(lambda: source(token).to(device), entry["numel"]), pieces, {}

@@ -63,7 +63,7 @@ class GiftReducer:
                                       shared_seed=shared_seed, tile_elements=self.tile_elements,
                                       relay_codec=relay_codec)
         self.error_feedback = error_feedback
-        self.feedback = ErrorFeedback()
+        self.feedback = ErrorFeedback(kernels=main_codec.kernels)
         self._plans: Dict[tuple, BucketPlan] = {}
         self.plans_agreed = 0  # new plans, each agreed by the ranks before its first exchange
         self.agrees = True  # plan_for agrees on new plans (False: the caller does, two-level)
