@@ -274,3 +274,16 @@ def test_compiled_residual_equals_eager(name, options):
     x = _input()  # inf and nan in a few blocks: the whole residual kept as zeros
     kept = feedback.StoredResidual.of_sent(x.clone(), sent_fused, sent_eager.encode(x), store)
     assert torch.equal(kept.wire, feedback.StoredResidual.encode(torch.zeros(N)).wire)
+
+
+def test_bf16_stochastic_rounding_keeps_every_nan_a_nan():
+    """Sixteen random bits added to a nan's pattern could carry it past the int32 range into a
+    finite value (0xFFFFFFFF + 1 is +0.0): every nan pattern stays nan, inf stays inf, in both modes."""
+    patterns = torch.tensor([-1, 0x7FFFFFFF, -4194304, 0x7FC00000, 0x7FFF0001, -65535], dtype=torch.int64)
+    nans = torch.where(patterns >= 2**31, patterns - 2**32, patterns).to(torch.int32).view(torch.float32)
+    x = torch.cat([nans.repeat(1000), torch.tensor([float("inf"), float("-inf"), 3.3895e38, -1.5])])
+    assert torch.isnan(x[: nans.numel() * 1000]).all()
+    for mode in ("eager", "compiled"):
+        y = get_format("bf16", rounding="stochastic", seed=3, kernels=mode).encode(x).data.float()
+        assert torch.isnan(y[: nans.numel() * 1000]).all(), mode
+        assert y[-4] == float("inf") and y[-3] == float("-inf") and y[-1] == -1.5, (mode, y[-4:])

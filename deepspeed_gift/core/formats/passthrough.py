@@ -16,10 +16,12 @@ from .base import Codec, Payload, Rounding, TensorSource, _chunks, _register
 
 def bf16_stochastic_cast(x: Tensor, key: Tensor, e0: int, data: Tensor) -> None:
     """``data`` (bf16) = ``x`` stochastically rounded to bfloat16 (16 random bits added to the
-    dropped ones). inf (low bits 0) truncates to itself; nan keeps an all-ones exponent; the
-    largest finite values may carry into inf, as round-to-nearest can."""
+    dropped ones). inf (low bits 0) truncates to itself; the largest finite values may carry into
+    inf, as round-to-nearest can; a nan stays nan (its pattern plus the bits could wrap past the
+    int32 range into a finite value: it is passed through as it is)."""
     bits = (x.view(torch.int32) + random_bits(key, e0, x, 16)) & ~0xFFFF
-    data.copy_(bits.view(torch.float32).to(torch.bfloat16))  # exact: the low 16 bits are zero
+    rounded = torch.where(torch.isnan(x), x, bits.view(torch.float32))
+    data.copy_(rounded.to(torch.bfloat16))  # exact but for a nan's payload: the low 16 bits are zero
 
 
 def _cast_values(data: Tensor) -> Tensor:
