@@ -151,11 +151,14 @@ def e4m3_at_least(target: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- stochastic rounding
 
 
-def random_bits(key: Tensor, e0: int, like: Tensor, bits: int) -> Tensor:
+def random_bits(key: Tensor, e0: int, like: Tensor, bits: int, stride: int = 1) -> Tensor:
     """``bits`` (<= 24) random bits (int32) per element of ``like``, whose flat element i is the
-    encode's element e0 + i: the top bits of :func:`.rng.counter_bits`."""
-    offsets = offsets_of(e0, like.numel(), like.device).view(like.shape)
-    return (counter_bits(key, offsets, wide=e0 + like.numel() > 2**32) >> (32 - bits)).to(torch.int32)
+    encode's element e0 + i * ``stride`` (a column of blocks: the block's length): the top bits
+    of :func:`.rng.counter_bits`."""
+    n = like.numel()
+    offsets = offsets_of(0, n, like.device) * stride + e0 if stride != 1 else offsets_of(e0, n, like.device)
+    wide = e0 + stride * n > 2**32
+    return (counter_bits(key, offsets.view(like.shape), wide=wide) >> (32 - bits)).to(torch.int32)
 
 
 def stochastic_grid(y: Tensor, noise: Tensor, *, mant_bits: int, min_normal: float) -> Tensor:

@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels as fused_kernels
-from ..kernels import e4m3_at_least, safe_divisor, stochastic_grid, sum_pairwise
-from ..rng import counter_bits, offsets_of
+from ..kernels import e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _nibble_table, _nibbles, _register, _ScaledCodec, _source_scale,
                    _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles, device_table)
 
@@ -172,8 +171,7 @@ def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: i
     for j, c in enumerate(cols):
         y = c / divisor
         if key is not None:  # onto the E2M1 grid (1 mantissa bit, smallest normal 1) by chance
-            offsets = offsets_of(0, y.numel(), y.device) * 16 + (e0 + j)
-            noise = (counter_bits(key, offsets, wide=e0 + 16 * y.numel() > 2**32) >> 10).to(torch.int32)
+            noise = random_bits(key, e0 + j, y, 22, stride=16)  # element (row, j) is e0 + 16 row + j
             y = stochastic_grid(y.clamp(-_FP4_MAX, _FP4_MAX), noise, mant_bits=1, min_normal=1.0)
         codes.append(fp4_signed_codes(y))
     scale_codes = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
