@@ -292,6 +292,20 @@ class GiftConfig(_GiftModel):
     once per node partial. ``by_topology``: two-level when the job spans more than one node with
     more than one rank per node, else flat."""
 
+    node_pieces: int = Field(4, ge=1)
+    """Two-level: each bucket (and each ZeRO-1 round) is cut into this many pieces (on row
+    boundaries), run as a pipeline: while piece k crosses the NICs, piece k+1's node stage and
+    piece k-1's forwards run on the node's links, so a bucket takes about its longest stage
+    instead of the sum of its stages (the last piece's stages after the first's add about
+    1/``node_pieces`` of the others). ``1``: the stages one after another. The result depends on
+    the cut (each piece is quantized on its own: per-tensor scales and the relay's split are per
+    piece), never on the overlap; lossless configs give native's bits at any count."""
+
+    node_piece_min_elements: int = Field(1 << 22, ge=1)
+    """Two-level: the smallest piece ``node_pieces`` cuts (a bucket under twice this stays whole):
+    every piece costs each of its collectives a latency (tens of microseconds), and a piece of
+    4M elements takes about 80 microseconds to cross a 400 Gbit/s NIC in fp8, a few latencies."""
+
     route: Route = "by_layout"
     """How each bucket's all-to-all is routed (flat, and among the nodes of ``two_level``).
     ``direct``: every rank sends each owner its part, one all-to-all; a bucket that reaches a

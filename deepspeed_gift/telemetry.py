@@ -25,7 +25,7 @@ TELEMETRY_KEYS: Dict[str, str] = {
     "hierarchy": "flat or two_level",
     "bytes_recv_max": "gradient bytes the busiest rank received (each collective's largest, summed)",
     "bytes_recv_max_internode": "the same, of what arrives from other nodes",
-    "relay_buckets": "buckets that took the relay route",
+    "relay_buckets": "buckets that took the relay route (two-level: in any of their pieces)",
     "rounds": "ZeRO-1 (gift.stage1_rounds): balanced rounds the step's reduction ran in, in place of DeepSpeed's buckets",
     "bytes_internode": "payload + headers this rank sent to ranks of other nodes",
     "geometry_version": "refreshes so far",
@@ -34,7 +34,8 @@ TELEMETRY_KEYS: Dict[str, str] = {
     "codec_s": "seconds encoding, decoding and summing (timed steps)",
     "comm_s": "seconds in the exchange's collectives (timed steps)",
     "bytes_node": "two-level: bytes sent inside the node",
-    "balanced_buckets": "two-level: buckets split evenly over the node's ranks",
+    "balanced_buckets": "two-level: buckets split evenly over the node's ranks (in any of their pieces)",
+    "pieces": "two-level: pieces the buckets were cut into, their node stages overlapped with the exchange among nodes",
     "node_s": "two-level: seconds in the stages inside the node (timed steps)",
     "geometry_kinds": "with several kinds: layers on each",
     "params_bytes": "gift.params: bytes of the parameter all-gather",
@@ -97,6 +98,7 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
     if hierarchy == Hierarchy.TWO_LEVEL:
         record["bytes_node"] = t.bytes_node
         record["balanced_buckets"] = t.balanced_buckets
+        record["pieces"] = t.pieces
         if t.timed:
             record["node_s"] = t.node_s
     if len(geometry.kinds) > 1:

@@ -365,7 +365,8 @@ class GiftState:
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
                                 route=cfg.route, shared_seed=cfg.seed if cfg.rounding == Rounding.STOCHASTIC else None,
                                 tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
-            self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node)
+            self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node, pieces=cfg.node_pieces,
+                                           piece_min_elements=cfg.node_piece_min_elements)
         else:
             self.comm.split_many([])  # other data-parallel groups (pipeline, tensor parallelism) may split
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,

@@ -58,6 +58,14 @@ class Comm:
         here, concatenated in rank order (``recv_splits[j]`` bytes from rank j)."""
         raise NotImplementedError(f"{type(self).__name__}.all_to_all_bytes")
 
+    def all_to_all_bytes_start(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                               *, kind: ByteKind = ByteKind.PAYLOAD) -> "Pending":
+        """:meth:`all_to_all_bytes` begun: its :class:`Pending` hands back what it returns. The
+        caller may run other work (and collectives on *other* comms) meanwhile; every rank issues
+        this comm's collectives in one order. A backend that cannot leave one running finishes
+        it here (the result is the same, only not overlapped)."""
+        return Pending(result=self.all_to_all_bytes(send, send_splits, recv_splits, kind=kind))
+
     def all_reduce_sum(self, tensor: torch.Tensor, *, kind: ByteKind = ByteKind.GEOMETRY) -> torch.Tensor:
         """In-place sum over the group (float32 statistics, counters)."""
         raise NotImplementedError(f"{type(self).__name__}.all_reduce_sum")
@@ -84,6 +92,18 @@ class Comm:
 
     def _count(self, kind: "ByteKind", nbytes: int) -> None:
         self.bytes_sent[ByteKind(kind)] += int(nbytes)  # a kind outside the vocabulary fails here
+
+
+class Pending:
+    """A collective under way: :meth:`wait` finishes it (once) and returns its result."""
+
+    def __init__(self, finish=None, *, result=None) -> None:
+        self._finish, self._result = finish, result
+
+    def wait(self):
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
 
 
 def group_of(groups: Sequence[Sequence[int]], rank: int, world_size: int) -> int:
@@ -187,6 +207,24 @@ class TorchComm(Comm):
         self._dist.all_to_all_single(recv, self._on_device(send), recv_splits, send_splits, group=self.group)
         self._count(kind, sum(send_splits) - send_splits[self.rank])
         return recv.to(send.device)
+
+    def all_to_all_bytes_start(self, send, send_splits, recv_splits, *, kind=ByteKind.PAYLOAD):
+        send_splits = [int(s) for s in send_splits]
+        recv_splits = [int(s) for s in recv_splits]
+        if self.world_size == 1:
+            return Pending(result=send.clone())
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        staged = self._on_device(send)  # held by the closure until the work is done
+        work = self._dist.all_to_all_single(recv, staged, recv_splits, send_splits, group=self.group, async_op=True)
+        self._count(kind, sum(send_splits) - send_splits[self.rank])
+
+        def finish():
+            nonlocal staged
+            work.wait()  # on an accelerator: the current stream waits for the collective's
+            staged = None
+            return recv.to(send.device)
+
+        return Pending(finish)
 
     def all_reduce_sum(self, tensor, *, kind=ByteKind.GEOMETRY):
         if self.world_size > 1:
@@ -314,6 +352,25 @@ class MpiComm(Comm):
                                 [self._buffer(host_recv), (recv_splits, rdispl), self._MPI.BYTE])
         self._count(kind, sum(send_splits) - send_splits[self.rank])
         return host_recv.to(send.device)
+
+    def all_to_all_bytes_start(self, send, send_splits, recv_splits, *, kind=ByteKind.PAYLOAD):
+        send_splits = [int(s) for s in send_splits]
+        recv_splits = [int(s) for s in recv_splits]
+        host_send = self._host(send)
+        host_recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=host_send.device)
+        request = self.comm.Ialltoallv(
+            [self._buffer(host_send), (send_splits, _displacements(send_splits)), self._MPI.BYTE],
+            [self._buffer(host_recv), (recv_splits, _displacements(recv_splits)), self._MPI.BYTE])
+        self._count(kind, sum(send_splits) - send_splits[self.rank])
+
+        def finish():
+            nonlocal host_send  # MPI reads it until the request completes
+            with self._deadline("all-to-all"):
+                request.Wait()
+            host_send = None
+            return host_recv.to(send.device)
+
+        return Pending(finish)
 
     def _allreduce(self, tensor, op):
         if self.world_size == 1:
@@ -501,5 +558,5 @@ def make_comm(backend: str, *, group=None, timeout: Optional[float] = None) -> C
     raise ValueError(f"gift.backend: got {backend!r}; allowed: {', '.join(repr(b.value) for b in Backend)}")
 
 
-__all__ = ["Comm", "TorchComm", "MpiComm", "LocalComm", "run_local", "make_comm", "split_by_node", "detect_ranks_per_node",
+__all__ = ["Comm", "Pending", "TorchComm", "MpiComm", "LocalComm", "run_local", "make_comm", "split_by_node", "detect_ranks_per_node",
            "ranks_per_node_from", "device_for_backend", "served_devices"]

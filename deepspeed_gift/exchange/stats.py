@@ -44,7 +44,8 @@ class StepStats:
     relay_buckets: int = 0  # buckets reduced by the relay route (two balanced all-to-alls)
     rounds: int = 0  # ZeRO-1 balanced rounds (gift.stage1_rounds), in place of DeepSpeed's buckets
     recv_max_internode: int = 0  # the same, of the messages that cross between nodes
-    balanced_buckets: int = 0  # two-level: buckets split over the node's ranks in equal runs
+    balanced_buckets: int = 0  # two-level: buckets split over the node's ranks in equal runs (any piece)
+    pieces: int = 0  # two-level: pieces the buckets were cut into for the pipeline of stages
     bytes_geometry: int = 0  # statistics, sketches and factors (the comm's GEOMETRY meter, once per step)
     transform_s: float = 0.0
     codec_s: float = 0.0

@@ -114,6 +114,59 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
     return carried
 
 
+def bucket_pieces(slices: Sequence[ParamSlice], pieces: int, min_elements: int) -> List[Carried]:
+    """The bucket cut, in bucket order, into at most ``pieces`` runs of about equal size and at
+    least about ``min_elements`` each (a small bucket stays whole), for the two-level pipeline:
+    per piece its ``(slice index, start, numel)`` runs. A cut inside a slice falls on a row
+    boundary of its transform (``unit_boundary``: every row stays whole, whitened as it was), and
+    never inside a whole shared parameter (``copy_ranks``: it travels whole to its copies), which
+    goes to the side of the cut that holds more of it."""
+    order = sorted(range(len(slices)), key=lambda i: slices[i].bucket_offset)
+    total = sum(slices[i].numel for i in order)
+    count = max(1, min(int(pieces), total // max(int(min_elements), 1)))
+    targets = [total * k // count for k in range(1, count)]
+    cuts: List[int] = []
+    pos = 0
+    for i in order:
+        s = slices[i]
+        while len(cuts) < len(targets) and targets[len(cuts)] < pos + s.numel:
+            at = targets[len(cuts)] - pos
+            if s.copy_ranks:
+                at = 0 if at < s.numel - at else s.numel
+            else:
+                at = unit_boundary(s, at)
+            cuts.append(max([pos + at] + cuts[-1:]))
+        pos += s.numel
+    edges = sorted({0, total, *cuts})
+    out: List[Carried] = []
+    for lo, hi in zip(edges, edges[1:]):
+        runs, pos = [], 0
+        for i in order:
+            n = slices[i].numel
+            start, end = max(lo, pos), min(hi, pos + n)
+            if start < end:
+                runs.append((i, start - pos, end - start))
+            pos += n
+        out.append(runs)
+    return out or [[]]
+
+
+def piece_slices(slices: Sequence[ParamSlice], runs: Carried, outputs: Optional[Sequence[Optional[torch.Tensor]]]
+                 ) -> Tuple[List[ParamSlice], Optional[List[Optional[torch.Tensor]]]]:
+    """A piece's slices (the runs of ``slices`` it holds, at their places in the bucket and in
+    their parameters) and its outputs (the runs of ``outputs``)."""
+    out, outs = [], ([] if outputs is not None else None)
+    for i, at, n in runs:
+        s = slices[i]
+        whole = at == 0 and n == s.numel
+        out.append(s if whole else ParamSlice(s.dst, s.bucket_offset + at, n, s.param_offset + at, s.param_key,
+                                              s.row_len, s.mode, s.copy_ranks))
+        if outs is not None:
+            target = outputs[i]
+            outs.append(target if target is None or whole else target.narrow(0, at, n))
+    return out, outs
+
+
 def slot_group_slices(slices: Sequence[ParamSlice], runs: Carried, ranks_per_node: int,
                       slot: int) -> List[ParamSlice]:
     """What slot ``slot`` carries, re-addressed for its slot group: owners numbered by node
@@ -235,14 +288,27 @@ class TwoLevelReducer:
     ``inner.route`` picks the split: ``direct`` owner_slot, ``relay`` balanced, ``by_layout``
     per bucket the one whose busiest rank among the nodes receives fewer bytes (owner_slot on a
     tie: it forwards nothing). Owners and copy ranks then copy their results into the bucket
-    (and ``outputs``) as the flat reducer does."""
+    (and ``outputs``) as the flat reducer does.
 
-    def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int) -> None:
+    The stages use different links (the node's, the NICs), so a bucket is cut into ``pieces``
+    (``bucket_pieces``: row boundaries, at least ``piece_min_elements`` each) run as a pipeline:
+    while piece k crosses the NICs (its exchange among the nodes), piece k+1's node stage and
+    piece k-1's forwards are under way on the node's comm, so a bucket takes about its longest
+    stage, not their sum. Each piece is planned, split and reduced on its own, so the result
+    depends on the cut, never on ``overlap``: ``overlap=False`` runs the same pieces one stage
+    after another, to the same bits. In flight beside piece k's exchange: one piece's node
+    stage and one piece's forwards."""
+
+    def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int, *, pieces: int = 1,
+                 piece_min_elements: int = 1, overlap: bool = True) -> None:
         self.node_comm = node_comm
         self.inner = inner
         inner.agrees = False  # the slot groups' plans are agreed with the node plans (_agree)
         self.ranks_per_node = ranks_per_node
         self.rank = inner.comm.rank * ranks_per_node + node_comm.rank
+        self.pieces = int(pieces) if ranks_per_node > 1 else 1  # a node of one rank has no stage to overlap
+        self.piece_min_elements = int(piece_min_elements)
+        self.overlap = bool(overlap)
         self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
         self.plans_agreed = 0  # new plans, each agreed by the node and the slot group before its first use
 
@@ -303,36 +369,68 @@ class TwoLevelReducer:
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
         agreed = self.plans_agreed
-        plan, among_nodes = self.plan_for(slices, {key: t.version for key, t in whiteners.items()})
-        t0 = clock(tensor.device, sample)
-        # the node's messages open with it (a node of one rank sends none)
-        head = self.inner.checks.control_header(plan, step, tensor.device) if self.ranks_per_node > 1 else None
-        partial, node_bytes = self._node_stage(tensor, plan, head)
-        node_s = clock(tensor.device, sample) - t0
-        stats = self.inner.reduce(partial, plan.slices, whiteners, divisor=divisor, step=step,
-                                  outputs=plan.outputs_for(outputs), sample=sample)
-        for compact_at, bucket_at, numel in plan.delivered:
-            tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
-        t0 = clock(tensor.device, sample)
-        node_bytes += self._forward(tensor, partial, plan, head, outputs)
-        stats.node_s = node_s + clock(tensor.device, sample) - t0
-        stats.bytes_node = node_bytes
-        stats.balanced_buckets = int(plan.split == "balanced")
+        versions = {key: t.version for key, t in whiteners.items()}
+        parts = [piece_slices(slices, runs, outputs)
+                 for runs in bucket_pieces(slices, self.pieces, self.piece_min_elements)]
+        planned = [self.plan_for(part, versions) for part, _ in parts]  # new ones agreed before any exchange
+        device = tensor.device
+        # the node's messages open with the piece's header (a node of one rank sends none)
+        heads = [self.inner.checks.control_header(plan, step, device) if self.ranks_per_node > 1 else None
+                 for plan, _ in planned]
+        total: Optional[StepStats] = None
+        node_s, node_bytes, among_nodes, busiest_node, forwarding = 0.0, 0, 0, 0, None
+        t0 = clock(device, sample)
+        staged = self._node_stage_start(tensor, planned[0][0], heads[0])
+        node_s += clock(device, sample) - t0
+        for k, ((plan, among), (_, outs)) in enumerate(zip(planned, parts)):
+            t0 = clock(device, sample)
+            partial, sent = self._node_stage_finish(staged, tensor.dtype)
+            node_bytes += sent
+            ahead = k + 1 < len(planned)
+            if self.overlap and ahead:  # piece k+1's node stage runs beside piece k's exchange
+                staged = self._node_stage_start(tensor, planned[k + 1][0], heads[k + 1])
+            node_s += clock(device, sample) - t0
+            stats = self.inner.reduce(partial, plan.slices, whiteners, divisor=divisor, step=step,
+                                      outputs=plan.outputs_for(outs), sample=sample)
+            for compact_at, bucket_at, numel in plan.delivered:
+                tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
+            t0 = clock(device, sample)
+            if forwarding is not None:  # piece k-1's forwards, under way beside piece k's exchange
+                node_bytes += self._forward_finish(forwarding, tensor)
+            forwarding = self._forward_start(tensor, partial, plan, heads[k], outs)
+            if not self.overlap:
+                node_bytes += self._forward_finish(forwarding, tensor)
+                forwarding = None
+                if ahead:
+                    staged = self._node_stage_start(tensor, planned[k + 1][0], heads[k + 1])
+            node_s += clock(device, sample) - t0
+            stats.balanced_buckets = int(plan.split == "balanced")
+            among_nodes += among
+            busiest_node += plan.busiest_node_receive(tensor.element_size())
+            total = stats if total is None else total.add(stats)
+        if forwarding is not None:
+            t0 = clock(device, sample)
+            node_bytes += self._forward_finish(forwarding, tensor)
+            node_s += clock(device, sample) - t0
+        # a bucket counts once, whatever its pieces did (any piece relayed, any split evenly)
+        total.relay_buckets, total.balanced_buckets = min(total.relay_buckets, 1), min(total.balanced_buckets, 1)
+        total.pieces = len(planned)
+        total.node_s = node_s
+        total.bytes_node = node_bytes
         # new plans: the fingerprints shown inside the node, and among the nodes (every slot group at once)
         node_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.ranks_per_node - 1)
         among_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
-        stats.recv_max_internode = among_nodes + among_agreed
-        stats.recv_max = among_nodes + among_agreed + plan.busiest_node_receive(tensor.element_size()) + node_agreed
-        return stats
+        total.recv_max_internode = among_nodes + among_agreed
+        total.recv_max = among_nodes + among_agreed + busiest_node + node_agreed
+        return total
 
-    def _node_stage(self, tensor: torch.Tensor, plan: NodePlan, head: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
-        buffer of its own), and the bytes this rank sent inside the node."""
+    def _node_stage_start(self, tensor: torch.Tensor, plan: NodePlan, head: Optional[torch.Tensor]):
+        """A piece's node stage begun: this rank's own part, and the all-to-all that brings the
+        other local ranks' parts (None: a node of one rank) with the sizes to read it by."""
         L, me = self.ranks_per_node, plan.slot
         mine = self._gather_runs(tensor, plan.runs_to_slot[me])
         if L == 1:
-            return mine.to(torch.float32, copy=True), 0
-        checks = self.inner.checks
+            return mine, None, head, 0, 0
         messages, sizes = [], []
         for j in range(L):
             if j == me:
@@ -342,27 +440,39 @@ class TwoLevelReducer:
             messages += [head, body]
             sizes.append(CONTROL_HEADER_BYTES + body.numel())
         incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
-        recv = self.node_comm.all_to_all_bytes(torch.cat(messages), sizes,
-                                               [0 if i == me else incoming for i in range(L)], kind=ByteKind.NODE)
+        pending = self.node_comm.all_to_all_bytes_start(torch.cat(messages), sizes,
+                                                        [0 if i == me else incoming for i in range(L)],
+                                                        kind=ByteKind.NODE)
+        return mine, pending, head, incoming, sum(sizes)
+
+    def _node_stage_finish(self, staged, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
+        """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
+        buffer of its own), and the bytes this rank sent inside the node."""
+        mine, pending, head, incoming, sent = staged
+        if pending is None:
+            return mine.to(torch.float32, copy=True), 0
+        recv = pending.wait()
+        L, me = self.ranks_per_node, self.node_comm.rank
         partial, pos = None, 0
         for i in range(L):  # local rank order on every receiver: copies of a shared parameter agree bit for bit
             if i == me:
                 part = mine
             else:
                 msg = recv.narrow(0, pos, incoming)
-                expect_control_header(checks, msg, head, f"local rank {i}",
+                expect_control_header(self.inner.checks, msg, head, f"local rank {i}",
                                       "ranks of a node disagree on the bucket layout")
-                part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(tensor.dtype)
+                part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(dtype)
                 pos += incoming
             partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
-        return partial, sum(sizes)
+        return partial, sent
 
-    def _forward(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, head: torch.Tensor,
-                 outputs) -> int:
-        """Balanced split: hand every owner of this node the results other local ranks reduced for
-        it, in the bucket's dtype (an fp32 model's results arrive exact); the bytes sent."""
+    def _forward_start(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, head: torch.Tensor,
+                       outputs):
+        """Balanced split: begin handing every owner of this node the results other local ranks
+        reduced for it, in the bucket's dtype (an fp32 model's results arrive exact); None where
+        no node forwards."""
         if not plan.forwards:
-            return 0
+            return None
         L, me, dtype = self.ranks_per_node, plan.slot, tensor.dtype
         messages, sizes = [], []
         for o in range(L):
@@ -377,16 +487,24 @@ class TwoLevelReducer:
         elem = tensor.element_size()
         recv_sizes = [CONTROL_HEADER_BYTES + plan.forward_numel[j][me] * elem if plan.forward_numel[j][me] else 0
                       for j in range(L)]
-        recv = self.node_comm.all_to_all_bytes(torch.cat(messages) if messages else head[:0], sizes, recv_sizes,
-                                               kind=ByteKind.NODE)
+        pending = self.node_comm.all_to_all_bytes_start(torch.cat(messages) if messages else head[:0], sizes,
+                                                        recv_sizes, kind=ByteKind.NODE)
+        return pending, plan, head, recv_sizes, outputs, sum(sizes)
+
+    def _forward_finish(self, forwarding, tensor: torch.Tensor) -> int:
+        """The forwards received: copied into the bucket (and added to ``outputs``); the bytes sent."""
+        if forwarding is None:
+            return 0
+        pending, plan, head, recv_sizes, outputs, sent = forwarding
+        recv = pending.wait()
         pos = 0
-        for j in range(L):
-            if not recv_sizes[j]:
+        for j, size in enumerate(recv_sizes):
+            if not size:
                 continue
-            msg = recv.narrow(0, pos, recv_sizes[j])
+            msg = recv.narrow(0, pos, size)
             expect_control_header(self.inner.checks, msg, head, f"local rank {j}",
                                   "ranks of a node disagree on the bucket layout")
-            values = msg.narrow(0, CONTROL_HEADER_BYTES, recv_sizes[j] - CONTROL_HEADER_BYTES).view(dtype)
+            values = msg.narrow(0, CONTROL_HEADER_BYTES, size - CONTROL_HEADER_BYTES).view(tensor.dtype)
             at = 0
             for bucket_at, i, start, n in plan.forward_in[j]:
                 part = values.narrow(0, at, n)
@@ -394,8 +512,8 @@ class TwoLevelReducer:
                 if outputs is not None and outputs[i] is not None:
                     outputs[i].narrow(0, start, n).add_(part)
                 at += n
-            pos += recv_sizes[j]
-        return sum(sizes)
+            pos += size
+        return sent
 
     @staticmethod
     def _gather_runs(tensor: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Two-level's stages as a pipeline (``gift.node_pieces``): a bucket cut into pieces on row
+boundaries, piece k+1's node stage and piece k-1's forwards under way while piece k crosses the
+nodes. The cut sets the bits; the overlap never does. Real gloo ranks, one machine posing as 2
+nodes of 2; a comm whose all-to-alls take a set time stands in for links of known speed."""
+
+import time
+
+import pytest
+import torch
+
+from deepspeed_gift.core import formats
+from deepspeed_gift.exchange.comm import Pending
+from deepspeed_gift.exchange.plan import GEO, MAIN, ParamSlice
+from deepspeed_gift.exchange.reducer import GiftReducer
+from deepspeed_gift.exchange.two_level import bucket_pieces, piece_slices
+from launch.spawn import run_ranks
+from tests.harness import train_many
+
+# Six parameters over four owners: matrices cut mid-row by the partitions, a vector, and a Muon
+# matrix every owner of a part of it receives whole (copy ranks 1 and 3).
+SHAPES = {0: (40, 16), 1: (24, 32), 2: (300,), 3: (20, 48), 4: (16, 16), 5: (500,)}
+CUTS = {0: [(0, 400), (1, 240)], 1: [(1, 768)], 2: [(1, 100), (2, 200)], 3: [(2, 500), (3, 460)],
+        4: [(1, 100), (3, 156)], 5: [(3, 500)]}
+
+
+def _bucket(whitened=True):
+    slices, offset = [], 0
+    for key, shape in SHAPES.items():
+        at = 0
+        for dst, n in CUTS[key]:
+            geo = whitened and len(shape) == 2
+            slices.append(ParamSlice(dst, offset + at, n, at, key, shape[-1] if geo else 0, GEO if geo else MAIN,
+                                     (1, 3) if key == 4 else ()))
+            at += n
+        offset += at
+    return slices, offset
+
+
+def test_pieces_cover_the_bucket_once_cut_on_rows_and_never_inside_a_shared_parameter():
+    slices, total = _bucket()
+    for pieces, least in ((1, 1), (2, 1), (4, 1), (7, 1), (4, 1000), (4, total), (50, 1)):
+        cut = bucket_pieces(slices, pieces, least)
+        assert 1 <= len(cut) <= min(pieces, max(1, total // least)), (pieces, least, len(cut))
+        covered = [(slices[i].bucket_offset + at, n) for runs in cut for i, at, n in runs]
+        assert [start for start, _ in covered] == sorted(start for start, _ in covered)
+        assert sum(n for _, n in covered) == total and covered[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # in order, no gap, no overlap
+        for runs in cut:
+            sub, _ = piece_slices(slices, runs, None)
+            for (i, _, _), s in zip(runs, sub):
+                o = slices[i]
+                if s.mode == GEO:  # a cut of the piece falls on a row of the parameter, as the whitener reads them
+                    for edge, own in ((s.param_offset, o.param_offset), (s.param_offset + s.numel,
+                                                                         o.param_offset + o.numel)):
+                        assert edge == own or edge % s.row_len == 0, (s, o)
+                if s.copy_ranks:
+                    assert s == o, s  # whole
+    sizes = [sum(n for _, _, n in runs) for runs in bucket_pieces(slices, 4, 1)]
+    assert len(sizes) == 4 and max(sizes) < 1.6 * total / 4, sizes  # near-equal, rows and the Muon matrix allowing
+
+
+class PacedComm:
+    """A real comm whose all-to-alls each take ``seconds`` of a link that carries one at a time:
+    one starts when the link is free and its result is handed over no earlier than that plus
+    ``seconds`` (the collectives' own time here is milliseconds)."""
+
+    def __init__(self, comm, seconds: float) -> None:
+        self._comm, self.seconds, self._free_at = comm, seconds, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_to_all_bytes_start(self, *args, **kwargs):
+        start = max(time.perf_counter(), self._free_at)
+        self._free_at = done_at = start + self.seconds
+        pending = self._comm.all_to_all_bytes_start(*args, **kwargs)
+
+        def finish():
+            out = pending.wait()
+            time.sleep(max(0.0, done_at - time.perf_counter()))
+            return out
+
+        return Pending(finish)
+
+    def all_to_all_bytes(self, *args, **kwargs):
+        return self.all_to_all_bytes_start(*args, **kwargs).wait()
+
+
+def _pieces_body(rank, world, per_node):
+    import torch.distributed as dist
+
+    from deepspeed_gift.core import geometry as geo
+    from deepspeed_gift.core.rng import CounterRng
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
+
+    dist.init_process_group("gloo")
+    slices, total = _bucket()
+    whiteners = {}
+    for key in (0, 1, 3, 4):
+        dim = SHAPES[key][-1]
+        x = torch.randn(200, dim, generator=torch.Generator().manual_seed(key)) * torch.linspace(0.1, 3.0, dim)
+        whiteners[key] = geo.fit_whitener(x.T @ x / 200, rank=4, damping=1e-3)
+    node_comm, slot_comm = split_by_node(TorchComm(), per_node)
+    out = {}
+
+    def run(fmt, route, pieces, overlap, whitened, steps=2):
+        inner = GiftReducer(slot_comm, formats.get_format(fmt, rounding="stochastic" if fmt == "fp8_e4m3" else "nearest"),
+                            generator=CounterRng(7 + rank), error_feedback=fmt == "fp8_e4m3", route=route)
+        two = TwoLevelReducer(node_comm, inner, per_node, pieces=pieces, piece_min_elements=200, overlap=overlap)
+        got, slices = [], _bucket(whitened)[0]
+        for step in range(steps):
+            grad = torch.randn(total, generator=torch.Generator().manual_seed(100 * step + rank))
+            outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in slices]
+            stats = two.reduce(grad, slices, whiteners if whitened else {}, divisor=world, step=step, outputs=outputs)
+            mine = [i for i, s in enumerate(slices) if s.dst == rank or rank in s.copy_ranks]
+            got.append(([grad.narrow(0, slices[i].bucket_offset, slices[i].numel).clone() for i in mine],
+                        [outputs[i] for i in mine if outputs[i] is not None], stats.pieces, stats.bytes_node))
+        return got
+
+    for route in ("direct", "relay", "by_layout"):
+        for overlap in (False, True):
+            out["fp8", route, overlap] = run("fp8_e4m3", route, 4, overlap, True)
+        out["fp32", route, 4] = run("fp32", route, 4, True, False)
+        out["fp32", route, 1] = run("fp32", route, 1, True, False)
+    return out
+
+
+def test_overlapped_pieces_give_the_serial_bits_and_lossless_ones_the_whole_buckets():
+    for per_rank in run_ranks(_pieces_body, 4, 2):
+        for route in ("direct", "relay", "by_layout"):
+            serial, overlapped = per_rank["fp8", route, False], per_rank["fp8", route, True]
+            for (s_res, s_out, s_pieces, s_node), (o_res, o_out, o_pieces, o_node) in zip(serial, overlapped):
+                assert s_pieces == o_pieces == 4 and s_node == o_node > 0
+                # stochastic rounding and error feedback across two steps: the same bits
+                assert all(torch.equal(a, b) for a, b in zip(s_res, o_res)), route
+                assert all(torch.equal(a, b) for a, b in zip(s_out, o_out)), route
+            # fp32 on the wire, no transform: each element's sum is the same operations, cut or not
+            cut, whole = per_rank["fp32", route, 4], per_rank["fp32", route, 1]
+            assert cut[0][2] == 4 and whole[0][2] == 1
+            for (c_res, c_out, _, _), (w_res, w_out, _, _) in zip(cut, whole):
+                assert all(torch.equal(a, b) for a, b in zip(c_res, w_res)), route
+                assert all(torch.equal(a, b) for a, b in zip(c_out, w_out)), route
+
+
+def _paced_body(rank, world, per_node, seconds, pieces):
+    import torch.distributed as dist
+
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
+
+    dist.init_process_group("gloo")
+    slices, total = _bucket(whitened=False)
+    node_comm, slot_comm = split_by_node(TorchComm(), per_node)
+    node, slot = PacedComm(node_comm, seconds), PacedComm(slot_comm, seconds)
+    grad = torch.randn(total, generator=torch.Generator().manual_seed(rank))
+    walls = {}
+    for overlap in (False, True):
+        two = TwoLevelReducer(node, GiftReducer(slot, formats.get_format("fp8_e4m3"), route="direct"), per_node,
+                              pieces=pieces, piece_min_elements=100, overlap=overlap)
+        two.reduce(grad.clone(), slices, {}, divisor=world)  # plans made and agreed (unpaced collectives)
+        dist.barrier()
+        t0 = time.perf_counter()
+        two.reduce(grad.clone(), slices, {}, divisor=world)
+        walls[overlap] = time.perf_counter() - t0
+        dist.barrier()
+    return walls
+
+
+def test_overlapped_stages_take_about_the_longest_stage_not_their_sum():
+    # every all-to-all takes T on its link; direct route: per piece a node stage (node link) and an
+    # exchange among the nodes (slot link). Serial: 2 P T. Pipelined: the first node stage, then
+    # each exchange beside the next node stage: (P + 1) T. The compute is milliseconds.
+    seconds, pieces = 0.25, 4
+    for walls in run_ranks(_paced_body, 4, 2, seconds, pieces):
+        assert walls[False] >= 2 * pieces * seconds, walls
+        assert walls[True] < (pieces + 1 + 0.6) * seconds, walls  # 0.6 T: compute and scheduling slack
+        assert walls[True] < 0.75 * walls[False], walls
+
+
+# The engine: DeepSpeed's buckets and ZeRO-1's rounds cut into pieces. At two ranks on one node the
+# node stage is the whole reduction: fp32 sums of two ranks, divided once (exact: a division by 2),
+# as DeepSpeed's; every route, overlapped pieces or whole buckets.
+PIECED = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1},
+          "hierarchy": "two_level", "ranks_per_node": 2, "node_pieces": 3, "node_piece_min_elements": 500}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pieced_two_level_lossless_equals_deepspeed_bit_for_bit_at_two_ranks(stage):
+    base = dict(stage=stage, steps=4, ga=2, bucket=12000)
+    specs = [base] + [dict(base, gift=dict(PIECED, route=route)) for route in ("direct", "by_layout")]
+    specs.append(dict(base, gift=dict(PIECED, node_pieces=1)))
+    for native, *gifts in run_ranks(train_many, 2, specs):
+        for gift in gifts:
+            assert gift["digests"] == native["digests"]
+            for name, p in native["params"].items():
+                assert torch.equal(gift["params"][name], p), name
+        cut, whole = gifts[0]["records"], gifts[-1]["records"]
+        assert all(c["pieces"] > w["pieces"] > 0 for c, w in zip(cut, whole)), [(c["pieces"], w["pieces"])
+                                                                               for c, w in zip(cut, whole)]
