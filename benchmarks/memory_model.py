@@ -335,6 +335,8 @@ class Run:
     fidelity_elements: int = 65536
     sampled_versions: Optional[int] = None  # plan versions a sampled step used (None: a long run, cache full)
     optimizer_state: bool = True  # the worst refresh step has Adam state to capture (not so at step 0)
+    node_pieces: int = 4  # gift.node_pieces: two-level's pipeline
+    node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
 
 
 def wire_bytes(fmt: str) -> float:
@@ -368,9 +370,14 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
             phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, design.send_copies,
                                                                           design.relay_keeps_chunks))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
-    if two_level:  # the node stage: the bucket's dtype out and in, the fp32 node partial of a slot
+    if two_level:  # the node stage: a piece in the bucket's dtype out and in, the fp32 node partial of a slot's
+        # share of it (the exchange's phases stay the whole bucket's: a piece holds at most its parts); beside
+        # piece k's exchange the pipeline holds piece k+1's node stage in flight as well
         biggest = max(sum(o.values()) for o in layout) * run.per_node
-        phases = [x + 2 * run.params_bytes * biggest + 4 * biggest / run.per_node for x in phases]
+        pieces = max(1, min(run.node_pieces, int(biggest) // run.node_piece_min_elements))
+        piece = biggest / pieces
+        node = 2 * run.params_bytes * piece * (2 if pieces > 1 else 1) + 4 * piece / run.per_node
+        phases = [x + node for x in phases]
     out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
     out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0
     out["telemetry_samples"] = held_samples(layout, run, design)
@@ -503,14 +510,15 @@ def zero2_memory(params: int, run: Run) -> Dict[str, float]:
 
 
 # ---- the tables ------------------------------------------------------------------------------
-def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int) -> List[dict]:
+def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int, node_pieces: int = 4
+             ) -> List[dict]:
     rows = []
     params = model_shape(config).params
     for world in WORLDS:
         for per_node in (1, PER_NODE):
             for ef in (False, True):
                 run = Run(world=world, per_node=per_node, bucket=bucket, allgather_bucket=allgather,
-                          error_feedback=ef)
+                          error_feedback=ef, node_pieces=node_pieces)
                 gift, zero = gift_memory(config, run, design), zero2_memory(params, run)
                 rows.append({"model": name, "params": params, "world": world, "per_node": per_node,
                              # one node of 8 runs flat (by_topology)
@@ -570,6 +578,8 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--allgather-bucket", type=float, default=5e8, help="allgather_bucket_size")
     parser.add_argument("--design", choices=("now", "before", "both"), default="both")
+    parser.add_argument("--node-pieces", type=int, default=4, help="gift.node_pieces (two-level's pipeline; 1: whole "
+                        "buckets, the stages one after another)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated among " + ", ".join(MODELS))
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -579,7 +589,8 @@ def main(argv=None) -> List[dict]:
         print(f"\n## design {design.name}: {design}")
         these = []
         for name in args.models.split(","):
-            these += rows_for(name, MODELS[name], design, int(args.bucket), int(args.allgather_bucket))
+            these += rows_for(name, MODELS[name], design, int(args.bucket), int(args.allgather_bucket),
+                              args.node_pieces)
         print_table(these, before=rows if len(rows) == len(these) else None)
         key = [r for r in these if r["model"] == "7B" and r["world"] == 64 and r["per_node"] == 1
                and not r["error_feedback"]]

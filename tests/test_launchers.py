@@ -70,7 +70,10 @@ def test_mpirun_two_level_with_mpi_backend(tmp_path):
     # 4 ranks posing as 2 nodes x 2: MPI communicators split by node and by slot, for the
     # gradients and for the compressed parameter all-gather
     spec = json.loads(json.dumps(SPEC))
-    spec["gift"].update(backend="mpi", hierarchy="two_level", ranks_per_node=2, params={"format": "nvfp4"})
+    # buckets cut into pieces: their node stages are MPI's non-blocking all-to-alls under way beside
+    # the exchange among the nodes
+    spec["gift"].update(backend="mpi", hierarchy="two_level", ranks_per_node=2, params={"format": "nvfp4"},
+                        node_pieces=3, node_piece_min_elements=1000)
     # --map-by slot: Open MPI's default mapping numbers local ranks out of rank order at 4 ranks on 2
     # cores, which DeepSpeed's MPI discovery rejects (LOCAL_RANK != OMPI_COMM_WORLD_LOCAL_RANK)
     cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--map-by", "slot", "-np", "4",
@@ -80,6 +83,7 @@ def test_mpirun_two_level_with_mpi_backend(tmp_path):
     _check(results, 4)
     assert all(r["backend"] == "mpi" for r in results)
     assert all(rec["hierarchy"] == "two_level" and rec["bytes_node"] > 0 for rec in results[0]["records"])
+    assert all(rec["pieces"] >= 3 for r in results for rec in r["records"])
     # nvfp4 deltas: 4.5 bits + headers per element. Two-level: a rank sends its blob to the other
     # node once, then both nodes' blobs to its node peer: 1 of the 3 blobs leaves the node.
     assert all(0.55 < rec["params_bytes_per_elem"] < 0.6 and rec["params_bytes"] == 3 * rec["params_bytes_internode"]
