@@ -45,9 +45,11 @@ feedback, the relayed residuals too (4/W B per parameter).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -90,23 +92,36 @@ def parameter_layout(config: dict) -> Tuple[List[int], List[int]]:
     return [p.numel() for p in params], arrival
 
 
+def owners_of(runs: List[Tuple[int, int]]) -> Dict[int, int]:
+    """Elements per owner of ``(owner, numel)`` runs."""
+    out: Dict[int, int] = {}
+    for d, n in runs:
+        out[d] = out.get(d, 0) + n
+    return out
+
+
 def buckets_of(sizes: List[int], arrival: List[int], world: int, bucket_size: int) -> List[Dict[int, int]]:
     """Per bucket (in reduction order), elements per owning partition, by DeepSpeed's rules."""
+    return [owners_of(runs) for runs in bucket_runs_of(sizes, arrival, world, bucket_size)]
+
+
+def bucket_runs_of(sizes: List[int], arrival: List[int], world: int, bucket_size: int) -> List[List[Tuple[int, int]]]:
+    """Per bucket (in reduction order), its ``(owner, numel)`` runs in bucket order."""
     offsets, pos = [], 0
     for n in sizes:
         offsets.append(pos)
         pos += n
     align = 2 * world
     partition = -(-pos // align) * align // world
-    out: List[Dict[int, int]] = []
-    current: Dict[int, int] = {}
+    out: List[List[Tuple[int, int]]] = []
+    current: List[Tuple[int, int]] = []
     filled = 0
 
-    def add(start: int, n: int, into: Dict[int, int]) -> None:
+    def add(start: int, n: int, into: List[Tuple[int, int]]) -> None:
         while n > 0:
             d = start // partition
             take = min(n, (d + 1) * partition - start)
-            into[d] = into.get(d, 0) + take
+            into.append((d, take))
             start, n = start + take, n - take
 
     # DeepSpeed's rule (stage_1_and_2's reduce_independent_p_g_buckets_and_remove_grads): a
@@ -116,7 +131,7 @@ def buckets_of(sizes: List[int], arrival: List[int], world: int, bucket_size: in
     for start, n in ((offsets[i], sizes[i]) for i in arrival):
         if filled + n > bucket_size:
             out.append(current)
-            current, filled = {}, 0
+            current, filled = [], 0
         add(start, n, current)
         filled += n
     if filled:
@@ -135,36 +150,118 @@ def parameter_units(config: dict) -> List[int]:
     return [p.shape[-1] if p.dim() >= 2 else 1 for p in model.parameters()]
 
 
-def rounds_of(sizes: List[int], units: List[int], world: int, bucket_size: int) -> List[Dict[int, int]]:
+def rounds_of(sizes: List[int], units: List[int], world: int, bucket_size: int) -> List[List[Tuple[int, int]]]:
     """ZeRO-1's balanced rounds (``gift.stage1_rounds``), as the plugin plans them
-    (``deepspeed_gift.exchange.rounds.plan_rounds`` on DeepSpeed's partitions): per round,
-    elements per owning partition."""
+    (``deepspeed_gift.exchange.rounds.plan_rounds`` on DeepSpeed's partitions): per round, its
+    ``(owner, numel)`` runs in the round's order."""
     from deepspeed_gift.exchange.rounds import OwnedParam, contiguous_runs, plan_rounds
 
     align = 2 * world
     partition = -(-sum(sizes) // align) * align // world
     params = [OwnedParam(key, numel, runs, unit)
               for key, (numel, unit, runs) in enumerate(zip(sizes, units, contiguous_runs(sizes, partition)))]
-    out = []
-    for rnd in plan_rounds(params, world, bucket_size):
-        owners: Dict[int, int] = {}
-        for piece in rnd.pieces:
-            owners[piece.owner] = owners.get(piece.owner, 0) + piece.numel
-        out.append(owners)
-    return out
+    return [[(piece.owner, piece.numel) for piece in rnd.pieces] for rnd in plan_rounds(params, world, bucket_size)]
 
 
-def bucket_link_bytes(owners: Dict[int, int], world: int, per_node: int, b: float) -> Dict[str, Tuple[float, float]]:
-    """Per scheme, (bytes into the busiest NIC, bytes into the busiest GPU over NVLink in stages
-    that run before or after the NIC's) of one bucket (see the module docstring)."""
+@dataclass
+class Stage:
+    """One piece's work in a scheme, in the order it runs: the node stage (NVLink, bytes into
+    the busiest GPU, latency steps), the node partial's sum, the encode, the exchanges among
+    nodes (NIC bytes into the busiest NIC and steps of each: one direct, two relayed, the relay's
+    sums and second encode between them), the owner's decode and sum (and the inverse), the
+    forwards (NVLink). Compute is in seconds (``Rates``)."""
+
+    node: float = 0.0
+    node_steps: int = 0
+    sum_s: float = 0.0
+    encode_s: float = 0.0
+    nic: Tuple[Tuple[float, int], ...] = ()
+    relay_s: float = 0.0
+    decode_s: float = 0.0
+    forward: float = 0.0
+    forward_steps: int = 0
+
+
+@dataclass
+class Rates:
+    """The links, and the GPU's rates for what GIFT computes (``hbm_bps`` 0: compute not counted,
+    bandwidth only). Codec traffic: bytes per element of the encode and ``decode_a + S decode_b``
+    per element of the owner's decode-and-sum of S senders, each kernel a launch per tile."""
+
+    nic_bps: float
+    nvlink_bps: float
+    alpha_s: float = 0.0
+    hbm_bps: float = 0.0
+    launch_s: float = 0.0
+    encode_bpe: float = 0.0
+    encode_kernels: int = 0
+    decode_a: float = 0.0
+    decode_b: float = 0.0
+    whiten_rank: int = 0
+    fp32_flops: float = 1.0
+    tile: int = 1 << 24
+
+    def encode(self, n: float, whiten: bool = True) -> float:
+        """An encode of ``n`` elements, whitened first (``whiten_rank``: a rank-r factor each way;
+        not the relay's sums, which are whitened already)."""
+        if not self.hbm_bps or n <= 0:
+            return 0.0
+        return (n * self.encode_bpe / self.hbm_bps + self._launches(n, self.encode_kernels)
+                + (4 * self.whiten_rank * n / self.fp32_flops if whiten else 0.0))
+
+    def decode(self, n: float, senders: int, inverse: bool = True) -> float:
+        """The owner's decode and fp32 sum of ``senders`` payloads of ``n`` elements (and the
+        inverse transform of the sum)."""
+        if not self.hbm_bps or n <= 0:
+            return 0.0
+        return ((self.decode_a + senders * self.decode_b) * n / self.hbm_bps + self._launches(n, 1)
+                + (4 * self.whiten_rank * n / self.fp32_flops if inverse else 0.0))
+
+    def node_sum(self, n: float, g: int, sent: float) -> float:
+        """The node stage's own work: its messages gathered (``sent`` elements of the bucket's
+        dtype read and written) and ``g`` parts of ``n`` elements summed into fp32 in order."""
+        if not self.hbm_bps:
+            return 0.0
+        return (4 * sent + n * (6 + 10 * (g - 1))) / self.hbm_bps + self._launches(n, 2 * g)
+
+    def cast(self, n: float) -> float:
+        """fp32 results cast to the bucket's dtype for the forwards."""
+        return 6 * n / self.hbm_bps + self._launches(n, 1) if self.hbm_bps and n > 0 else 0.0
+
+    def _launches(self, n: float, kernels: int) -> float:
+        return kernels * max(1, -(-int(n) // self.tile)) * self.launch_s
+
+
+def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool, rates: Rates) -> Stage:
+    """The exchange among ``group`` ranks (all of them, or one slot of every node): the busiest
+    rank encodes ``sent`` elements and owns ``owned``; direct, the owners' parts go straight to
+    them ((group - 1) owned b into the owner's NIC); relayed, chunk j of every part goes to
+    rank j, which sums and re-encodes it for the owner."""
+    k = (group - 1) / group
+    if not relay:
+        return Stage(encode_s=rates.encode(sent), nic=(((group - 1) * owned * b, group - 1),),
+                     decode_s=rates.decode(owned, group - 1))
+    chunk = sent / group
+    return Stage(encode_s=rates.encode(sent), nic=((k * sent * b, group - 1), (k * owned * b, group - 1)),
+                 relay_s=rates.decode(chunk, group - 1, inverse=False) + rates.encode(chunk, whiten=False),
+                 decode_s=rates.decode(owned, 1))
+
+
+def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, rates: Rates) -> Dict[str, Stage]:
+    """Per scheme, one bucket's (or piece's) work (see the module docstring's bytes); ``bf16``:
+    DeepSpeed's ring, whose NVLink and NIC bytes move at once (in ``node`` and ``nic``)."""
     n, biggest = sum(owners.values()), max(owners.values(), default=0)
     g = min(per_node, world)
     nodes = world // g
     off_node = world - g
     ring = 2 * (world - 1) / world * n * 2 / (g if nodes > 1 else 1) if nodes > 1 else 0.0
-    direct = off_node * biggest * b
-    relay = off_node / world * n * b + off_node / world * biggest * b
-    out = {"bf16": (ring, 0.0), "direct": (direct, 0.0), "relay": (relay, 0.0), "by_layout": (min(direct, relay), 0.0)}
+    ring_nvlink = 2 * (world - 1) / world * n * 2 * (g - 1) / g
+    direct = exchange_stage(world, n, biggest, b, False, rates)
+    direct.nic = ((off_node * biggest * b, world - 1),)
+    relay = exchange_stage(world, n, biggest, b, True, rates)
+    relay.nic = ((off_node / world * n * b, world - 1), (off_node / world * biggest * b, world - 1))
+    out = {"bf16": Stage(node=ring_nvlink, nic=((ring, 2 * (world - 1)),)), "direct": direct, "relay": relay,
+           "by_layout": min(direct, relay, key=nic_bytes)}
     if g > 1 and nodes > 1:
         slots: Dict[int, int] = {}
         per_owner_node: Dict[int, int] = {}
@@ -172,47 +269,105 @@ def bucket_link_bytes(owners: Dict[int, int], world: int, per_node: int, b: floa
             slots[d % g] = slots.get(d % g, 0) + m
             per_owner_node[d // g] = per_owner_node.get(d // g, 0) + m
         busiest_slot, busiest_node = max(slots.values(), default=0), max(per_owner_node.values(), default=0)
-        k = (nodes - 1) / nodes
-        # owner_slot: each slot carries what its owners hold; the node stage sums it into that slot
-        stage = (g - 1) * busiest_slot * 2
-        two_direct = (nodes - 1) * biggest * b
-        two_relay = k * busiest_slot * b + k * biggest * b
-        # balanced: every slot carries 1/g of each node's part; results handed to their owners after
-        even_stage, forward = (g - 1) * n / g * 2, (g - 1) / g * biggest * 2
-        even_direct = (nodes - 1) * busiest_node / g * b
-        even_relay = k * n / g * b + k * busiest_node / g * b
         relay_ok = nodes > 2  # a relay among two nodes is the direct route
-        owner_slot = min(two_direct, two_relay) if relay_ok else two_direct
-        balanced = min(even_direct, even_relay) if relay_ok else even_direct
-        out.update(two_level_direct=(two_direct, stage),
-                   two_level_owner_slot=(owner_slot, stage),
-                   two_level_balanced=(balanced, even_stage + forward))
+
+        def two_level(carried: float, owned: float, stage: float, forward: float, forwarded: float) -> Stage:
+            """The lighter route among the nodes after a node stage (``carried``: what the busiest
+            slot sums and sends; ``owned``: what the busiest owner's slot receives for it)."""
+            routes = [exchange_stage(nodes, carried, owned, b, False, rates)]
+            if relay_ok:
+                routes.append(exchange_stage(nodes, carried, owned, b, True, rates))
+            best = min(routes, key=nic_bytes)
+            best.node, best.node_steps = stage, g - 1
+            best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g)
+            best.forward, best.forward_steps = forward, (g - 1) if forward else 0
+            best.decode_s += rates.cast(forwarded)
+            return best
+
+        # owner_slot: each slot carries what its owners hold; the node stage sums it into that slot
+        owner_slot = two_level(busiest_slot, biggest, (g - 1) * busiest_slot * 2, 0.0, 0.0)
+        direct_slot = exchange_stage(nodes, busiest_slot, biggest, b, False, rates)
+        direct_slot.node, direct_slot.node_steps = owner_slot.node, owner_slot.node_steps
+        direct_slot.sum_s = owner_slot.sum_s
+        # balanced: every slot carries 1/g of each node's part; results handed to their owners after
+        balanced = two_level(n / g, busiest_node / g, (g - 1) * n / g * 2, (g - 1) / g * biggest * 2,
+                             (g - 1) / g * biggest)
+        out.update(two_level_direct=direct_slot, two_level_owner_slot=owner_slot, two_level_balanced=balanced)
         # by_layout: the split whose busiest NIC receives less (owner_slot on a tie)
-        out["two_level_by_layout"] = out["two_level_balanced"] if balanced < owner_slot else out["two_level_owner_slot"]
+        out["two_level_by_layout"] = balanced if nic_bytes(balanced) < nic_bytes(owner_slot) else owner_slot
     return out
 
 
-def bucket_seconds(scheme: str, nic: float, nvlink: float, n: int, world: int, per_node: int, nic_bps: float,
-                   nvlink_bps: float) -> float:
-    """Bandwidth time of one bucket: DeepSpeed's ring moves its NVLink and NIC bytes at once (the
-    slower sets the time: its NVLink share is (G-1)/G of what a GPU sends around the ring); GIFT's
-    two-level stages run one after the other (node stage, exchange among nodes, forwards)."""
-    if scheme == "bf16":
-        g = min(per_node, world)
-        ring_nvlink = 2 * (world - 1) / world * n * 2 * (g - 1) / g
-        return max(nic / nic_bps, ring_nvlink / nvlink_bps)
-    return nic / nic_bps + nvlink / nvlink_bps
+def nic_bytes(stage: Stage) -> float:
+    return sum(nbytes for nbytes, _ in stage.nic)
+
+
+def bucket_link_bytes(owners: Dict[int, int], world: int, per_node: int, b: float) -> Dict[str, Tuple[float, float]]:
+    """Per scheme, (bytes into the busiest NIC, bytes into the busiest GPU over NVLink in stages
+    that run before or after the NIC's) of one bucket (see the module docstring)."""
+    stages = bucket_stages(owners, world, per_node, b, Rates(1.0, 1.0))
+    return {k: (nic_bytes(st), 0.0 if k in ("bf16", "direct", "relay", "by_layout") else st.node + st.forward)
+            for k, st in stages.items()}
+
+
+def cut_pieces(runs: List[Tuple[int, int]], pieces: int, min_elements: int) -> List[Dict[int, int]]:
+    """Elements per owner of each piece ``gift.node_pieces`` cuts a bucket (or round) of these
+    ``(owner, numel)`` runs into (``two_level.bucket_pieces``: piece k holds the k-th of the
+    near-equal parts of every owner's elements; the rows' snapping, a row, is not counted)."""
+    total = sum(n for _, n in runs)
+    count = max(1, min(pieces, total // max(min_elements, 1)))
+    owners = owners_of(runs)
+    return [{d: m * (k + 1) // count - m * k // count for d, m in owners.items()} for k in range(count)]
+
+
+def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool) -> float:
+    """Time of one bucket's pieces. Three resources: the NVLink (the node stages and forwards, in
+    the order the reducer issues them: N0, N1, F0, N2, F1, ...), the NICs (the exchanges), the
+    GPU's compute (sum, encode, relay, decode in piece order); each operation starts when its
+    resource is free and its input is ready. ``overlap`` off: every operation after the last."""
+    def link(nbytes: float, steps: int, bps: float) -> float:
+        return rates.alpha_s * steps + nbytes / bps if nbytes or steps else 0.0
+
+    if not overlap:
+        return sum(link(st.node, st.node_steps, rates.nvlink_bps) + st.sum_s + st.encode_s + st.relay_s
+                   + sum(link(nb, steps, rates.nic_bps) for nb, steps in st.nic) + st.decode_s
+                   + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages)
+    nv = nic = gpu = 0.0
+    node_done = [0.0] * len(stages)
+    node_done[0] = nv = link(stages[0].node, stages[0].node_steps, rates.nvlink_bps)
+    for k, st in enumerate(stages):
+        gpu = max(gpu, node_done[k]) + st.sum_s
+        if k + 1 < len(stages):  # enqueued after this piece's sum, on the node's links
+            nv = node_done[k + 1] = max(nv, gpu) + link(stages[k + 1].node, stages[k + 1].node_steps,
+                                                        rates.nvlink_bps)
+        gpu += st.encode_s
+        for hop, (nbytes, steps) in enumerate(st.nic):
+            nic = max(nic, gpu) + link(nbytes, steps, rates.nic_bps)
+            gpu = max(gpu, nic) + (st.relay_s if hop == 0 and len(st.nic) > 1 else 0.0)
+        gpu = max(gpu, nic) + st.decode_s
+        nv = max(nv, gpu) + link(st.forward, st.forward_steps, rates.nvlink_bps)
+    return max(nv, nic, gpu)
+
+
+def ring_seconds(stage: Stage, rates: Rates) -> float:
+    """DeepSpeed's ring all-reduce: its NVLink and NIC bytes at once (the slower sets it)."""
+    (nbytes, steps), = stage.nic
+    return rates.alpha_s * steps + max(nbytes / rates.nic_bps, stage.node / rates.nvlink_bps)
 
 
 def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit: float = 400.0,
-               nvlink_gbyte: float = 450.0, units: List[int] = None) -> List[dict]:
+               nvlink_gbyte: float = 450.0, units: List[int] = None, rates: Optional[Rates] = None,
+               pieces: int = 4, piece_min_elements: int = 1 << 22) -> List[dict]:
+    """Per W and G: the busiest NIC's bytes of every scheme against DeepSpeed's, and the gradient
+    time (``rates``; default: bandwidth only), two-level's as whole buckets with its stages one
+    after another (``_serial``) and as the pipeline of ``pieces`` it runs."""
     sizes, arrival = layout_of_model
     rows = []
     params = sum(sizes)
-    nic_bps, nvlink_bps = nic_gbit * 1e9 / 8, nvlink_gbyte * 1e9
+    rates = rates or Rates(nic_gbit * 1e9 / 8, nvlink_gbyte * 1e9)
     for world in WORLDS:
-        layout = buckets_of(sizes, arrival, world, bucket_size)
-        layout = [o for o in layout if o]  # empty reductions move nothing
+        runs = [r for r in bucket_runs_of(sizes, arrival, world, bucket_size) if r]  # empty reductions move nothing
+        layout = [owners_of(r) for r in runs]
         owners_per_bucket = [len(o) for o in layout]
         rounds = rounds_of(sizes, units, world, bucket_size) if units is not None else []
         for per_node in PER_NODE:
@@ -220,25 +375,39 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                 continue
             nic_totals: Dict[str, float] = {}
             seconds: Dict[str, float] = {}
-            for owners in layout:
-                for scheme, (nic, nvlink) in bucket_link_bytes(owners, world, per_node, b).items():
-                    nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nic
-                    seconds[scheme] = seconds.get(scheme, 0.0) + bucket_seconds(
-                        scheme, nic, nvlink, sum(owners.values()), world, per_node, nic_bps, nvlink_bps)
-            for owners in rounds:  # ZeRO-1's balanced rounds: each direct (flat) or by_layout (two-level)
-                schemes = bucket_link_bytes(owners, world, per_node, b)
-                for scheme, key in (("rounds", "direct"), ("two_level_rounds", "two_level_by_layout")):
-                    if key in schemes:
-                        nic, nvlink = schemes[key]
-                        nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nic
-                        seconds[scheme] = seconds.get(scheme, 0.0) + bucket_seconds(
-                            scheme, nic, nvlink, sum(owners.values()), world, per_node, nic_bps, nvlink_bps)
+
+            def add(scheme: str, nbytes: float, secs: float) -> None:
+                nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nbytes
+                seconds[scheme] = seconds.get(scheme, 0.0) + secs
+
+            for kind, reductions in (("bucket", runs), ("round", rounds)):
+                for these in reductions:
+                    whole = bucket_stages(owners_of(these), world, per_node, b, rates)
+                    cut = [bucket_stages(o, world, per_node, b, rates) for o in cut_pieces(these, pieces,
+                                                                                            piece_min_elements)]
+                    if kind == "bucket":
+                        for scheme, st in whole.items():
+                            if scheme == "bf16":
+                                add(scheme, nic_bytes(st), ring_seconds(st, rates))
+                            elif scheme.startswith("two_level"):
+                                add(scheme, nic_bytes(st), scheme_seconds([c[scheme] for c in cut], rates, True))
+                                add(scheme + "_serial", 0.0, scheme_seconds([st], rates, False))
+                            else:
+                                add(scheme, nic_bytes(st), scheme_seconds([st], rates, False))
+                    else:  # ZeRO-1's balanced rounds: each direct (flat) or by_layout (two-level)
+                        add("rounds", nic_bytes(whole["direct"]), scheme_seconds([whole["direct"]], rates, False))
+                        if "two_level_by_layout" in whole:
+                            add("two_level_rounds", nic_bytes(whole["two_level_by_layout"]),
+                                scheme_seconds([c["two_level_by_layout"] for c in cut], rates, True))
+                            add("two_level_rounds_serial", 0.0,
+                                scheme_seconds([whole["two_level_by_layout"]], rates, False))
             base, base_s = nic_totals["bf16"], seconds["bf16"]
             biggest = max(sum(o.values()) for o in layout)
             row = {"model": name, "params": params, "world": world, "per_node": per_node,
                    "buckets": len(layout), "rounds": len(rounds), "owners_min": min(owners_per_bucket), "owners_max": max(owners_per_bucket),
                    "bf16_nic_gb": base / 1e9, "bf16_s": base_s,
-                   **{f"{k}_vs_bf16": (v / base if base else float("nan")) for k, v in nic_totals.items() if k != "bf16"},
+                   **{f"{k}_vs_bf16": (v / base if base else float("nan")) for k, v in nic_totals.items()
+                      if k != "bf16" and not k.endswith("_serial")},
                    **{f"{k}_time_vs_bf16": (v / base_s if base_s else float("nan")) for k, v in seconds.items()
                       if k != "bf16"},
                    # what the new exchange holds while a bucket is reduced: flat relay, its chunk sums;
@@ -250,18 +419,55 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
     return rows
 
 
+def traffic_rates(path: str, args) -> Rates:
+    """``Rates`` with the codec's counted traffic (``benchmarks/codec_traffic.py --json``, the
+    fp8_e4m3/128 rows in ``--kernels`` mode): encode bytes and kernels per element, and the
+    decode-and-sum's bytes per element as a line in the senders S (fitted through its rows)."""
+    rows = [r for r in json.loads(open(path).read())["rows"] if r["case"] == "fp8_e4m3/128" and r["mode"] == args.kernels]
+    encode = next(r for r in rows if r["op"] == "encode")
+    decodes = sorted((int(r["op"].split("=")[1]), r["bytes_per_element"]) for r in rows
+                     if r["op"].startswith("decode_sum"))
+    if len(decodes) < 2:
+        raise SystemExit(f"{path}: needs decode_sum rows of two sender counts at least")
+    (s0, y0), (s1, y1) = decodes[0], decodes[-1]
+    slope = (y1 - y0) / (s1 - s0)
+    return Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
+                 hbm_bps=args.hbm_tbs * 1e12 * args.hbm_eff, launch_s=args.launch_us * 1e-6,
+                 encode_bpe=encode["bytes_per_element"], encode_kernels=encode["kernels"], decode_a=y0 - slope * s0,
+                 decode_b=slope, whiten_rank=args.whiten_rank, fp32_flops=args.fp32_tflops * 1e12 * args.fp32_eff)
+
+
 def main(argv=None) -> List[dict]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--nic-gbit", type=float, default=400.0, help="NIC rate per GPU for the time columns")
     parser.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
+    parser.add_argument("--node-pieces", type=int, default=4, help="gift.node_pieces (two-level's pipeline)")
+    parser.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
+    parser.add_argument("--alpha-us", type=float, default=0.0,
+                        help="latency per collective step, microseconds (0: bandwidth only)")
+    c = parser.add_argument_group("GIFT's compute on the GPU (counted only with --codec-traffic)")
+    c.add_argument("--codec-traffic", help="benchmarks/codec_traffic.py --json output: the codec's bytes and kernels")
+    c.add_argument("--kernels", choices=("compiled", "eager"), default="compiled", help="which mode's counts")
+    c.add_argument("--hbm-tbs", type=float, default=3.35, help="GPU memory bandwidth, TB/s (H100 SXM; H200 4.8)")
+    c.add_argument("--hbm-eff", type=float, default=0.8, help="of --hbm-tbs reached by a copy")
+    c.add_argument("--launch-us", type=float, default=5.0, help="launch latency per kernel, microseconds")
+    c.add_argument("--whiten-rank", type=int, default=32,
+                   help="every element whitened by a rank-r factor on its way out and back (README's kfac rank)")
+    c.add_argument("--fp32-tflops", type=float, default=67.0, help="fp32 matmul peak (the whitening)")
+    c.add_argument("--fp32-eff", type=float, default=0.7, help="of --fp32-tflops reached")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)
+    if args.codec_traffic:
+        rates = traffic_rates(args.codec_traffic, args)
+    else:
+        rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6)
     rows = []
     for name, config in MODELS.items():
         rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte,
-                           units=parameter_units(config))
+                           units=parameter_units(config), rates=rates, pieces=args.node_pieces,
+                           piece_min_elements=args.node_piece_min_elements)
 
     def ratio(r, key):
         return f"{r[key]:.2f}x" if key in r else "-"
@@ -278,15 +484,20 @@ def main(argv=None) -> List[dict]:
                                                     "two_level_by_layout", "rounds", "two_level_rounds")]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {r['buckets']} | {r['owners_min']}-{r['owners_max']} | "
               f"{r['bf16_nic_gb']:.2f} | {' | '.join(cells)} |")
-    print(f"\nGradient time against DeepSpeed's (bandwidth only; {args.nic_gbit:g} Gbit/s NIC, "
-          f"{args.nvlink_gbyte:g} GB/s NVLink per GPU; two-level's NVLink stages not overlapped with its NICs),"
-          " and what the new exchange holds per GPU:")
-    print("| model | W | G | bf16 ms | flat by_layout | two-level direct | two-level by_layout | ZeRO-1 rounds |"
-          " ZeRO-1 rounds two-level | holds GB (+EF residuals) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} traffic at {args.hbm_tbs:g} TB/s x "
+               f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
+               f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}" if args.codec_traffic else "GIFT's compute not counted")
+    print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
+          f"GPU, {args.alpha_us:g} us a collective step; {counted}); two-level as whole buckets with its stages one "
+          f"after another (serial) and as the pipeline of gift.node_pieces {args.node_pieces} (pieces of at least "
+          f"{args.node_piece_min_elements} elements), and what the new exchange holds per GPU:")
+    print("| model | W | G | bf16 ms | flat by_layout | two-level by_layout serial | two-level by_layout |"
+          " ZeRO-1 rounds | ZeRO-1 rounds two-level serial | ZeRO-1 rounds two-level | holds GB (+EF residuals) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows_with_nics(rows):
-        cells = [ratio(r, k + "_time_vs_bf16") for k in ("by_layout", "two_level_direct", "two_level_by_layout",
-                                                         "rounds", "two_level_rounds")]
+        cells = [ratio(r, k + "_time_vs_bf16") for k in ("by_layout", "two_level_by_layout_serial",
+                                                         "two_level_by_layout", "rounds", "two_level_rounds_serial",
+                                                         "two_level_rounds")]
         hold = r["two_level_hold_gb"] if r["per_node"] > 1 else r["relay_hold_gb"]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {1e3 * r['bf16_s']:.1f} | {' | '.join(cells)} | "
               f"{hold:.2f} (+{r['relay_ef_gb']:.2f}) |")

@@ -41,10 +41,12 @@ def test_pieces_cover_the_bucket_once_cut_on_rows_and_never_inside_a_shared_para
     for pieces, least in ((1, 1), (2, 1), (4, 1), (7, 1), (4, 1000), (4, total), (50, 1)):
         cut = bucket_pieces(slices, pieces, least)
         assert 1 <= len(cut) <= min(pieces, max(1, total // least)), (pieces, least, len(cut))
-        covered = [(slices[i].bucket_offset + at, n) for runs in cut for i, at, n in runs]
-        assert [start for start, _ in covered] == sorted(start for start, _ in covered)
+        covered = sorted((slices[i].bucket_offset + at, n) for runs in cut for i, at, n in runs)
         assert sum(n for _, n in covered) == total and covered[0][0] == 0
-        assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # in order, no gap, no overlap
+        assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # no gap, no overlap
+        for runs in cut:  # in bucket order inside a piece
+            starts = [slices[i].bucket_offset + at for i, at, _ in runs]
+            assert starts == sorted(starts)
         for runs in cut:
             sub, _ = piece_slices(slices, runs, None)
             for (i, _, _), s in zip(runs, sub):
@@ -55,8 +57,17 @@ def test_pieces_cover_the_bucket_once_cut_on_rows_and_never_inside_a_shared_para
                         assert edge == own or edge % s.row_len == 0, (s, o)
                 if s.copy_ranks:
                     assert s == o, s  # whole
-    sizes = [sum(n for _, _, n in runs) for runs in bucket_pieces(slices, 4, 1)]
-    assert len(sizes) == 4 and max(sizes) < 1.6 * total / 4, sizes  # near-equal, rows and the Muon matrix allowing
+    # every piece holds about a quarter of every owner's elements (a row or the Muon matrix allowing),
+    # so each loads every owner, slot and node as the bucket does
+    cut = bucket_pieces(slices, 4, 1)
+    assert len(cut) == 4
+    for owner in range(4):
+        mine = sum(s.numel for s in slices if s.dst == owner)
+        held = [sum(n for i, _, n in runs if slices[i].dst == owner) for runs in cut]
+        shared = sum(s.numel for s in slices if s.dst == owner and s.copy_ranks)  # whole, in one piece
+        slack = max(s.row_len or 1 for s in slices if s.dst == owner) + shared
+        assert all(abs(h - mine / 4) <= slack for h in held), (owner, mine, held)
+    assert len({k for k, runs in enumerate(cut) for i, _, _ in runs if slices[i].copy_ranks}) == 1
 
 
 class PacedComm:
@@ -198,3 +209,27 @@ def test_pieced_two_level_lossless_equals_deepspeed_bit_for_bit_at_two_ranks(sta
         cut, whole = gifts[0]["records"], gifts[-1]["records"]
         assert all(c["pieces"] > w["pieces"] > 0 for c, w in zip(cut, whole)), [(c["pieces"], w["pieces"])
                                                                                for c, w in zip(cut, whole)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_node_partial_is_the_ordered_fp32_sum_of_the_local_ranks_in_both_kernel_modes(dtype):
+    # the node stage sums its local ranks' parts (the bucket's dtype; its own part, not sent, at its
+    # place) by the passthrough codec's decode-and-sum: the same bits as adding them one by one in
+    # fp32, in local rank order, eager or compiled
+    from deepspeed_gift.core.formats import Payload
+
+    n, senders = 5000, 3
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(senders, n, generator=gen) * torch.logspace(-3, 3, n)).to(dtype)
+    mine = (torch.randn(n, generator=gen) * 7).to(dtype)
+    for me in range(senders + 1):
+        terms = list(rows.unbind(0))
+        terms.insert(me, mine)
+        want = terms[0].to(torch.float32, copy=True)
+        for t in terms[1:]:
+            want.add_(t)
+        for kernels in ("eager", "compiled"):
+            codec = formats.get_format("bf16" if dtype == torch.bfloat16 else "fp32", kernels=kernels)
+            got = torch.empty(n)
+            codec.decode_sum(Payload(codec.name, torch.Size((n,)), rows), got, own=mine, own_at=me)
+            assert torch.equal(got, want), (kernels, me)

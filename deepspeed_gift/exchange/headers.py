@@ -80,12 +80,12 @@ def int64_bytes_on(value: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int64, device=device).view(torch.uint8)
 
 
-Senders = Union[str, Sequence[int]]  # one sender's name, or the ranks of a batch's rows (named when an error needs them)
+Senders = Union[str, Sequence[Union[int, str]]]  # one sender's name, or the ranks (or names) of a batch's rows
 
 
 def _rows(raw: bytes, sender: Senders, size: int):
     """(sender's name, its header) of every row of ``raw``, the headers of a batch of messages."""
-    names = [sender] if isinstance(sender, str) else [f"rank {r}" for r in sender]
+    names = [sender] if isinstance(sender, str) else [r if isinstance(r, str) else f"rank {r}" for r in sender]
     return [(name, raw[i * size:(i + 1) * size]) for i, name in enumerate(names)]
 
 

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..core.formats import Payload, get_format
 from ..core.geometry import Transform
 from .headers import CONTROL_HEADER_BYTES, FINGERPRINT_BYTES, agree_on_plan, expect_control_header
 from .plan import COPY, GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
@@ -115,40 +116,51 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
 
 
 def bucket_pieces(slices: Sequence[ParamSlice], pieces: int, min_elements: int) -> List[Carried]:
-    """The bucket cut, in bucket order, into at most ``pieces`` runs of about equal size and at
-    least about ``min_elements`` each (a small bucket stays whole), for the two-level pipeline:
-    per piece its ``(slice index, start, numel)`` runs. A cut inside a slice falls on a row
-    boundary of its transform (``unit_boundary``: every row stays whole, whitened as it was), and
-    never inside a whole shared parameter (``copy_ranks``: it travels whole to its copies), which
-    goes to the side of the cut that holds more of it."""
+    """The bucket cut into at most ``pieces`` pieces for the two-level pipeline, each at least
+    about ``min_elements`` (a small bucket stays whole): piece k holds the k-th of ``pieces``
+    near-equal parts of every owner's slices (in bucket order), as ZeRO-1's rounds hold a slice
+    of every owner's partition. Every piece then loads every owner, its slot and its node as the
+    bucket does, 1/``pieces`` of it: a piece of contiguous elements would hold one or two owners
+    of a bucket of several, and hand all their results on inside the node at once. A cut inside
+    a slice falls on a row boundary of its transform (``unit_boundary``: every row stays whole,
+    whitened as it was). A whole shared parameter (``copy_ranks``: it travels whole to its
+    copies, all its slices in one exchange) is never cut: the j-th of them goes whole to piece
+    j mod ``pieces``. Per piece its ``(slice index, start, numel)`` runs, in bucket order."""
     order = sorted(range(len(slices)), key=lambda i: slices[i].bucket_offset)
     total = sum(slices[i].numel for i in order)
     count = max(1, min(int(pieces), total // max(int(min_elements), 1)))
-    targets = [total * k // count for k in range(1, count)]
-    cuts: List[int] = []
-    pos = 0
+    out: List[Carried] = [[] for _ in range(count)]
+    by_owner: Dict[int, List[int]] = {}
+    shared: Dict[int, int] = {}  # parameter key -> its piece
     for i in order:
         s = slices[i]
-        while len(cuts) < len(targets) and targets[len(cuts)] < pos + s.numel:
-            at = targets[len(cuts)] - pos
-            if s.copy_ranks:
-                at = 0 if at < s.numel - at else s.numel
-            else:
-                at = unit_boundary(s, at)
-            cuts.append(max([pos + at] + cuts[-1:]))
-        pos += s.numel
-    edges = sorted({0, total, *cuts})
-    out: List[Carried] = []
-    for lo, hi in zip(edges, edges[1:]):
-        runs, pos = [], 0
-        for i in order:
+        if s.copy_ranks:
+            piece = shared.setdefault(s.param_key, len(shared) % count)
+            out[piece].append((i, 0, s.numel))
+        else:
+            by_owner.setdefault(s.dst, []).append(i)
+    for owned in by_owner.values():
+        mine = sum(slices[i].numel for i in owned)
+        targets = [mine * k // count for k in range(1, count)]
+        cuts: List[int] = []
+        pos = 0
+        for i in owned:
+            s = slices[i]
+            while len(cuts) < len(targets) and targets[len(cuts)] < pos + s.numel:
+                cuts.append(max([pos + unit_boundary(s, targets[len(cuts)] - pos)] + cuts[-1:]))
+            pos += s.numel
+        edges = [0] + cuts + [mine] * (count - len(cuts))
+        pos = 0
+        for i in owned:
             n = slices[i].numel
-            start, end = max(lo, pos), min(hi, pos + n)
-            if start < end:
-                runs.append((i, start - pos, end - start))
+            for k in range(count):
+                start, end = max(edges[k], pos), min(edges[k + 1], pos + n)
+                if start < end:
+                    out[k].append((i, start - pos, end - start))
             pos += n
-        out.append(runs)
-    return out or [[]]
+    for runs in out:
+        runs.sort(key=lambda run: slices[run[0]].bucket_offset + run[1])
+    return [runs for runs in out if runs] or [[]]
 
 
 def piece_slices(slices: Sequence[ParamSlice], runs: Carried, outputs: Optional[Sequence[Optional[torch.Tensor]]]
@@ -309,6 +321,9 @@ class TwoLevelReducer:
         self.pieces = int(pieces) if ranks_per_node > 1 else 1  # a node of one rank has no stage to overlap
         self.piece_min_elements = int(piece_min_elements)
         self.overlap = bool(overlap)
+        kernels = inner.encoder.main_codec.kernels  # the node partial's sum runs as the codecs do
+        self._node_codecs = {torch.bfloat16: get_format("bf16", kernels=kernels),
+                             torch.float32: get_format("fp32", kernels=kernels)}
         self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
         self.plans_agreed = 0  # new plans, each agreed by the node and the slot group before its first use
 
@@ -453,17 +468,23 @@ class TwoLevelReducer:
             return mine.to(torch.float32, copy=True), 0
         recv = pending.wait()
         L, me = self.ranks_per_node, self.node_comm.rank
-        partial, pos = None, 0
-        for i in range(L):  # local rank order on every receiver: copies of a shared parameter agree bit for bit
-            if i == me:
-                part = mine
-            else:
-                msg = recv.narrow(0, pos, incoming)
-                expect_control_header(self.inner.checks, msg, head, f"local rank {i}",
-                                      "ranks of a node disagree on the bucket layout")
-                part = msg.narrow(0, CONTROL_HEADER_BYTES, incoming - CONTROL_HEADER_BYTES).view(dtype)
-                pos += incoming
-            partial = part.to(torch.float32, copy=True) if partial is None else partial.add_(part)
+        others = [i for i in range(L) if i != me]
+        messages = recv.view(L - 1, incoming)
+        expect_control_header(self.inner.checks, messages[:, :CONTROL_HEADER_BYTES], head,
+                              [f"local rank {i}" for i in others], "ranks of a node disagree on the bucket layout")
+        rows = messages[:, CONTROL_HEADER_BYTES:].view(dtype)  # (L - 1, n), a sender a row
+        partial = torch.empty(mine.numel(), dtype=torch.float32, device=mine.device)
+        # in local rank order on every receiver (copies of a shared parameter agree bit for bit):
+        # the passthrough codec's decode-and-sum, one kernel where compiled
+        codec = self._node_codecs.get(dtype)
+        if codec is not None and mine.numel():
+            codec.decode_sum(Payload(codec.name, torch.Size((mine.numel(),)), rows), partial, own=mine, own_at=me)
+            return partial, sent
+        terms = list(rows.unbind(0))  # fp16 (no passthrough codec): added one by one, the same order
+        terms.insert(me, mine)
+        partial.copy_(terms[0])
+        for term in terms[1:]:
+            partial.add_(term)
         return partial, sent
 
     def _forward_start(self, tensor: torch.Tensor, partial: torch.Tensor, plan: NodePlan, head: torch.Tensor,
