@@ -190,7 +190,8 @@ class Rates:
 
     nic_bps: float
     nvlink_bps: float
-    alpha_s: float = 0.0
+    alpha_s: float = 0.0  # DeepSpeed's ring: per step (2 (W - 1) steps an all-reduce)
+    a2a_s: float = 0.0  # GIFT: per all-to-all (its messages to every peer posted at once)
     hbm_bps: float = 0.0
     launch_s: float = 0.0
     encode_bpe: float = 0.0
@@ -219,10 +220,11 @@ class Rates:
 
     def node_sum(self, n: float, g: int, sent: float) -> float:
         """The node stage's own work: its messages gathered (``sent`` elements of the bucket's
-        dtype read and written) and ``g`` parts of ``n`` elements summed into fp32 in order."""
+        dtype read and written, a copy a message) and ``g`` parts of ``n`` elements summed into fp32
+        in order by the passthrough codec's decode-and-sum (one kernel: each part read once)."""
         if not self.hbm_bps:
             return 0.0
-        return (4 * sent + n * (6 + 10 * (g - 1))) / self.hbm_bps + self._launches(n, 2 * g)
+        return (4 * sent + n * (2 * g + 4)) / self.hbm_bps + self._launches(n, 1) + (g - 1) * self.launch_s
 
     def cast(self, n: float) -> float:
         """fp32 results cast to the bucket's dtype for the forwards."""
@@ -321,32 +323,48 @@ def cut_pieces(runs: List[Tuple[int, int]], pieces: int, min_elements: int) -> L
 
 
 def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool) -> float:
-    """Time of one bucket's pieces. Three resources: the NVLink (the node stages and forwards, in
-    the order the reducer issues them: N0, N1, F0, N2, F1, ...), the NICs (the exchanges), the
-    GPU's compute (sum, encode, relay, decode in piece order); each operation starts when its
-    resource is free and its input is ready. ``overlap`` off: every operation after the last."""
+    """Time of one bucket's pieces, in the order ``TwoLevelReducer.reduce`` issues their work.
+    Three resources, each in issue order: the node's links (node stages and forwards), the NICs
+    (the exchanges), the GPU's stream (sum, encode, relay, decode); an operation starts when its
+    resource is free and its input is ready. Issued per piece k: piece k+1's node stage, piece
+    k's sum (after its node stage), piece k-1's last exchange (a relay's sums and second
+    exchange), piece k's encode and first exchange, then piece k-1's rest (the owner's decode,
+    the forwards). ``overlap`` off: every operation after the last."""
     def link(nbytes: float, steps: int, bps: float) -> float:
-        return rates.alpha_s * steps + nbytes / bps if nbytes or steps else 0.0
+        return rates.a2a_s + nbytes / bps if nbytes or steps else 0.0
 
     if not overlap:
         return sum(link(st.node, st.node_steps, rates.nvlink_bps) + st.sum_s + st.encode_s + st.relay_s
                    + sum(link(nb, steps, rates.nic_bps) for nb, steps in st.nic) + st.decode_s
                    + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages)
-    nv = nic = gpu = 0.0
-    node_done = [0.0] * len(stages)
-    node_done[0] = nv = link(stages[0].node, stages[0].node_steps, rates.nvlink_bps)
+    t = {"nv": 0.0, "nic": 0.0, "gpu": 0.0}
+
+    def run(resource: str, ready: float, seconds: float) -> float:
+        t[resource] = max(t[resource], ready) + seconds
+        return t[resource]
+
+    def last_exchange(st: Stage, first_done: float) -> float:
+        if len(st.nic) < 2:
+            return first_done
+        return run("nic", run("gpu", first_done, st.relay_s), link(*st.nic[1], rates.nic_bps))
+
+    def rest(st: Stage, last_done: float) -> None:
+        run("nv", run("gpu", last_done, st.decode_s), link(st.forward, st.forward_steps, rates.nvlink_bps))
+
+    node_done = [run("nv", 0.0, link(stages[0].node, stages[0].node_steps, rates.nvlink_bps))]
+    previous = None
     for k, st in enumerate(stages):
-        gpu = max(gpu, node_done[k]) + st.sum_s
-        if k + 1 < len(stages):  # enqueued after this piece's sum, on the node's links
-            nv = node_done[k + 1] = max(nv, gpu) + link(stages[k + 1].node, stages[k + 1].node_steps,
-                                                        rates.nvlink_bps)
-        gpu += st.encode_s
-        for hop, (nbytes, steps) in enumerate(st.nic):
-            nic = max(nic, gpu) + link(nbytes, steps, rates.nic_bps)
-            gpu = max(gpu, nic) + (st.relay_s if hop == 0 and len(st.nic) > 1 else 0.0)
-        gpu = max(gpu, nic) + st.decode_s
-        nv = max(nv, gpu) + link(st.forward, st.forward_steps, rates.nvlink_bps)
-    return max(nv, nic, gpu)
+        if k + 1 < len(stages):
+            node_done.append(run("nv", 0.0, link(stages[k + 1].node, stages[k + 1].node_steps, rates.nvlink_bps)))
+        run("gpu", node_done[k], st.sum_s)
+        if previous is not None:
+            previous = (previous[0], last_exchange(*previous))
+        first = run("nic", run("gpu", 0.0, st.encode_s), link(*st.nic[0], rates.nic_bps)) if st.nic else t["gpu"]
+        if previous is not None:
+            rest(*previous)
+        previous = (st, first)
+    rest(previous[0], last_exchange(*previous))
+    return max(t.values())
 
 
 def ring_seconds(stage: Stage, rates: Rates) -> float:
@@ -432,7 +450,7 @@ def traffic_rates(path: str, args) -> Rates:
     (s0, y0), (s1, y1) = decodes[0], decodes[-1]
     slope = (y1 - y0) / (s1 - s0)
     return Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
-                 hbm_bps=args.hbm_tbs * 1e12 * args.hbm_eff, launch_s=args.launch_us * 1e-6,
+                 a2a_s=args.a2a_us * 1e-6, hbm_bps=args.hbm_tbs * 1e12 * args.hbm_eff, launch_s=args.launch_us * 1e-6,
                  encode_bpe=encode["bytes_per_element"], encode_kernels=encode["kernels"], decode_a=y0 - slope * s0,
                  decode_b=slope, whiten_rank=args.whiten_rank, fp32_flops=args.fp32_tflops * 1e12 * args.fp32_eff)
 
@@ -445,7 +463,9 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--node-pieces", type=int, default=4, help="gift.node_pieces (two-level's pipeline)")
     parser.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
     parser.add_argument("--alpha-us", type=float, default=0.0,
-                        help="latency per collective step, microseconds (0: bandwidth only)")
+                        help="latency per step of DeepSpeed's ring all-reduce, microseconds (0: bandwidth only)")
+    parser.add_argument("--a2a-us", type=float, default=0.0,
+                        help="latency per all-to-all of GIFT's, microseconds (0: bandwidth only)")
     c = parser.add_argument_group("GIFT's compute on the GPU (counted only with --codec-traffic)")
     c.add_argument("--codec-traffic", help="benchmarks/codec_traffic.py --json output: the codec's bytes and kernels")
     c.add_argument("--kernels", choices=("compiled", "eager"), default="compiled", help="which mode's counts")
@@ -462,7 +482,8 @@ def main(argv=None) -> List[dict]:
     if args.codec_traffic:
         rates = traffic_rates(args.codec_traffic, args)
     else:
-        rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6)
+        rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
+                      a2a_s=args.a2a_us * 1e-6)
     rows = []
     for name, config in MODELS.items():
         rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte,
@@ -488,7 +509,7 @@ def main(argv=None) -> List[dict]:
                f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
                f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}" if args.codec_traffic else "GIFT's compute not counted")
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
-          f"GPU, {args.alpha_us:g} us a collective step; {counted}); two-level as whole buckets with its stages one "
+          f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole buckets with its stages one "
           f"after another (serial) and as the pipeline of gift.node_pieces {args.node_pieces} (pieces of at least "
           f"{args.node_piece_min_elements} elements), and what the new exchange holds per GPU:")
     print("| model | W | G | bf16 ms | flat by_layout | two-level by_layout serial | two-level by_layout |"

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.geometry import Transform, full_fp32_matmuls
+from .comm import Pending
 from .encode import Packed, SectionEncoder
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
@@ -70,6 +71,7 @@ class GiftReducer:
         self.param_names: Dict[int, str] = {}  # parameter key -> name, for errors that name a layer
         self._others = tuple(r for r in range(comm.world_size) if r != comm.rank)  # senders to me, in rank order
         self._timing = (torch.device("cpu"), False)  # (device, synchronize) of the reduction running
+        self._wait_at_once = False  # see reduce_steps
 
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, slices: Sequence[ParamSlice], versions: Dict[int, int]) -> BucketPlan:
@@ -117,6 +119,18 @@ class GiftReducer:
         the result is added to it (DeepSpeed's compact fp32 gradient partition).
         Returns this rank's counters for telemetry (``sample``: with the quantization counts
         and the fidelity against an exact fp32 reduction)."""
+        return run_steps(self.reduce_steps(tensor, slices, whiteners, divisor=divisor, step=step, outputs=outputs,
+                                           sample=sample))
+
+    def reduce_steps(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
+                     divisor: float, step: int = 0, outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                     sample: bool = False, wait_at_once: bool = False):
+        """:meth:`reduce` as a generator that yields whenever an exchange is under way (after
+        posting it, before waiting for it) the number of exchanges still to come after it (the
+        relay: 1, then 0), and returns the stats: a caller runs other work there (two-level: the
+        next piece's node stage and encode). ``wait_at_once``: every exchange waited for as it
+        is posted (the same work in the same order, nothing under way)."""
+        self._wait_at_once = wait_at_once
         agreed = self.plans_agreed
         plan = self.plan_for(slices, {key: t.version for key, t in whiteners.items()})  # the plan names the fits
         # On an accelerator the seconds mean something only with the device synchronized: on
@@ -132,7 +146,7 @@ class GiftReducer:
             stats.recv_max_internode += FINGERPRINT_BYTES * (world - min(L, world))
         if plan.relay:
             stats.relay_buckets = 1
-            totals = relay_totals(self, tensor, plan, whiteners, stats, sample, step)
+            totals = yield from relay_totals(self, tensor, plan, whiteners, stats, sample, step)
         else:
             head = self.checks.control_header(plan, step, tensor.device)  # sent and expected alike
             me = self.comm.rank
@@ -143,7 +157,10 @@ class GiftReducer:
             with full_fp32_matmuls():
                 packed = self.pack(tensor, plan, whiteners, stats, sample, step, outbox=outbox)
             my_size = plan.message_sizes[me]
-            recv = self.post(outbox, [0 if src == me else my_size for src in range(self.comm.world_size)], stats)
+            pending = self.post_start(outbox, [0 if src == me else my_size for src in range(self.comm.world_size)],
+                                      stats)
+            yield 0
+            recv = self.wait(pending, stats)
             totals = self._sum_at_owner(plan, packed, recv, head, stats)
         t0 = self.now()
         results = []  # the inverse may hand back a new tensor: keep what was scattered
@@ -240,24 +257,34 @@ class GiftReducer:
             sizes[dst] = n
         return Outbox(layout, sizes, head)
 
-    def post(self, outbox: "Outbox", recv_sizes: Sequence[int], stats: StepStats) -> torch.Tensor:
-        """The all-to-all of a filled :class:`Outbox`."""
+    def post_start(self, outbox: "Outbox", recv_sizes: Sequence[int], stats: StepStats) -> Pending:
+        """The all-to-all of a filled :class:`Outbox`, begun (finished at once under
+        ``wait_at_once``)."""
         outbox.check_filled()
         t0 = self.now()
-        recv = self.comm.all_to_all_bytes(outbox.buffer, outbox.sizes, recv_sizes, kind=ByteKind.PAYLOAD)
+        pending = self.comm.all_to_all_bytes_start(outbox.buffer, outbox.sizes, recv_sizes, kind=ByteKind.PAYLOAD)
+        if self._wait_at_once:
+            pending = Pending(result=pending.wait())
+        stats.comm_s += self.now() - t0
+        return pending
+
+    def wait(self, pending: Pending, stats: StepStats) -> torch.Tensor:
+        """What a begun all-to-all received."""
+        t0 = self.now()
+        recv = pending.wait()
         stats.comm_s += self.now() - t0
         return recv
 
-    def send(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int], recv_sizes: Sequence[int],
-             head: torch.Tensor, stats: StepStats) -> torch.Tensor:
-        """One all-to-all of payload already encoded: to every rank in ``parts_by_dst`` the
-        control header and its parts (an :class:`Outbox` filled at once)."""
+    def send_start(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int],
+                   recv_sizes: Sequence[int], head: torch.Tensor, stats: StepStats) -> Pending:
+        """One all-to-all of payload already encoded, begun: to every rank in ``parts_by_dst``
+        the control header and its parts (an :class:`Outbox` filled at once)."""
         box = self.outbox({dst: [((dst, i), p.numel()) for i, p in enumerate(parts)]
                            for dst, parts in parts_by_dst.items()}, expected, head, stats)
         for dst, parts in parts_by_dst.items():
             for i, part in enumerate(parts):
                 box.put((dst, i), part)
-        return self.post(box, recv_sizes, stats)
+        return self.post_start(box, recv_sizes, stats)
 
     def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> torch.Tensor:
         """The messages of every other rank, ``size`` bytes each in rank order: a (world - 1,
@@ -336,6 +363,15 @@ class GiftReducer:
     def residual_nbytes(self) -> int:
         """Memory held by error feedback (int8 residuals of every payload this rank sends and relays)."""
         return self.feedback.nbytes()
+
+
+def run_steps(steps):
+    """Run a generator of :meth:`GiftReducer.reduce_steps` to its end; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class Outbox:

@@ -3,7 +3,7 @@ few owners (``gift.route``; planned by :func:`plan.plan_route`)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Generator, List, Optional, Tuple
 
 import torch
 
@@ -15,8 +15,9 @@ from .stats import StepStats
 
 
 def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: StepStats, sample: bool,
-                 step: int) -> List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]:
-    """Two balanced all-to-alls instead of one that funnels into a bucket's few owners:
+                 step: int) -> Generator[None, None, List[Tuple[Section, torch.Tensor, Optional[torch.Tensor]]]]:
+    """Two balanced all-to-alls instead of one that funnels into a bucket's few owners (a
+    generator: it yields with each all-to-all under way, see ``GiftReducer.reduce_steps``):
 
     1. every rank cuts each owned section (transformed, error feedback added) into ``world``
        chunks and sends chunk j, encoded, to rank j (its own chunk stays exact); shared
@@ -52,7 +53,10 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                 own_chunks[i] = send_chunks(r, tensor, plan, i, transforms, outbox, stats, sample)
         shared = r.pack(tensor, plan, transforms, stats, sample, step, only_shared=True, outbox=outbox)
         packed.update(shared)
-    recv = r.post(outbox, [0 if src == me else plan.relay_sizes[me] for src in range(world)], stats)
+    pending = r.post_start(outbox, [0 if src == me else plan.relay_sizes[me] for src in range(world)], stats)
+    yield 1  # the chunks under way, the sums' exchange to come (see GiftReducer.reduce_steps)
+    recv = r.wait(pending, stats)
+    del pending
     # 2. relay: sum my chunk of every owned section, and the shared sections I copy
     t0 = r.now()
     incoming = r.split_messages(recv, plan.relay_sizes[me], head, DISAGREE)
@@ -92,8 +96,10 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
         r.encoder.count_sent(sec, wire.numel(), sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
     stats.codec_s += r.now() - t0
-    recv = r.send(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
-                      head, stats)
+    pending = r.send_start(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
+                           head, stats)
+    yield 0  # the sums under way, the last
+    recv = r.wait(pending, stats)
     t0 = r.now()
     totals = owner_totals(r, plan, recv, head, sums, shared_totals, device)
     stats.codec_s += r.now() - t0

@@ -15,6 +15,7 @@ from ..core.formats import Payload, get_format
 from ..core.geometry import Transform
 from .headers import CONTROL_HEADER_BYTES, FINGERPRINT_BYTES, agree_on_plan, expect_control_header
 from .plan import COPY, GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
+from .comm import Pending
 from .reducer import GiftReducer
 from .stats import ByteKind, StepStats, clock
 
@@ -177,6 +178,31 @@ def piece_slices(slices: Sequence[ParamSlice], runs: Carried, outputs: Optional[
             target = outputs[i]
             outs.append(target if target is None or whole else target.narrow(0, at, n))
     return out, outs
+
+
+class Begun:
+    """A generator of ``GiftReducer.reduce_steps`` advanced to its first exchange under way (or
+    to its end, when it has none), then on by :meth:`post_last` and :meth:`result`."""
+
+    def __init__(self, steps) -> None:
+        self._steps, self._value, self._to_come = steps, None, 0
+        self._advance()
+
+    def _advance(self) -> None:
+        try:
+            self._to_come = next(self._steps)
+        except StopIteration as done:
+            self._steps, self._value = None, done.value
+
+    def post_last(self) -> None:
+        """On to its last exchange under way (the relay's sums encoded and sent)."""
+        while self._steps is not None and self._to_come:
+            self._advance()
+
+    def result(self):
+        while self._steps is not None:
+            self._advance()
+        return self._value
 
 
 def slot_group_slices(slices: Sequence[ParamSlice], runs: Carried, ranks_per_node: int,
@@ -382,7 +408,15 @@ class TwoLevelReducer:
     def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
                divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
-        """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks)."""
+        """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks).
+
+        The pieces' work, in the one order both modes run (so stochastic rounding's counter
+        meets the encodes in the same order): piece k+1's node stage begun, piece k's node
+        partial summed, piece k-1's last exchange begun (a relay's sums encoded and sent), piece
+        k's exchange among the nodes begun (its encode, its first all-to-all posted), then piece
+        k-1's exchange finished (the owner's decode and inverse), its results delivered and its
+        forwards begun, piece k-2's forwards finished. Overlapped, every all-to-all runs while the work after it is done; serial, each
+        is waited for as it is posted."""
         agreed = self.plans_agreed
         versions = {key: t.version for key, t in whiteners.items()}
         parts = [piece_slices(slices, runs, outputs)
@@ -392,52 +426,61 @@ class TwoLevelReducer:
         # the node's messages open with the piece's header (a node of one rank sends none)
         heads = [self.inner.checks.control_header(plan, step, device) if self.ranks_per_node > 1 else None
                  for plan, _ in planned]
-        total: Optional[StepStats] = None
-        node_s, node_bytes, among_nodes, busiest_node, forwarding = 0.0, 0, 0, 0, None
-        t0 = clock(device, sample)
-        staged = self._node_stage_start(tensor, planned[0][0], heads[0])
-        node_s += clock(device, sample) - t0
-        for k, ((plan, among), (_, outs)) in enumerate(zip(planned, parts)):
+        acc = {"node_s": 0.0, "bytes": 0, "stats": None}
+        forwarding = [None]  # the forwards under way (of the last piece finished)
+
+        def timed(fn, *args):
             t0 = clock(device, sample)
-            partial, sent = self._node_stage_finish(staged, tensor.dtype)
-            node_bytes += sent
-            ahead = k + 1 < len(planned)
-            if self.overlap and ahead:  # piece k+1's node stage runs beside piece k's exchange
-                staged = self._node_stage_start(tensor, planned[k + 1][0], heads[k + 1])
-            node_s += clock(device, sample) - t0
-            stats = self.inner.reduce(partial, plan.slices, whiteners, divisor=divisor, step=step,
-                                      outputs=plan.outputs_for(outs), sample=sample)
+            out = fn(*args)
+            acc["node_s"] += clock(device, sample) - t0
+            return out
+
+        def finish(k: int, steps: Begun, partial: torch.Tensor) -> None:
+            plan, outs = planned[k][0], parts[k][1]
+            stats = steps.result()
             for compact_at, bucket_at, numel in plan.delivered:
                 tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
-            t0 = clock(device, sample)
-            if forwarding is not None:  # piece k-1's forwards, under way beside piece k's exchange
-                node_bytes += self._forward_finish(forwarding, tensor)
-            forwarding = self._forward_start(tensor, partial, plan, heads[k], outs)
-            if not self.overlap:
-                node_bytes += self._forward_finish(forwarding, tensor)
-                forwarding = None
-                if ahead:
-                    staged = self._node_stage_start(tensor, planned[k + 1][0], heads[k + 1])
-            node_s += clock(device, sample) - t0
+            acc["bytes"] += timed(self._forward_finish, forwarding[0], tensor)
+            forwarding[0] = timed(self._forward_start, tensor, partial, plan, heads[k], outs)
             stats.balanced_buckets = int(plan.split == "balanced")
-            among_nodes += among
-            busiest_node += plan.busiest_node_receive(tensor.element_size())
-            total = stats if total is None else total.add(stats)
-        if forwarding is not None:
-            t0 = clock(device, sample)
-            node_bytes += self._forward_finish(forwarding, tensor)
-            node_s += clock(device, sample) - t0
+            acc["stats"] = stats if acc["stats"] is None else acc["stats"].add(stats)
+
+        staged = timed(self._node_stage_start, tensor, planned[0][0], heads[0])
+        running = None  # (piece, its exchange's steps, its node partial): begun, not finished
+        for k, (plan, _) in enumerate(planned):
+            this = staged
+            if k + 1 < len(planned):  # begun before this piece's sum: the node's links never wait for it
+                staged = timed(self._node_stage_start, tensor, planned[k + 1][0], heads[k + 1])
+            partial, sent = timed(self._node_stage_finish, this, tensor.dtype)
+            acc["bytes"] += sent
+            if running is not None:  # piece k-1's last exchange under way before piece k's first
+                running[1].post_last()
+            steps = Begun(self.inner.reduce_steps(partial, plan.slices, whiteners, divisor=divisor, step=step,
+                                                  outputs=plan.outputs_for(parts[k][1]), sample=sample,
+                                                  wait_at_once=not self.overlap))
+            if running is not None:
+                finish(*running)
+            running = (k, steps, partial)
+        finish(*running)
+        acc["bytes"] += timed(self._forward_finish, forwarding[0], tensor)
+        total = acc["stats"]
         # a bucket counts once, whatever its pieces did (any piece relayed, any split evenly)
         total.relay_buckets, total.balanced_buckets = min(total.relay_buckets, 1), min(total.balanced_buckets, 1)
         total.pieces = len(planned)
-        total.node_s = node_s
-        total.bytes_node = node_bytes
+        total.node_s = acc["node_s"]
+        total.bytes_node = acc["bytes"]
         # new plans: the fingerprints shown inside the node, and among the nodes (every slot group at once)
         node_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.ranks_per_node - 1)
         among_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
+        among_nodes = sum(among for _, among in planned)
+        busiest_node = sum(plan.busiest_node_receive(tensor.element_size()) for plan, _ in planned)
         total.recv_max_internode = among_nodes + among_agreed
         total.recv_max = among_nodes + among_agreed + busiest_node + node_agreed
         return total
+
+    def _begun(self, pending: Pending) -> Pending:
+        """A node all-to-all as the mode runs it: under way (overlapped), or finished (serial)."""
+        return pending if self.overlap else Pending(result=pending.wait())
 
     def _node_stage_start(self, tensor: torch.Tensor, plan: NodePlan, head: Optional[torch.Tensor]):
         """A piece's node stage begun: this rank's own part, and the all-to-all that brings the
@@ -455,9 +498,9 @@ class TwoLevelReducer:
             messages += [head, body]
             sizes.append(CONTROL_HEADER_BYTES + body.numel())
         incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
-        pending = self.node_comm.all_to_all_bytes_start(torch.cat(messages), sizes,
-                                                        [0 if i == me else incoming for i in range(L)],
-                                                        kind=ByteKind.NODE)
+        pending = self._begun(self.node_comm.all_to_all_bytes_start(torch.cat(messages), sizes,
+                                                                    [0 if i == me else incoming for i in range(L)],
+                                                                    kind=ByteKind.NODE))
         return mine, pending, head, incoming, sum(sizes)
 
     def _node_stage_finish(self, staged, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
@@ -508,8 +551,8 @@ class TwoLevelReducer:
         elem = tensor.element_size()
         recv_sizes = [CONTROL_HEADER_BYTES + plan.forward_numel[j][me] * elem if plan.forward_numel[j][me] else 0
                       for j in range(L)]
-        pending = self.node_comm.all_to_all_bytes_start(torch.cat(messages) if messages else head[:0], sizes,
-                                                        recv_sizes, kind=ByteKind.NODE)
+        pending = self._begun(self.node_comm.all_to_all_bytes_start(torch.cat(messages) if messages else head[:0],
+                                                                    sizes, recv_sizes, kind=ByteKind.NODE))
         return pending, plan, head, recv_sizes, outputs, sum(sizes)
 
     def _forward_finish(self, forwarding, tensor: torch.Tensor) -> int:
