@@ -420,7 +420,8 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
     n, w, g = shapes["params"], args.world, min(args.gpus_per_node, args.world)
     tokens = args.tokens_per_gpu
     net = {"world": w, "per_node": g, "nic_bps": nic_gbit * 1e9, "nvlink_bps": args.nvlink_gbyte * 8e9,
-           "alpha_s": args.alpha_us * 1e-6, "ring_eff": args.ring_eff, "alltoall_eff": args.alltoall_eff}
+           "alpha_s": args.alpha_us * 1e-6, "ring_eff": args.ring_eff, "alltoall_eff": args.alltoall_eff,
+           "node_pieces": args.node_pieces, "node_piece_min_elements": args.node_piece_min_elements}
     # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
     # masking not discounted)
     compute = (6 * shapes["matmul"] + 12 * args.layers * args.hidden * args.seq) * tokens \
@@ -476,8 +477,18 @@ def gift_bucket_seconds(path: str, owners: Dict[int, int], b: float, net: dict) 
     nic, nvlink = links[scheme]
     kind = "two_level" if scheme != "by_layout" else "alltoall"
     steps = collective_bytes(kind, 1.0, w, g)["steps"]
-    return (net["alpha_s"] * steps + nic * 8 / net["nic_bps"] / net["alltoall_eff"]
-            + nvlink * 8 / net["nvlink_bps"] / net["ring_eff"])
+    pieces = net.get("node_pieces", 1)
+    if scheme == "by_layout" or pieces <= 1:
+        return (net["alpha_s"] * steps + nic * 8 / net["nic_bps"] / net["alltoall_eff"]
+                + nvlink * 8 / net["nvlink_bps"] / net["ring_eff"])
+    # two-level's pipeline (gift.node_pieces): the layout model's schedule of its pieces' link
+    # stages at the calibrated efficiencies, each collective its latency steps (the codec's
+    # work is its own term of the step, not overlapped here)
+    rates = layout_model.Rates(net["nic_bps"] / 8 * net["alltoall_eff"], net["nvlink_bps"] / 8 * net["ring_eff"],
+                               a2a_s=net["alpha_s"] * max(g - 1, w // g - 1))
+    stages = [layout_model.bucket_stages(o, w, g, b, rates)[scheme]
+              for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
+    return layout_model.scheme_seconds(stages, rates, overlap=True)
 
 
 def saving_pct(entry, base_path: str, args, shapes, ratios, gbit: float) -> float:
@@ -563,6 +574,9 @@ def main(argv=None) -> dict:
                    help="network rate per GPU (one NIC each), Gbit/s each way")
     g.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
     g.add_argument("--alpha-us", type=float, default=10.0, help="latency per collective step")
+    g.add_argument("--node-pieces", type=int, default=4, help="gift.node_pieces: two-level's pipeline (1: its "
+                                                              "stages one after another)")
+    g.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
     g.add_argument("--ring-eff", type=float, help="link efficiency of ring collectives (default: the calibrated "
                                                   "one with --calibration, else 1)")
     g.add_argument("--alltoall-eff", type=float, help="link efficiency of all-to-all (default: the calibrated "
