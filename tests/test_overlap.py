@@ -233,3 +233,23 @@ def test_the_node_partial_is_the_ordered_fp32_sum_of_the_local_ranks_in_both_ker
             got = torch.empty(n)
             codec.decode_sum(Payload(codec.name, torch.Size((n,)), rows), got, own=mine, own_at=me)
             assert torch.equal(got, want), (kernels, me)
+
+
+def test_the_layout_model_runs_the_reducers_order_and_finds_the_paced_runs_times():
+    # benchmarks/layout_model.py's pipeline, on the paced test's shape (every all-to-all T, direct
+    # route, nothing computed): serial 2 P T, pipelined (P + 1) T, what the real ranks took above;
+    # a slower NIC sets the time (the node stages hide behind it), a slower node link likewise
+    from benchmarks.layout_model import Rates, Stage, scheme_seconds
+
+    T, P = 0.25, 4
+    rates = Rates(nic_bps=1.0, nvlink_bps=1.0)
+    stages = [Stage(node=T, node_steps=1, nic=((T, 1),)) for _ in range(P)]
+    assert scheme_seconds(stages, rates, overlap=False) == pytest.approx(2 * P * T)
+    assert scheme_seconds(stages, rates, overlap=True) == pytest.approx((P + 1) * T)
+    slow_nic = [Stage(node=T, node_steps=1, nic=((3 * T, 1),)) for _ in range(P)]
+    assert scheme_seconds(slow_nic, rates, overlap=True) == pytest.approx(T + 3 * T * P)
+    slow_node = [Stage(node=3 * T, node_steps=1, nic=((T, 1),)) for _ in range(P)]
+    assert scheme_seconds(slow_node, rates, overlap=True) == pytest.approx(3 * T * P + T)
+    # a relay's second hop waits for its sums on the GPU: the GPU's stream is in the chain too
+    relay = [Stage(node=T, node_steps=1, nic=((T, 1), (T, 1)), relay_s=T) for _ in range(P)]
+    assert 2 * P * T <= scheme_seconds(relay, rates, overlap=True) < scheme_seconds(relay, rates, overlap=False)
