@@ -441,7 +441,8 @@ def traffic_rates(path: str, args) -> Rates:
     """``Rates`` with the codec's counted traffic (``benchmarks/codec_traffic.py --json``, the
     fp8_e4m3/128 rows in ``--kernels`` mode): encode bytes and kernels per element, and the
     decode-and-sum's bytes per element as a line in the senders S (fitted through its rows)."""
-    rows = [r for r in json.loads(open(path).read())["rows"] if r["case"] == "fp8_e4m3/128" and r["mode"] == args.kernels]
+    rows = [r for r in json.loads(open(path).read())["rows"]
+            if r["case"] == "fp8_e4m3/128" and r["mode"] == args.kernels]
     encode = next(r for r in rows if r["op"] == "encode")
     decodes = sorted((int(r["op"].split("=")[1]), r["bytes_per_element"]) for r in rows
                      if r["op"].startswith("decode_sum"))
@@ -505,13 +506,16 @@ def main(argv=None) -> List[dict]:
                                                     "two_level_by_layout", "rounds", "two_level_rounds")]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {r['buckets']} | {r['owners_min']}-{r['owners_max']} | "
               f"{r['bf16_nic_gb']:.2f} | {' | '.join(cells)} |")
-    counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} traffic at {args.hbm_tbs:g} TB/s x "
-               f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
-               f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}" if args.codec_traffic else "GIFT's compute not counted")
+    counted = "GIFT's compute not counted"
+    if args.codec_traffic:
+        counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} traffic at {args.hbm_tbs:g} TB/s x "
+                   f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
+                   f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}")
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
-          f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole buckets with its stages one "
-          f"after another (serial) and as the pipeline of gift.node_pieces {args.node_pieces} (pieces of at least "
-          f"{args.node_piece_min_elements} elements), and what the new exchange holds per GPU:")
+          f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole "
+          f"buckets with its stages one after another (serial) and as the pipeline of gift.node_pieces "
+          f"{args.node_pieces} (pieces of at least {args.node_piece_min_elements} elements), and what the new exchange "
+          "holds per GPU:")
     print("| model | W | G | bf16 ms | flat by_layout | two-level by_layout serial | two-level by_layout |"
           " ZeRO-1 rounds | ZeRO-1 rounds two-level serial | ZeRO-1 rounds two-level | holds GB (+EF residuals) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")

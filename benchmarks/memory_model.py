@@ -371,12 +371,12 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
                                                                           design.relay_keeps_chunks))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
     if two_level:  # the node stage: a piece in the bucket's dtype out and in, the fp32 node partial of a slot's
-        # share of it (the exchange's phases stay the whole bucket's: a piece holds at most its parts); beside
-        # piece k's exchange the pipeline holds piece k+1's node stage in flight as well
+        # share of it; the pipeline holds two pieces' partials and exchanges at once (the exchange's phases stay
+        # the whole bucket's: two pieces hold at most its parts) and the next piece's node stage in flight
         biggest = max(sum(o.values()) for o in layout) * run.per_node
         pieces = max(1, min(run.node_pieces, int(biggest) // run.node_piece_min_elements))
-        piece = biggest / pieces
-        node = 2 * run.params_bytes * piece * (2 if pieces > 1 else 1) + 4 * piece / run.per_node
+        piece, held = biggest / pieces, (2 if pieces > 1 else 1)
+        node = 2 * run.params_bytes * piece * held + 4 * piece / run.per_node * held
         phases = [x + node for x in phases]
     out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
     out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0

@@ -116,8 +116,9 @@ def _pieces_body(rank, world, per_node):
     out = {}
 
     def run(fmt, route, pieces, overlap, whitened, steps=2):
-        inner = GiftReducer(slot_comm, formats.get_format(fmt, rounding="stochastic" if fmt == "fp8_e4m3" else "nearest"),
-                            generator=CounterRng(7 + rank), error_feedback=fmt == "fp8_e4m3", route=route)
+        rounding = "stochastic" if fmt == "fp8_e4m3" else "nearest"
+        inner = GiftReducer(slot_comm, formats.get_format(fmt, rounding=rounding), generator=CounterRng(7 + rank),
+                            error_feedback=fmt == "fp8_e4m3", route=route)
         two = TwoLevelReducer(node_comm, inner, per_node, pieces=pieces, piece_min_elements=200, overlap=overlap)
         got, slices = [], _bucket(whitened)[0]
         for step in range(steps):

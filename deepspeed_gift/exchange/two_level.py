@@ -415,8 +415,9 @@ class TwoLevelReducer:
         partial summed, piece k-1's last exchange begun (a relay's sums encoded and sent), piece
         k's exchange among the nodes begun (its encode, its first all-to-all posted), then piece
         k-1's exchange finished (the owner's decode and inverse), its results delivered and its
-        forwards begun, piece k-2's forwards finished. Overlapped, every all-to-all runs while the work after it is done; serial, each
-        is waited for as it is posted."""
+        forwards begun, piece k-2's forwards finished. Overlapped, every all-to-all runs while the
+        work after it is done; serial, each is waited for as it is posted. Held at once: two
+        pieces' node partials and exchanges, the next piece's node stage, one piece's forwards."""
         agreed = self.plans_agreed
         versions = {key: t.version for key, t in whiteners.items()}
         parts = [piece_slices(slices, runs, outputs)
