@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.scale_model import set_gift_keys  # noqa: E402
 from launch.pretrain import read_metrics  # noqa: E402
 IFNAME = "gift0"  # the host side of every link (each in its own namespace, so one name serves all)
+UPLINK = "uplink"  # the host link, when the ranks of a host have namespaces and in-host links of their own
 DEFAULT_CONFIGS = [
     "ds_configs/bf16_baseline_zero2.json",
     "ds_configs/euclid_fp8_e4m3_block_zero2.json",
@@ -100,17 +101,30 @@ class Cluster:
     ``subnet``+i+1) on a bridge in ``<prefix>-switch``. Use as a context manager; ``close``
     deletes every namespace it made (their veths go with them)."""
 
-    def __init__(self, prefix: str, hosts: int, subnet: str) -> None:
+    def __init__(self, prefix: str, hosts: int, subnet: str, ranks_per_host: int = 1, in_host: bool = False) -> None:
         net = ipaddress.ip_network(subnet)
-        if net.num_addresses < hosts + 2:
-            raise ValueError(f"--subnet {subnet} has room for {net.num_addresses - 2} hosts, need {hosts}")
+        ends = hosts * ranks_per_host if in_host else hosts
+        if net.num_addresses < ends + 2:
+            raise ValueError(f"--subnet {subnet} has room for {net.num_addresses - 2} addresses, need {ends}")
         self.prefix = prefix
         self.hosts = [f"{prefix}-h{i}" for i in range(hosts)]
         self.switch = f"{prefix}-switch"
-        self.addrs = [str(net.network_address + i + 1) for i in range(hosts)]
         self.prefixlen = net.prefixlen
         self.created: List[str] = []
         self.sleepers: List[subprocess.Popen] = []
+        # in_host: every rank in a namespace of its own (``<prefix>-h<i>r<j>``), joined to its
+        # host's bridge by a link of its own (the in-host link, NVLink's stand-in); the host's
+        # namespace holds that bridge and the host link (``uplink``) to the switch
+        self.in_host, self.ranks_per_host = in_host, ranks_per_host
+        self.ranks = ([f"{h}r{j}" for h in self.hosts for j in range(ranks_per_host)] if in_host
+                      else [h for h in self.hosts for _ in range(ranks_per_host)])
+        self.addrs = [str(net.network_address + i + 1) for i in range(ends)]  # per host, or per rank (in_host)
+
+    def rank_namespace(self, rank: int) -> str:
+        return self.ranks[rank]
+
+    def rank_addr(self, rank: int) -> str:
+        return self.addrs[rank if self.in_host else rank // self.ranks_per_host]
 
     def __enter__(self) -> "Cluster":
         left = namespaces_with_prefix(self.prefix)
@@ -131,37 +145,65 @@ class Cluster:
         run_cmd(["ip", "netns", "add", name])
         self.created.append(name)
 
+    def _bridge(self, ns: str) -> None:
+        run_cmd(["ip", "-n", ns, "link", "add", "br0", "type", "bridge"])
+        run_cmd(["ip", "-n", ns, "link", "set", "br0", "up"])
+
+    def _link(self, ns: str, dev: str, bridge_ns: str, port: str, addr: Optional[str]) -> None:
+        """A veth from ``dev`` in ``ns`` to ``port`` on ``bridge_ns``'s bridge; ``addr`` on ``dev``
+        (None: ``dev`` joins ``ns``'s own bridge)."""
+        run_cmd(["ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", bridge_ns])
+        run_cmd(["ip", "-n", bridge_ns, "link", "set", port, "master", "br0"])
+        run_cmd(["ip", "-n", bridge_ns, "link", "set", port, "up"])
+        if addr is None:
+            run_cmd(["ip", "-n", ns, "link", "set", dev, "master", "br0"])
+        else:
+            run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/{self.prefixlen}", "dev", dev])
+        run_cmd(["ip", "-n", ns, "link", "set", dev, "up"])
+        run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+
     def _create(self) -> None:
         self._ns(self.switch)
-        run_cmd(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
-        run_cmd(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+        self._bridge(self.switch)
         for r, host in enumerate(self.hosts):
             self._ns(host)
-            run_cmd(["ip", "link", "add", IFNAME, "netns", host, "type", "veth", "peer", "name", f"port{r}",
-                     "netns", self.switch])
-            run_cmd(["ip", "-n", self.switch, "link", "set", f"port{r}", "master", "br0"])
-            run_cmd(["ip", "-n", self.switch, "link", "set", f"port{r}", "up"])
-            run_cmd(["ip", "-n", host, "addr", "add", f"{self.addrs[r]}/{self.prefixlen}", "dev", IFNAME])
-            run_cmd(["ip", "-n", host, "link", "set", IFNAME, "up"])
-            run_cmd(["ip", "-n", host, "link", "set", "lo", "up"])
+            if self.in_host:
+                self._bridge(host)
+                self._link(host, UPLINK, self.switch, f"port{r}", None)
+                for j in range(self.ranks_per_host):
+                    rank = r * self.ranks_per_host + j
+                    self._ns(self.ranks[rank])
+                    self._link(self.ranks[rank], IFNAME, host, f"rport{j}", self.addrs[rank])
+            else:
+                self._link(host, IFNAME, self.switch, f"port{r}", self.addrs[r])
             # a process that lives in the namespace for the cluster's life: /proc/<pid>/net/dev
             # is then that namespace's interface table, readable from here without entering it
             # (own session: a Ctrl-C for this script must not kill it before teardown reads it)
             self.sleepers.append(subprocess.Popen(["ip", "netns", "exec", host, "sleep", "1000000"],
                                                   start_new_session=True))
 
-    def set_link(self, bps: Optional[float], delay_ms: float) -> None:
-        """Limit every host's link to ``bps`` each way (host egress on ``gift0``, host ingress
-        as the switch port's egress) and add ``delay_ms`` one-way delay on host egress."""
+    def set_link(self, bps: Optional[float], delay_ms: float, in_host_bps: Optional[float] = None) -> None:
+        """Limit every host's link to ``bps`` each way (host egress on ``gift0`` or ``uplink``,
+        host ingress as the switch port's egress) and add ``delay_ms`` one-way delay on host
+        egress; with ranks in namespaces of their own, every rank's in-host link to ``in_host_bps``
+        each way (rank egress on ``gift0``, ingress as its host-bridge port's egress)."""
+        def shape(ns: str, dev: str, rate: Optional[float]) -> None:
+            run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+            if rate is not None:
+                run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:"]
+                        + tbf_args(rate))
+
+        out = UPLINK if self.in_host else IFNAME
         for r, host in enumerate(self.hosts):
-            for ns, dev in ((host, IFNAME), (self.switch, f"port{r}")):
-                run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
-                if bps is not None:
-                    run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:"]
-                            + tbf_args(bps))
+            for ns, dev in ((host, out), (self.switch, f"port{r}")):
+                shape(ns, dev, bps)
+            if self.in_host:
+                for j in range(self.ranks_per_host):
+                    shape(self.ranks[r * self.ranks_per_host + j], IFNAME, in_host_bps)
+                    shape(host, f"rport{j}", in_host_bps)
             if delay_ms > 0:
                 parent = ["parent", "1:1"] if bps is not None else ["root"]
-                p = run_cmd(["ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", IFNAME] + parent
+                p = run_cmd(["ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", out] + parent
                             + ["handle", "10:", "netem", "delay", f"{delay_ms}ms", "limit", "100000"], check=False)
                 if p.returncode != 0:
                     raise RuntimeError(f"--delay-ms {delay_ms}: tc netem failed ({p.stderr.strip()}); this kernel "
@@ -174,12 +216,12 @@ class Cluster:
             with open(f"/proc/{sleeper.pid}/net/dev") as f:
                 for line in f:
                     name, _, rest = line.partition(":")
-                    if name.strip() == IFNAME:
+                    if name.strip() == (UPLINK if self.in_host else IFNAME):
                         v = rest.split()
                         out.append({"rx": int(v[0]), "tx": int(v[8])})
                         break
                 else:
-                    raise RuntimeError(f"{IFNAME} not found in /proc/{sleeper.pid}/net/dev")
+                    raise RuntimeError(f"the host link not found in /proc/{sleeper.pid}/net/dev")
             with open(f"/proc/{sleeper.pid}/net/snmp") as f:
                 tcp = [line.split()[1:] for line in f if line.startswith("Tcp:")]
             out[-1]["retrans"] = int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
@@ -284,9 +326,9 @@ def run_job(cluster: Cluster, config: str, args, port: int, workdir: str) -> dic
     t_start = time.time()
     try:
         for r in range(args.ranks):  # ranks r*G .. r*G+G-1 share host r // G: a node of G GPUs
-            host = cluster.hosts[r // args.ranks_per_host]
+            host = cluster.rank_namespace(r)
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r % args.ranks_per_host),
-                       LOCAL_WORLD_SIZE=str(args.ranks_per_host), MASTER_ADDR=cluster.addrs[0],
+                       LOCAL_WORLD_SIZE=str(args.ranks_per_host), MASTER_ADDR=cluster.rank_addr(0),
                        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS=str(args.threads),
                        PYTHONUNBUFFERED="1")
             log = open(os.path.join(workdir, f"rank{r}_{port}.log"), "w")
@@ -417,6 +459,10 @@ def main(argv=None) -> dict:
     p.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks sharing a host and its link (a node of G GPUs; they talk to each other "
                         "inside the host's namespace, off the link)")
+    p.add_argument("--in-host-times", type=float,
+                   help="with --ranks-per-host > 1: every rank in a namespace of its own, joined to its host's "
+                        "bridge by an in-host link of this many times the host link's rate (8: NVLink against a "
+                        "NIC); default: the ranks of a host share its namespace, unshaped loopback between them")
     p.add_argument("--bandwidths", nargs="+", default=DEFAULT_BANDWIDTHS,
                    help="link rate each way: 100mbit, 1gbit, ..., or unlimited")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay on each host's egress")
@@ -464,7 +510,10 @@ def main(argv=None) -> dict:
     signal.signal(signal.SIGTERM, interrupt)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be >= 1")
+    if args.in_host_times is not None and (args.ranks_per_host < 2 or args.in_host_times <= 0):
+        p.error(f"--in-host-times {args.in_host_times}: needs --ranks-per-host >= 2 and a rate factor > 0")
     results = {"preset": args.preset, "ranks": args.ranks, "ranks_per_host": args.ranks_per_host,
+               "in_host_times": args.in_host_times,
                "steps": args.steps, "skip": args.skip,
                "repeats": args.repeats,
                "delay_ms": args.delay_ms, "threads": args.threads, "configs": [config_label(c) for c in args.configs],
@@ -494,9 +543,11 @@ def main(argv=None) -> dict:
 
 def run_all(args, rates, results: dict, workdir: str, port: int) -> None:
     """Every bandwidth x repeat x config on one cluster, set up and torn down here."""
-    with Cluster(args.prefix, args.ranks // args.ranks_per_host, args.subnet) as cluster:
+    in_host = args.in_host_times is not None
+    with Cluster(args.prefix, args.ranks // args.ranks_per_host, args.subnet, args.ranks_per_host,
+                 in_host) as cluster:
         for bps, text in zip(rates, args.bandwidths):
-            cluster.set_link(bps, args.delay_ms)
+            cluster.set_link(bps, args.delay_ms, bps * args.in_host_times if in_host and bps else None)
             runs: Dict[str, List[dict]] = {c: [] for c in args.configs}
             for rep in range(args.repeats):  # configs interleaved, so a slow spell of the machine hits all
                 for config in args.configs:

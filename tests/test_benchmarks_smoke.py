@@ -165,16 +165,17 @@ def _netns_usable() -> str:
 
 
 @pytest.mark.slow  # namespaces, tc shaping and fresh interpreters per rank: long by nature
-@pytest.mark.parametrize("ranks,per_host", [(2, 1), (4, 2)])
-def test_netns_cluster_smoke(tmp_path, ranks, per_host):
-    """Hosts in namespaces at 1 Gbit/s, one rank each or two sharing a host's link: bf16 and GIFT
-    fp8 run and the bytes on each host's link are what the two-level model says (a ring's
-    per-host traffic does not grow with ranks per host, the flat all-to-all's does); a job
-    that fails is reported, the run exits 1, and nothing is left behind."""
+@pytest.mark.parametrize("ranks,per_host,in_host", [(2, 1, None), (4, 2, None), (4, 2, 8)])
+def test_netns_cluster_smoke(tmp_path, ranks, per_host, in_host):
+    """Hosts in namespaces at 1 Gbit/s, one rank each or two sharing a host's link (in the host's
+    namespace, or each in its own behind a shaped in-host link): bf16 and GIFT fp8 run and the
+    bytes on each host's link are what the two-level model says (a ring's per-host traffic does
+    not grow with ranks per host, the flat all-to-all's does); a job that fails is reported, the
+    run exits 1, and nothing is left behind."""
     why = _netns_usable()
     if why:
         pytest.skip(why)
-    prefix = f"gifttest{os.getpid() % 10000}r{ranks}"
+    prefix = f"gifttest{os.getpid() % 10000}r{ranks}{'i' if in_host else ''}"
     out = tmp_path / "netns.json"
     configs = ["ds_configs/bf16_baseline_zero2.json", "ds_configs/gift_fp8_zero2.json"]
     if per_host == 1:
@@ -186,7 +187,8 @@ def test_netns_cluster_smoke(tmp_path, ranks, per_host):
     proc = subprocess.run([sys.executable, "benchmarks/netns_cluster.py", "--preset", "tiny", "--steps", "24",
                            "--skip", "4", "--bandwidths", "1gbit", "--repeats", "1", "--prefix", prefix,
                            "--ranks", str(ranks), "--ranks-per-host", str(per_host), "--timeout", "240",
-                           "--configs", *configs, "--json", str(out)],
+                           "--configs", *configs, "--json", str(out)]
+                          + (["--in-host-times", str(in_host)] if in_host else []),
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in left, left
@@ -196,7 +198,7 @@ def test_netns_cluster_smoke(tmp_path, ranks, per_host):
     else:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["params"] == N_TINY and data["ranks_per_host"] == per_host
+    assert data["params"] == N_TINY and data["ranks_per_host"] == per_host and data["in_host_times"] == in_host
     pts = {p["config"]: p for p in data["points"]}
     if per_host == 1:
         assert pts["bad"]["status"] == "failed" and "stage" in pts["bad"]["log_tail"]
