@@ -124,12 +124,13 @@ class GiftReducer:
 
     def reduce_steps(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
                      divisor: float, step: int = 0, outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                     sample: bool = False, wait_at_once: bool = False):
+                     sample: bool = False, wait_at_once: bool = False, fidelity_elements: Optional[int] = None):
         """:meth:`reduce` as a generator that yields whenever an exchange is under way (after
         posting it, before waiting for it) the number of exchanges still to come after it (the
         relay: 1, then 0), and returns the stats: a caller runs other work there (two-level: the
         next piece's node stage and encode). ``wait_at_once``: every exchange waited for as it
-        is posted (the same work in the same order, nothing under way)."""
+        is posted (the same work in the same order, nothing under way). ``fidelity_elements``:
+        the sampled check's elements per owner for this call (a piece of a bucket: its share)."""
         self._wait_at_once = wait_at_once
         agreed = self.plans_agreed
         plan = self.plan_for(slices, {key: t.version for key, t in whiteners.items()})  # the plan names the fits
@@ -137,7 +138,8 @@ class GiftReducer:
         # sampled steps (a wait per section), not on ordinary ones (then left out of telemetry).
         self._timing = (tensor.device, sample)
         stats = StepStats(sampled=sample, timed=sample or tensor.device.type == "cpu")
-        exact = (exact_sample_reduction(self.comm, tensor, plan, divisor, stats, self.fidelity_elements)
+        exact = (exact_sample_reduction(self.comm, tensor, plan, divisor, stats,
+                                        fidelity_elements or self.fidelity_elements)
                  if sample else None)
         stats.recv_max, stats.recv_max_internode = plan.recv_max, plan.recv_max_internode
         if self.plans_agreed != agreed:  # the plan was new: every rank showed the others its fingerprint

@@ -428,6 +428,8 @@ class TwoLevelReducer:
         heads = [self.inner.checks.control_header(plan, step, device) if self.ranks_per_node > 1 else None
                  for plan, _ in planned]
         acc = {"node_s": 0.0, "bytes": 0, "stats": None}
+        # the sampled fidelity check takes a bucket's sample over its pieces, not one per piece
+        sampled = max(1, self.inner.fidelity_elements // len(planned))
         forwarding = [None]  # the forwards under way (of the last piece finished)
 
         def timed(fn, *args):
@@ -458,7 +460,7 @@ class TwoLevelReducer:
                 running[1].post_last()
             steps = Begun(self.inner.reduce_steps(partial, plan.slices, whiteners, divisor=divisor, step=step,
                                                   outputs=plan.outputs_for(parts[k][1]), sample=sample,
-                                                  wait_at_once=not self.overlap))
+                                                  wait_at_once=not self.overlap, fidelity_elements=sampled))
             if running is not None:
                 finish(*running)
             running = (k, steps, partial)
