@@ -63,8 +63,6 @@ def _check_engine(engine, cfg: GiftConfig):
                     f"{stage2}set data_types.grad_accum_dtype to \"bf16\")")
         raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}{hint}")
     _probe_internals(opt)
-    _require(opt.contiguous_gradients, "gift.enabled: needs zero_optimization.contiguous_gradients true "
-             "(the default); it is false in this config")
     _require(not opt.cpu_offload, "gift.enabled: ZeRO offload_optimizer is not supported with GIFT; "
              "remove zero_optimization.offload_optimizer or set gift.enabled to false")
     _require(not getattr(opt, "has_moe_layers", False),
@@ -95,6 +93,8 @@ ZERO_INTERNALS = (
     # the ZeRO-1 rounds (gift.stage1_rounds)
     "reduce_gradients", "partition_gradients", "get_gradient_for_reduction", "get_param_comm_dtype",
     "reduce_bucket_size",
+    # contiguous_gradients false: DeepSpeed's reduction of gradients that do not share a buffer
+    "buffered_reduce_fallback", "_clear_previous_reduced_grads",
 )
 
 
@@ -477,11 +477,16 @@ class GiftState:
             return self.native_average_tensor(tensor, communication_data_type)
         if self._reduced_in_rounds:  # the bucket holds what the rounds reduced: nothing left to do
             return None
-        opt = self.opt
-        bucket = opt.ipg_buckets[communication_data_type]
+        self.reduce_flat(tensor, self.opt.ipg_buckets[communication_data_type].params, communication_data_type)
+
+    def reduce_flat(self, tensor: torch.Tensor, params, communication_data_type: torch.dtype) -> None:
+        """Reduce a flat bucket of the gradients of ``params`` (DeepSpeed's ``(group, index in
+        group, param id)``, in the bucket's order): each owner's slices get the reduced sum (and
+        DeepSpeed's compact fp32 partition, where it keeps one, has it added)."""
+        k, opt = self.k, self.opt
         slices, outputs, whiteners = [], [], {}
         offset = 0
-        for group_idx, param_idx, param_id in bucket.params:
+        for group_idx, param_idx, param_id in params:
             param = opt.bit16_groups[group_idx][param_idx]
             numel = param.numel()
             mode, whitener = self.mode_of(param_id)
@@ -506,6 +511,47 @@ class GiftState:
             stats = self.reducer.reduce(tensor, slices, whiteners, divisor=divisor, step=k,
                                         outputs=outputs, sample=self.sampling(k))
         self._count(stats)
+
+    def reduce_fallback(self, native, rank, grads, communication_data_type: torch.dtype, *args, **kwargs):
+        """DeepSpeed's reduction of a bucket whose gradients do not share one buffer
+        (``contiguous_gradients: false``: ``buffered_reduce_fallback``, and its variant that adds
+        into an fp32 partition): an all-reduce of their flattened copy, copied back into each.
+        GIFT reduces the flattened copy as a bucket instead and copies it back: every owner's
+        slices hold the reduced sum, which is all DeepSpeed reads of them (each rank's step takes
+        its partition's slices; stage 2 drops the gradients of parameters outside it)."""
+        k = self.k
+        if k < 0 or rank is not None:
+            return native(rank, grads, communication_data_type, *args, **kwargs)
+        if self._reduced_in_rounds:  # the gradients hold what the rounds reduced
+            return None
+        opt = self.opt
+        params = list(opt.ipg_buckets[communication_data_type].params)
+        if len(params) != len(grads) or any(
+                g.numel() != opt.bit16_groups[gi][pi].numel() for g, (gi, pi, _) in zip(grads, params)):
+            raise RuntimeError(f"deepspeed_gift: DeepSpeed hands {len(grads)} gradients to reduce, its bucket lists "
+                               f"{len(params)} parameters of other sizes; the bucket layout is not what GIFT expects")
+        if opt.overlap_comm:  # as DeepSpeed's allreduce_and_copy: the last bucket's dropped gradients go now
+            from deepspeed.accelerator import get_accelerator
+
+            if not get_accelerator().resolves_data_dependency():
+                get_accelerator().synchronize()
+            opt._clear_previous_reduced_grads()
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+        if flat is None:
+            return None
+        self.reduce_flat(flat, params, communication_data_type)
+        offset = 0
+        for g in grads:
+            g.view(-1).copy_(flat.narrow(0, offset, g.numel()))
+            offset += g.numel()
+        return None
+
+    def reduce_fallback_preserving_fp32(self, native, grads, grad_params, communication_data_type: torch.dtype,
+                                        *args, **kwargs):
+        """The fp32-partition variant of :meth:`reduce_fallback` (``grad_accum_dtype`` fp32)."""
+        if self.k < 0:
+            return native(grads, grad_params, communication_data_type, *args, **kwargs)
+        return self.reduce_fallback(None, None, grads, communication_data_type)
 
     # ---- ZeRO-1: the step's reduction in balanced rounds (gift.stage1_rounds) -------------
     def _divisor(self) -> float:
@@ -860,6 +906,18 @@ def attach(engine) -> Optional[GiftState]:
         return state.reduce_gradients(native_reduce, *args, **kwargs)
 
     _replace(state, state.opt, "reduce_gradients", reduce_gradients)
+    native_fallback = state.opt.buffered_reduce_fallback
+
+    def buffered_reduce_fallback(rank, grads, *args, **kwargs):
+        return state.reduce_fallback(native_fallback, rank, grads, *args, **kwargs)
+
+    _replace(state, state.opt, "buffered_reduce_fallback", buffered_reduce_fallback)
+    native_preserving = getattr(state.opt, "_buffered_reduce_fallback_preserving_fp32", None)
+    if native_preserving is not None:
+        def preserving(grads, grad_params, *args, **kwargs):
+            return state.reduce_fallback_preserving_fp32(native_preserving, grads, grad_params, *args, **kwargs)
+
+        _replace(state, state.opt, "_buffered_reduce_fallback_preserving_fp32", preserving)
     if state.params is not None:
         native_opt_step = state.opt.step
 
