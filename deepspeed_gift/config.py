@@ -204,7 +204,7 @@ class GiftConfig(_GiftModel):
 
     enabled: bool = True
     """``false`` leaves DeepSpeed's own gradient reduction untouched (as a missing block does).
-    When on, GIFT needs ZeRO stage 1 or 2 and no optimizer offload."""
+    When on, GIFT needs DeepSpeed's ZeRO stage 1 or 2 optimizer (optimizer offload to the host included)."""
 
     format: FormatName = "fp8_e4m3"
     """Wire format of the gradients: ``fp8_e4m3``/``fp8_e5m2`` (1 B per element + scales),

@@ -63,8 +63,6 @@ def _check_engine(engine, cfg: GiftConfig):
                     f"{stage2}set data_types.grad_accum_dtype to \"bf16\")")
         raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}{hint}")
     _probe_internals(opt)
-    _require(not opt.cpu_offload, "gift.enabled: ZeRO offload_optimizer is not supported with GIFT; "
-             "remove zero_optimization.offload_optimizer or set gift.enabled to false")
     _require(not getattr(opt, "has_moe_layers", False),
              "gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert parameters over "
              "expert-data-parallel groups of their own, in buckets shared with the dense parameters, and GIFT's "
