@@ -335,6 +335,7 @@ class Run:
     fidelity_elements: int = 65536
     sampled_versions: Optional[int] = None  # plan versions a sampled step used (None: a long run, cache full)
     optimizer_state: bool = True  # the worst refresh step has Adam state to capture (not so at step 0)
+    offload: bool = False  # zero_optimization.offload_optimizer {"device": "cpu"}
     node_pieces: int = 4  # gift.node_pieces: two-level's pipeline
     node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
 
@@ -499,13 +500,28 @@ def param_gather_bytes(params: int, run: Run, design: Design) -> float:
     return run.params_bytes * part + (run.world + 2) * codec.nbytes(part)
 
 
-def zero2_memory(params: int, run: Run) -> Dict[str, float]:
-    """DeepSpeed ZeRO-2's own bytes per rank (see the module docstring)."""
-    w = run.world
-    out = {"replicas": run.params_bytes * params, "fp32_master": 4 * params / w, "adam": 8 * params / w,
-           "grad_partition": run.params_bytes * params / w + 4 * params / w,
-           "reduce_bucket": run.params_bytes * run.bucket * (2 if run.overlap_comm else 1)}
+def zero2_memory(params: int, run: Run, largest: int = 0) -> Dict[str, float]:
+    """DeepSpeed ZeRO-2's own bytes per rank on the device (see the module docstring). With
+    ``run.offload`` (``offload_optimizer: {"device": "cpu"}``, as ``stage_1_and_2.py`` allocates
+    it): the fp32 master partition, its gradient, Adam's moments, the bf16 copy of the partition
+    and the buffers that accumulate this partition's gradients across micro-steps live on the
+    host (``host``, not in ``total``); the device keeps the replicas, the bucket (two: offload
+    forces contiguous gradients, and ``overlap_comm`` swaps them) and a buffer of the largest
+    parameter (``largest`` elements) that gradients pass through on their way out."""
+    w, pb = run.world, run.params_bytes
+    if not run.offload:
+        out = {"replicas": pb * params, "fp32_master": 4 * params / w, "adam": 8 * params / w,
+               "grad_partition": pb * params / w + 4 * params / w,
+               "reduce_bucket": pb * run.bucket * (2 if run.overlap_comm else 1)}
+        out["total"] = sum(out.values())
+        return out
+    out = {"replicas": pb * params, "reduce_bucket": pb * run.bucket * (2 if run.overlap_comm else 1),
+           "offload_staging": pb * largest}
     out["total"] = sum(out.values())
+    # host: fp32 master + its gradient + Adam (16 B), the bf16 partition copy, the accumulation
+    # buffers (whole parameters of the partition: about a partition and one parameter more) and
+    # the host's buffer of the largest parameter
+    out["host"] = (16 + pb) * params / w + pb * (params / w + largest) + pb * largest
     return out
 
 
@@ -527,6 +543,23 @@ def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: in
                              "design": design.name, "gift": gift, "zero2": zero,
                              "peak_over_zero2": gift["peak"] / zero["total"]})
     return rows
+
+
+def print_offload(args, design: Design) -> None:
+    """ZeRO-Offload: GIFT's peak extra (on the device, where all of GIFT's state lives) against
+    what ZeRO-2 keeps on the device, and what it keeps on the host, flat, README block."""
+    print(f"\nZeRO-Offload (offload_optimizer cpu), flat, README block, design {design.name}: GIFT's peak extra / "
+          "ZeRO-2's own on the device (GiB), and ZeRO-2's host memory per rank")
+    print("| model | W | GIFT peak GiB | ZeRO-2 device GiB | peak / ZeRO-2 device | ZeRO-2 host GiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        config = MODELS[name]
+        shape = model_shape(config)
+        for world in WORLDS:
+            run = Run(world=world, bucket=int(args.bucket), allgather_bucket=int(args.allgather_bucket), offload=True)
+            gift, zero = gift_memory(config, run, design), zero2_memory(shape.params, run, max(shape.sizes))
+            print(f"| {name} | {world} | {gift['peak'] / GIB:.2f} | {zero['total'] / GIB:.2f} | "
+                  f"{100 * gift['peak'] / zero['total']:.1f}% | {zero['host'] / GIB:.2f} |")
 
 
 def print_table(rows: List[dict], before: Optional[List[dict]] = None) -> None:
@@ -602,6 +635,7 @@ def main(argv=None) -> List[dict]:
         if "70B" in args.models.split(","):
             print(f"70B: components that still grow with N or in^2 (design {design.name}): "
                   f"{', '.join(grows_with(design)) or 'none'}")
+        print_offload(args, design)
         rows += these
     write_json(args.json, rows)
     return rows
