@@ -297,3 +297,27 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         result["loss_scale"] = float(engine.optimizer.cur_scale)
     torch.distributed.barrier()
     return result
+
+
+# FP8 + kfac with stochastic rounding and error feedback, refreshed every 2 steps: every piece of
+# GIFT's state that a checkpoint carries is in use
+FP8_KFAC_EF = {"format": "fp8_e4m3", "rounding": "stochastic", "error_feedback": True, "layers": "all",
+               "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1}}
+
+
+def resumed_as_uninterrupted(base: dict, save_dir: str, save_at: int, others=()):
+    """Run ``base`` uninterrupted, and saved at step ``save_at`` (with ``others`` in the same
+    processes), then resumed from the save; checks GIFT's files in the checkpoint and that the
+    saved and the resumed run give the uninterrupted run's losses. Returns (uninterrupted,
+    resumed, *others) of rank 0."""
+    from launch.spawn import run_ranks
+
+    full, first, *rest = run_ranks(train_many, 2, [base, dict(base, steps=save_at, save_at=save_at,
+                                                              save_dir=save_dir), *others])[0]
+    folder = os.path.join(save_dir, f"global_step{save_at}")
+    assert sorted(f for f in os.listdir(folder) if f.startswith("gift_rank")) == \
+        ["gift_rank0.pt", "gift_rank0_residuals.bin", "gift_rank1.pt", "gift_rank1_residuals.bin"]
+    (resumed,) = run_ranks(train_many, 2, [dict(base, resume=save_dir)])[0]
+    assert first["losses"] == full["losses"][:save_at] and resumed["losses"] == full["losses"][save_at:]
+    assert resumed["whitener_digest"] == full["whitener_digest"]
+    return (full, resumed, *rest)

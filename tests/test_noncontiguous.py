@@ -3,12 +3,10 @@ tensor and reduces a bucket by an all-reduce of their flattened copy (``buffered
 copied back into each. GIFT reduces the flattened copy as a bucket instead; what DeepSpeed reads
 afterwards (each rank's partition of the gradients) is the same. Real engines on gloo ranks."""
 
-import os
-
 import pytest
 
 from launch.spawn import run_ranks
-from tests.harness import train_many
+from tests.harness import FP8_KFAC_EF, resumed_as_uninterrupted, train_many
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
 SCATTERED = {"contiguous_gradients": False}
@@ -33,18 +31,9 @@ def test_lossless_gift_equals_deepspeed_bit_for_bit_with_scattered_gradients(sta
 
 
 def test_fp8_kfac_trains_with_scattered_gradients_and_resumes_exactly(tmp_path):
-    gift = {"format": "fp8_e4m3", "rounding": "stochastic", "error_feedback": True, "layers": "all",
-            "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1}}
-    save_dir = str(tmp_path / "ckpt")
-    base = dict(stage=2, steps=6, bucket=30000, overlap=True, zero=SCATTERED, gift=gift)
-    contiguous = dict(base, zero={"contiguous_gradients": True})
-    full, first, same = run_ranks(train_many, 2, [base, dict(base, steps=3, save_at=3, save_dir=save_dir),
-                                                  contiguous])[0]
-    assert sorted(f for f in os.listdir(os.path.join(save_dir, "global_step3")) if f.startswith("gift_rank")) == \
-        ["gift_rank0.pt", "gift_rank0_residuals.bin", "gift_rank1.pt", "gift_rank1_residuals.bin"]
-    (resumed,) = run_ranks(train_many, 2, [dict(base, resume=save_dir)])[0]
-    assert first["losses"] == full["losses"][:3] and resumed["losses"] == full["losses"][3:]
-    assert resumed["whitener_digest"] == full["whitener_digest"]
+    base = dict(stage=2, steps=6, bucket=30000, overlap=True, zero=SCATTERED, gift=FP8_KFAC_EF)
+    full, _, same = resumed_as_uninterrupted(base, str(tmp_path / "ckpt"), 3,
+                                             [dict(base, zero={"contiguous_gradients": True})])
     assert full["losses"][-1] < full["losses"][0] - 0.3, full["losses"]
     assert full["version"] >= 2 and full["active"]  # whitened, refreshed
     # telemetry records every step's reduction: FP8 with its block scales and headers

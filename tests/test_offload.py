@@ -4,12 +4,10 @@ fp32 CPU partition (accumulating across micro-steps there) as it does after its 
 so GIFT's reduction serves it unchanged. Real engines on gloo ranks, DeepSpeed's CPU optimizer
 path (torch's Adam on the host partition)."""
 
-import os
-
 import pytest
 
 from launch.spawn import run_ranks
-from tests.harness import train_many
+from tests.harness import FP8_KFAC_EF, resumed_as_uninterrupted, train_many
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
@@ -28,23 +26,13 @@ def test_lossless_gift_equals_deepspeed_bit_for_bit_with_the_optimizer_on_the_ho
 
 
 def test_fp8_kfac_and_adam_geometry_train_offloaded_and_resume_exactly(tmp_path):
-    kfac = {"format": "fp8_e4m3", "rounding": "stochastic", "error_feedback": True, "layers": "all",
-            "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1}}
     # Adam's geometry reads the optimizer's second moment, which lives in the host partition here
-    adam = dict(kfac, geometry={"kind": "adam_factored", "refresh_interval": 2})
-    save_dir = str(tmp_path / "ckpt")
-    base = dict(stage=2, steps=6, bucket=30000, zero=OFFLOAD, gift=kfac)
-    on_device = dict(base, zero={})
+    adam = dict(FP8_KFAC_EF, geometry={"kind": "adam_factored", "refresh_interval": 2})
+    base = dict(stage=2, steps=6, bucket=30000, zero=OFFLOAD, gift=FP8_KFAC_EF)
     # the compressed parameter all-gather (gift.params) takes the replicas DeepSpeed copies back from the host
-    params = dict(base, gift=dict(kfac, params={"format": "fp8_e4m3"}))
-    full, first, same, scaled, gathered, gathered_on_device = run_ranks(
-        train_many, 2, [base, dict(base, steps=3, save_at=3, save_dir=save_dir), on_device, dict(base, gift=adam),
-                        params, dict(params, zero={})])[0]
-    assert sorted(f for f in os.listdir(os.path.join(save_dir, "global_step3")) if f.startswith("gift_rank")) == \
-        ["gift_rank0.pt", "gift_rank0_residuals.bin", "gift_rank1.pt", "gift_rank1_residuals.bin"]
-    (resumed,) = run_ranks(train_many, 2, [dict(base, resume=save_dir)])[0]
-    assert first["losses"] == full["losses"][:3] and resumed["losses"] == full["losses"][3:]
-    assert resumed["whitener_digest"] == full["whitener_digest"]
+    params = dict(base, gift=dict(FP8_KFAC_EF, params={"format": "fp8_e4m3"}))
+    full, _, same, scaled, gathered, gathered_on_device = resumed_as_uninterrupted(
+        base, str(tmp_path / "ckpt"), 3, [dict(base, zero={}), dict(base, gift=adam), params, dict(params, zero={})])
     assert full["losses"][-1] < full["losses"][0] - 0.3, full["losses"]
     assert full["version"] >= 2 and full["active"]
     # telemetry: every step's reduction, FP8 with its block scales and headers
