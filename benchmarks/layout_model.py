@@ -36,7 +36,9 @@ NIC (a rank's messages to ranks on its own node take NVLink):
 NVLink bytes into the busiest GPU (bucket dtype, 2 B): the node stage, (G-1) max N_s 2 B
 (owner_slot) or (G-1) N/G 2 B (balanced), and the balanced split's forwards to the owners,
 (G-1)/G max N_d 2 B. The time columns count DeepSpeed's ring with its NVLink and NIC traffic at
-once (the slower link sets it) and GIFT's stages one after the other, as they run. Memory the
+once (the slower link sets it), and GIFT's two-level stages one after the other (``serial``)
+and as the pipeline of ``gift.node_pieces`` pieces the reducer runs (``scheme_seconds``); with
+``--codec-traffic`` GIFT's work on the GPU too, and with ``--alpha-us``/``--a2a-us`` latencies. Memory the
 new exchange holds per GPU while a bucket is reduced: flat, the relay's chunk sums (4 N/W B);
 two-level, the fp32 node partial of its slot's share (4 N/G B) and the chunk sums; with error
 feedback, the relayed residuals too (4/W B per parameter).
