@@ -105,6 +105,11 @@ class Pending:
             self._result, self._finish = self._finish(), None
         return self._result
 
+    def finished(self) -> "Pending":
+        """This collective waited for now (a serial schedule's), as a Pending that holds its result."""
+        self.wait()
+        return self
+
 
 def group_of(groups: Sequence[Sequence[int]], rank: int, world_size: int) -> int:
     """Index of the group holding ``rank``; checks that ``groups`` partitions the ranks."""

@@ -119,8 +119,8 @@ class GiftReducer:
         the result is added to it (DeepSpeed's compact fp32 gradient partition).
         Returns this rank's counters for telemetry (``sample``: with the quantization counts
         and the fidelity against an exact fp32 reduction)."""
-        return run_steps(self.reduce_steps(tensor, slices, whiteners, divisor=divisor, step=step, outputs=outputs,
-                                           sample=sample))
+        return Begun(self.reduce_steps(tensor, slices, whiteners, divisor=divisor, step=step, outputs=outputs,
+                                       sample=sample)).result()
 
     def reduce_steps(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
                      divisor: float, step: int = 0, outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
@@ -266,7 +266,7 @@ class GiftReducer:
         t0 = self.now()
         pending = self.comm.all_to_all_bytes_start(outbox.buffer, outbox.sizes, recv_sizes, kind=ByteKind.PAYLOAD)
         if self._wait_at_once:
-            pending = Pending(result=pending.wait())
+            pending = pending.finished()
         stats.comm_s += self.now() - t0
         return pending
 
@@ -367,13 +367,29 @@ class GiftReducer:
         return self.feedback.nbytes()
 
 
-def run_steps(steps):
-    """Run a generator of :meth:`GiftReducer.reduce_steps` to its end; what it returns."""
-    while True:
+class Begun:
+    """A generator of ``GiftReducer.reduce_steps`` advanced to its first exchange under way (or
+    to its end, when it has none), then on by :meth:`post_last` and :meth:`result`."""
+
+    def __init__(self, steps) -> None:
+        self._steps, self._value, self._to_come = steps, None, 0
+        self._advance()
+
+    def _advance(self) -> None:
         try:
-            next(steps)
+            self._to_come = next(self._steps)
         except StopIteration as done:
-            return done.value
+            self._steps, self._value = None, done.value
+
+    def post_last(self) -> None:
+        """On to its last exchange under way (the relay's sums encoded and sent)."""
+        while self._steps is not None and self._to_come:
+            self._advance()
+
+    def result(self):
+        while self._steps is not None:
+            self._advance()
+        return self._value
 
 
 class Outbox:

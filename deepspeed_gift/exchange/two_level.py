@@ -16,7 +16,7 @@ from ..core.geometry import Transform
 from .headers import CONTROL_HEADER_BYTES, FINGERPRINT_BYTES, agree_on_plan, expect_control_header
 from .plan import COPY, GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
 from .comm import Pending
-from .reducer import GiftReducer
+from .reducer import Begun, GiftReducer
 from .stats import ByteKind, StepStats, clock
 
 NODE_SPLITS = ("owner_slot", "balanced")  # how a bucket is spread over a node's ranks; a tie picks the first
@@ -180,31 +180,6 @@ def piece_slices(slices: Sequence[ParamSlice], runs: Carried, outputs: Optional[
     return out, outs
 
 
-class Begun:
-    """A generator of ``GiftReducer.reduce_steps`` advanced to its first exchange under way (or
-    to its end, when it has none), then on by :meth:`post_last` and :meth:`result`."""
-
-    def __init__(self, steps) -> None:
-        self._steps, self._value, self._to_come = steps, None, 0
-        self._advance()
-
-    def _advance(self) -> None:
-        try:
-            self._to_come = next(self._steps)
-        except StopIteration as done:
-            self._steps, self._value = None, done.value
-
-    def post_last(self) -> None:
-        """On to its last exchange under way (the relay's sums encoded and sent)."""
-        while self._steps is not None and self._to_come:
-            self._advance()
-
-    def result(self):
-        while self._steps is not None:
-            self._advance()
-        return self._value
-
-
 def slot_group_slices(slices: Sequence[ParamSlice], runs: Carried, ranks_per_node: int,
                       slot: int) -> List[ParamSlice]:
     """What slot ``slot`` carries, re-addressed for its slot group: owners numbered by node
@@ -351,6 +326,7 @@ class TwoLevelReducer:
         self._node_codecs = {torch.bfloat16: get_format("bf16", kernels=kernels),
                              torch.float32: get_format("fp32", kernels=kernels)}
         self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
+        self._cuts: Dict[tuple, List[Carried]] = {}  # bucket layout -> its pieces (bucket_pieces)
         self.plans_agreed = 0  # new plans, each agreed by the node and the slot group before its first use
 
     def plan_for(self, slices: Sequence[ParamSlice], versions: Optional[Dict[int, int]] = None
@@ -420,8 +396,14 @@ class TwoLevelReducer:
         pieces' node partials and exchanges, the next piece's node stage, one piece's forwards."""
         agreed = self.plans_agreed
         versions = {key: t.version for key, t in whiteners.items()}
-        parts = [piece_slices(slices, runs, outputs)
-                 for runs in bucket_pieces(slices, self.pieces, self.piece_min_elements)]
+        layout = tuple(slices)
+        cut = self._cuts.pop(layout, None)  # the same layout step after step: cut once
+        if cut is None:
+            cut = bucket_pieces(slices, self.pieces, self.piece_min_elements)
+            while len(self._cuts) >= MAX_CACHED_PLANS:
+                self._cuts.pop(next(iter(self._cuts)))
+        self._cuts[layout] = cut
+        parts = [piece_slices(slices, runs, outputs) for runs in cut]
         planned = [self.plan_for(part, versions) for part, _ in parts]  # new ones agreed before any exchange
         device = tensor.device
         # the node's messages open with the piece's header (a node of one rank sends none)
@@ -483,7 +465,7 @@ class TwoLevelReducer:
 
     def _begun(self, pending: Pending) -> Pending:
         """A node all-to-all as the mode runs it: under way (overlapped), or finished (serial)."""
-        return pending if self.overlap else Pending(result=pending.wait())
+        return pending if self.overlap else pending.finished()
 
     def _node_stage_start(self, tensor: torch.Tensor, plan: NodePlan, head: Optional[torch.Tensor]):
         """A piece's node stage begun: this rank's own part, and the all-to-all that brings the
