@@ -10,8 +10,8 @@ element, beside the floor (what the operation must move at least) and their rati
   writes its outputs (a broadcast input counted once).
 - compiled (``gift.kernels: compiled``): the same operation on this CPU with inductor compiling
   afresh (caches off), which reports each graph's fused kernels and the bytes they read and
-  write (its scheduler's count: the same fusion decisions decide CUDA's kernels; it counts the
-  output a graph writes into its input twice, so its bytes are an upper bound), plus the eager
+  write (its scheduler's count: the same fusion decisions decide CUDA's kernels; it counts an
+  input the graph writes twice, once here: a written input is known by its version), plus the eager
   operators the codec still runs around the graph (counted as above: the header's copy, the
   block scales' copy into the payload), with the tile laid out as on a GPU (NVFP4's blocks read
   as columns of a view, not the CPU's transposed copy). The CPU tile is 2^20 elements; the
@@ -22,7 +22,8 @@ need a first pass for the amax, counted), ``decode_sum`` (the owner's batched de
 senders' payloads and their fp32 sum into the section, S = ``--senders``), stochastic
 rounding's encode, and ``encode+feedback``: error feedback's step for a section it sends (last
 step's int8 residual added, the encode, the new residual, the values minus the payload's
-decode, kept in int8 per 128).
+decode, kept in int8 per 128: ``Int8Codec.encode_with_residual``, one kernel a tile for the
+block-scaled fp8 and integer formats where compiled).
 
 Floors per element: encode, 4 B read + the payload's bytes (data and scales); decode-and-sum,
 S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here);
@@ -157,6 +158,7 @@ def _fresh_inductor():
 
     real = fused_kernels.compiled
     real_columns = formats.nvfp4._blocks_as_columns
+    counted = set()
 
     def compiled_uncounted(fn, **constants):
         graph = real(fn, **constants)
@@ -165,7 +167,13 @@ def _fresh_inductor():
             if isinstance(_get_current_dispatch_mode(), TrafficCounter):
                 with _pop_mode_temporarily():
                     return graph(*args)
-            return graph(*args)
+            versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+            out = graph(*args)
+            if graph not in counted:  # its compile: inductor counted every input it writes twice
+                counted.add(graph)
+                metrics.written_inputs_bytes += sum(touched_bytes(a) for a, v in zip(args, versions)
+                                                    if v is not None and a._version != v)
+            return out
         return run
 
     torch._dynamo.reset()
@@ -176,6 +184,7 @@ def _fresh_inductor():
     try:
         with inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
             metrics.reset()
+            metrics.written_inputs_bytes = 0
             yield metrics
     finally:
         fused_kernels.compiled = real
@@ -202,20 +211,22 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
             codec.decode_sum(payload, out)
         elif op == "feedback":  # error feedback: the old residual in, encode, the new one kept
             values = staged.pop()  # the reducer stages a section with feedback whole (not counted)
-            old.add_to(values)
-            sent = codec.encode(values)
-            # what the reducer keeps of a section it sends, its residual codec in the same mode
-            StoredResidual.of_sent(values, codec, sent, feedback.residual_codec(kernels))
+            # what the reducer does for a section it sends (ErrorFeedback.send), its residual
+            # codec in the same mode: one fused kernel a tile where compiled
+            store = feedback.residual_codec(kernels)
+            _, residual = store.encode_with_residual(values, old._payload(), codec)
+            StoredResidual.kept(residual, numel, store)
 
     counter = TrafficCounter()
     if kernels == "compiled":
         with _fresh_inductor() as metrics:
             run()  # compiles: inductor counts each graph's kernels and bytes once
             # a fused scheduler node is one kernel on CUDA (on a CPU one C++ function may
-            # hold a few loops); its bytes are inductor's count, which counts a graph input
-            # the graph writes twice (the computed buffer and the copy into the input, one
-            # store in the generated code): an upper bound by that input's bytes
-            compiled_kernels, compiled_bytes = len(metrics.nodes_num_elem), metrics.num_bytes_accessed
+            # hold a few loops); its bytes are inductor's count less the inputs the graph
+            # writes (inductor counts each twice, the computed buffer and the copy into the
+            # input, where the generated code stores it once; a write bumps the input's version)
+            compiled_kernels = len(metrics.nodes_num_elem)
+            compiled_bytes = metrics.num_bytes_accessed - metrics.written_inputs_bytes
             with counter:
                 run()
     else:

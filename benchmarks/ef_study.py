@@ -123,8 +123,30 @@ class Probe:
             if exact is not None:
                 measure(fb.relayed[(plan.layout_key, index)][1], exact)
 
+        send, send_relayed = fb.send, fb.send_relayed
+
+        # a section sent on an ordinary step: the residual added, encoded and kept in one call
+        # (one kernel a tile where compiled); the exact residual is the values with last step's
+        # residual added (as that call adds it) less the payload's decode
+        def send_measured(plan, sec, values, codec, transforms, **kw):
+            fed = fb.add(plan, sec, values.clone(), transforms) if self.measuring else None
+            wire = send(plan, sec, values, codec, transforms, **kw)
+            if fed is not None:
+                measure(fb.sent[(plan.layout_key, sec.key)][0],
+                        fed.reshape(-1) - codec.decode_from_bytes(wire, (fed.numel(),)))
+            return wire
+
+        def send_relayed_measured(plan, index, value, codec, **kw):
+            fed = fb.add_relayed(plan, index, value.clone()) if self.measuring else None
+            wire = send_relayed(plan, index, value, codec, **kw)
+            if fed is not None:
+                measure(fb.relayed[(plan.layout_key, index)][1],
+                        fed.reshape(-1) - codec.decode_from_bytes(wire, (fed.numel(),)))
+            return wire
+
         fb.keep, fb.keep_relayed = keep_measured, keep_relayed_measured
         fb.keep_sent, fb.keep_relayed_sent = keep_sent_measured, keep_relayed_sent_measured
+        fb.send, fb.send_relayed = send_measured, send_relayed_measured
 
     def __call__(self, engine, step: int) -> dict:
         import torch

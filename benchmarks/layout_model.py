@@ -59,6 +59,7 @@ if ROOT not in sys.path:
 
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
+from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
 
 MODELS = {
     "~1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -324,14 +325,15 @@ def cut_pieces(runs: List[Tuple[int, int]], pieces: int, min_elements: int) -> L
     return [{d: m * (k + 1) // count - m * k // count for d, m in owners.items()} for k in range(count)]
 
 
-def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool) -> float:
+def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag: int = FINISH_LAG) -> float:
     """Time of one bucket's pieces, in the order ``TwoLevelReducer.reduce`` issues their work.
     Three resources, each in issue order: the node's links (node stages and forwards), the NICs
     (the exchanges), the GPU's stream (sum, encode, relay, decode); an operation starts when its
     resource is free and its input is ready. Issued per piece k: piece k+1's node stage, piece
     k's sum (after its node stage), piece k-1's last exchange (a relay's sums and second
-    exchange), piece k's encode and first exchange, then piece k-1's rest (the owner's decode,
-    the forwards). ``overlap`` off: every operation after the last."""
+    exchange), piece k's encode and first exchange, then piece k - ``finish_lag``'s rest (the
+    owner's decode, the forwards: ``two_level.FINISH_LAG``). ``overlap`` off: every operation
+    after the last."""
     def link(nbytes: float, steps: int, bps: float) -> float:
         return rates.a2a_s + nbytes / bps if nbytes or steps else 0.0
 
@@ -354,18 +356,20 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool) -> float:
         run("nv", run("gpu", last_done, st.decode_s), link(st.forward, st.forward_steps, rates.nvlink_bps))
 
     node_done = [run("nv", 0.0, link(stages[0].node, stages[0].node_steps, rates.nvlink_bps))]
-    previous = None
+    waiting = []  # (piece, when its exchange so far is done): begun, not finished, oldest first
     for k, st in enumerate(stages):
         if k + 1 < len(stages):
             node_done.append(run("nv", 0.0, link(stages[k + 1].node, stages[k + 1].node_steps, rates.nvlink_bps)))
         run("gpu", node_done[k], st.sum_s)
-        if previous is not None:
-            previous = (previous[0], last_exchange(*previous))
+        if waiting:
+            waiting[-1] = (waiting[-1][0], last_exchange(*waiting[-1]))
         first = run("nic", run("gpu", 0.0, st.encode_s), link(*st.nic[0], rates.nic_bps)) if st.nic else t["gpu"]
-        if previous is not None:
-            rest(*previous)
-        previous = (st, first)
-    rest(previous[0], last_exchange(*previous))
+        if len(waiting) == finish_lag:
+            rest(*waiting.pop(0))
+        waiting.append((st, first))
+    waiting[-1] = (waiting[-1][0], last_exchange(*waiting[-1]))
+    for st, done in waiting:
+        rest(st, done)
     return max(t.values())
 
 

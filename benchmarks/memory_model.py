@@ -68,6 +68,7 @@ if ROOT not in sys.path:
 
 from benchmarks.layout_model import MODELS as LAYOUT_MODELS, buckets_of, parameter_layout  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
+from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
 
 MODELS = {**LAYOUT_MODELS,
           "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
@@ -371,13 +372,14 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
             phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, design.send_copies,
                                                                           design.relay_keeps_chunks))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
-    if two_level:  # the node stage: a piece in the bucket's dtype out and in, the fp32 node partial of a slot's
-        # share of it; the pipeline holds two pieces' partials and exchanges at once (the exchange's phases stay
-        # the whole bucket's: two pieces hold at most its parts) and the next piece's node stage in flight
+    if two_level:  # the node stage: a piece in the bucket's dtype out and in (the next piece's in flight while
+        # this one's is summed: two), and the fp32 node partial of a slot's share of a piece, which the pipeline
+        # holds for FINISH_LAG + 1 pieces with their exchanges (the exchange's phases stay the whole bucket's:
+        # those pieces hold at most its parts)
         biggest = max(sum(o.values()) for o in layout) * run.per_node
         pieces = max(1, min(run.node_pieces, int(biggest) // run.node_piece_min_elements))
-        piece, held = biggest / pieces, (2 if pieces > 1 else 1)
-        node = 2 * run.params_bytes * piece * held + 4 * piece / run.per_node * held
+        piece = biggest / pieces
+        node = 2 * run.params_bytes * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)
         phases = [x + node for x in phases]
     out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
     out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0

@@ -276,6 +276,79 @@ def test_compiled_residual_equals_eager(name, options):
     assert torch.equal(kept.wire, feedback.StoredResidual.encode(torch.zeros(N)).wire)
 
 
+FEEDBACK_CASES = [
+    ("fp8_e4m3", {}, "nearest"),  # blocks of 128, as the residual's
+    ("fp8_e4m3", {}, "stochastic"),
+    ("int4", {}, "stochastic"),  # nibbles
+    ("int8", {"block_size": 32}, "nearest"),  # the relay's second hop: four blocks a residual block
+]
+
+
+@pytest.mark.parametrize("name,options,rounding", FEEDBACK_CASES, ids=[f"{n}-{o}-{r}" for n, o, r in FEEDBACK_CASES])
+def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, rounding):
+    """Error feedback's whole step for a payload a rank sends in one compiled kernel a tile
+    (last residual added, encoded, the new residual) gives the bytes of its three eager steps:
+    the residual's decode added, the encode, the int8 encode of the difference. Several tiles;
+    stochastic rounding draws the same bits (one key, the elements' offsets). A section that is
+    not whole blocks takes the three steps, the same bytes."""
+
+    n = 128 * 157  # whole blocks of every codec here, over several small tiles
+    x = torch.nan_to_num(_input(n), nan=1.0, posinf=2.0, neginf=-3.0)
+    old_values = torch.randn(n, generator=torch.Generator().manual_seed(1)) * x.abs().clamp(max=1e30) * 0.01
+    store = {m: get_format("int8", block_size=128, kernels=m) for m in ("eager", "compiled")}
+    old = store["eager"].encode(old_values)
+    def sent(mode):  # a fresh codec: stochastic rounding's first key
+        return get_format(name, kernels=mode, rounding=rounding, seed=5, **options)
+
+    values = x.clone()
+    store["eager"].decode_into(old, values, add=True)
+    eager = sent("eager")
+    want = eager.encode(values)
+    want_residual = store["eager"].encode(values - eager.decode(want))
+    calls = []
+    real = kernels.compiled
+
+    def spy(fn, **constants):
+        calls.append(fn.__name__)
+        return real(fn, **constants)
+
+    kernels.compiled = spy
+    try:
+        got = {m: store[m].encode_with_residual(x.clone(), old, sent(m), tile_elements=SMALL_TILE) for m in store}
+    finally:
+        kernels.compiled = real
+    assert "feedback_encode" in calls  # the fused kernel served the compiled mode
+    for m, (p, q) in got.items():
+        assert torch.equal(p.wire, want.wire), m
+        assert torch.equal(q.wire, want_residual.wire), m
+    # not whole blocks (a short last block): the eager steps in either mode, the same bytes
+    tail = x[: n - 37].clone()
+    a = store["eager"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]), sent("eager"))
+    b = store["compiled"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]),
+                                               sent("compiled"))
+    assert torch.equal(a[0].wire, b[0].wire) and torch.equal(a[1].wire, b[1].wire)
+
+
+def test_feedback_send_keeps_a_nonfinite_residual_as_zeros():
+    """``ErrorFeedback.send``: an inf/nan anywhere in what a rank sends keeps the whole new
+    residual as zeros (DeepSpeed skips that step; its error must not reach the next), fused
+    or not; finite values keep the fused step's residual."""
+    from types import SimpleNamespace
+
+    from deepspeed_gift.exchange import feedback
+
+    x = _input(128 * 40)
+    plan, sec = SimpleNamespace(layout_key=("k",)), SimpleNamespace(key=0, pieces=[])
+    zeros = feedback.StoredResidual.encode(torch.zeros(x.numel())).wire
+    for mode in ("eager", "compiled"):
+        fb = feedback.ErrorFeedback(mode)
+        sent = get_format("fp8_e4m3", kernels=mode)
+        fb.send(plan, sec, torch.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0), sent, {})
+        assert not torch.equal(fb.sent[(("k",), 0)][0].wire, zeros)
+        fb.send(plan, sec, x.clone(), sent, {})
+        assert torch.equal(fb.sent[(("k",), 0)][0].wire, zeros), mode
+
+
 def test_bf16_stochastic_rounding_keeps_every_nan_a_nan():
     """Sixteen random bits added to a nan's pattern could carry it past the int32 range into a
     finite value (0xFFFFFFFF + 1 is +0.0): every nan pattern stays nan, inf stays inf, in both modes."""

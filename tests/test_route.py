@@ -115,6 +115,52 @@ def test_relay_error_feedback_cancels_both_quantizations():
     assert fed < plain / 4, (fed, plain)
 
 
+@pytest.mark.parametrize("route", ["direct", "relay"])
+def test_error_feedback_reduces_the_same_bits_with_compiled_and_eager_kernels(route):
+    """Error feedback through the reducer, stochastic rounding on, 4 ranks, 3 steps: with the
+    codecs compiled, a section a rank sends directly takes one fused kernel a tile for its whole
+    step (``Int8Codec.encode_with_residual``; the relay's second hop too), and every rank's results
+    equal the eager path's bit for bit, step after step (the residuals carry each step's error
+    into the next, so a stored byte that differed would show)."""
+    from deepspeed_gift.core import kernels
+
+    world, steps, n = 4, 3, 128 * 320  # sections of whole blocks (the fused kernel's), and one that is not
+    slices = ([ParamSlice(0, 0, n, 0, 0)] if route == "relay" else
+              [ParamSlice(d, d * n // 4, n // 4 - 3 * (d == 1), 0, d) for d in range(4)])
+    grads = torch.randn(steps, world, n, generator=torch.Generator().manual_seed(3))
+
+    def run(mode):
+        def body(comm):
+            codec = formats.get_format("fp8_e4m3", kernels=mode, rounding="stochastic", seed=11)
+            relay = formats.get_format("int8", block_size=32, kernels=mode, rounding="stochastic", seed=12)
+            reducer = GiftReducer(comm, codec, route=route, error_feedback=True, relay_codec=relay)
+            out = []
+            for step in range(steps):
+                bucket = grads[step][comm.rank].clone()
+                reducer.reduce(bucket, slices, {}, divisor=world, step=step)
+                out.append(bucket)
+            return torch.stack(out)
+        return run_local(world, body)
+
+    calls = []
+    real = kernels.compiled
+
+    def spy(fn, **constants):
+        calls.append((fn.__name__, constants.get("block")))
+        return real(fn, **constants)
+
+    kernels.compiled = spy
+    try:
+        fused = run("compiled")
+    finally:
+        kernels.compiled = real
+    # direct: the sends; relayed: the relay's int8-per-32 hop (the chunks a rank sends to the
+    # relays keep their three steps: a residual per section, payloads per run of chunks)
+    assert ("feedback_encode", 32 if route == "relay" else 128) in calls, sorted(set(calls))
+    for rank, (a, b) in enumerate(zip(run("eager"), fused)):
+        assert torch.equal(a, b), rank
+
+
 BASE = dict(stage=2, steps=2, bucket=20000, dtype="bf16", count_recv=True)
 FP8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 100},
        "telemetry": {"every": 0}}

@@ -68,7 +68,8 @@ _COPIES = 0
 def compiled(fn: Callable, **constants) -> Callable:
     """``fn`` with its keyword-only arguments fixed to ``constants``, compiled once per process
     and set of constants (then once more with the sizes that vary made symbolic: those serve
-    every tile and section size; inductor's on-disk cache serves later processes)."""
+    every tile and section size; inductor's on-disk cache serves later processes). A function's
+    ``compile_options`` attribute adds inductor options of its own."""
     # a copy of ``fn`` with a code object of its own and the constants as its keyword defaults:
     # dynamo counts recompiles per code object (8 at most), so each set of constants is a
     # compile of its own rather than a recompile of one shared function
@@ -82,7 +83,8 @@ def compiled(fn: Callable, **constants) -> Callable:
     # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
     # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
     # never changes and stays a constant the C++/Triton code vectorizes over
-    return torch.compile(own, dynamic=None, fullgraph=True, options=_COMPILE_OPTIONS)
+    options = {**_COMPILE_OPTIONS, **getattr(fn, "compile_options", {})}
+    return torch.compile(own, dynamic=None, fullgraph=True, options=options)
 
 
 # ----------------------------------------------------------------------------- shared pieces

@@ -101,7 +101,7 @@ class StoredResidual:
     def encode(cls, residual: torch.Tensor, codec: Optional[formats.Codec] = None) -> "StoredResidual":
         """``residual`` stored, as zeros if any of it is inf/nan."""
         codec = codec or RESIDUAL_CODEC
-        return cls(_zero_unless_finite(codec.encode(residual.reshape(-1))), residual.numel(), codec)
+        return cls.kept(codec.encode(residual.reshape(-1)), residual.numel(), codec)
 
     @classmethod
     def of_sent(cls, values: torch.Tensor, sent_codec, payload: formats.Payload,
@@ -109,8 +109,12 @@ class StoredResidual:
         """The residual ``values`` - ``sent_codec``'s decode of ``payload`` stored (as zeros if any
         of it is inf/nan); ``values`` may be overwritten."""
         codec = codec or RESIDUAL_CODEC
-        stored = codec.encode_difference(values.reshape(-1), sent_codec, payload)
-        return cls(_zero_unless_finite(stored), values.numel(), codec)
+        return cls.kept(codec.encode_difference(values.reshape(-1), sent_codec, payload), values.numel(), codec)
+
+    @classmethod
+    def kept(cls, stored: formats.Payload, numel: int, codec: formats.Codec) -> "StoredResidual":
+        """A residual ``codec`` has just encoded, kept as zeros if any of it is inf/nan."""
+        return cls(_zero_unless_finite(stored), numel, codec)
 
     def _payload(self) -> formats.Payload:
         return self.codec.bytes_to_payload(self.wire, self.numel, check_header=False)
@@ -190,23 +194,47 @@ class ErrorFeedback:
     def add(self, plan: BucketPlan, sec: Section, values: torch.Tensor, transforms) -> torch.Tensor:
         """``values`` plus last step's residual of this payload, first moved into this step's
         coordinates when a refresh or re-selection changed the transforms of some rows."""
+        values, held = self._take(plan, sec, values, transforms)
+        return values if held is None else held.add_to(values)
+
+    def _take(self, plan: BucketPlan, sec: Section, values: torch.Tensor,
+              transforms) -> Tuple[torch.Tensor, Optional[StoredResidual]]:
+        """Last step's residual of this payload: (``values``, the stored residual) where it is in
+        this step's coordinates, else (``values`` with it added, None): moved into them when a
+        refresh or re-selection changed the transforms of some rows, or read from a checkpoint."""
         key = (plan.layout_key, sec.key)
         entry = self.sent.get(key)
         if entry is None:
-            return values
+            return values, None
         held, pieces, used = entry
         used = _resolve(used, pieces, transforms)
         if used is None:  # a checkpoint's state_dict without the geometry's transforms (see there)
             logger.warning("gift: an error-feedback residual was saved in transforms this run no longer has; "
                            "it is dropped")
             del self.sent[key]
-            return values
+            return values, None
         if pieces != sec.pieces or any(used.get(p.param_key) is not transforms.get(p.param_key)
                                        for p in sec.pieces + pieces if p.rows):
             residual = transform_pieces(held.decode(), pieces, used, inverse=True)
             residual = transform_pieces(residual, sec.pieces, transforms, inverse=False)
-            return values.add_(residual)
-        return held.add_to(values)
+            return values.add_(residual), None
+        if not isinstance(held, StoredResidual):
+            return held.add_to(values), None
+        return values, held
+
+    def send(self, plan: BucketPlan, sec: Section, values: torch.Tensor, codec, transforms, *,
+             generator=None, tile_elements: Optional[int] = None) -> torch.Tensor:
+        """The wire bytes of ``values`` plus last step's residual of this payload in ``codec``,
+        the new residual kept (:meth:`add`, the encode and :meth:`keep_sent` in one pass where
+        the codecs are compiled: :meth:`Int8Codec.encode_with_residual`); ``values`` (staged,
+        flat fp32) is overwritten."""
+        values, held = self._take(plan, sec, values, transforms)
+        payload, residual = self.codec.encode_with_residual(
+            values.reshape(-1), None if held is None else held._payload(), codec, generator=generator,
+            tile_elements=tile_elements)
+        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.kept(residual, values.numel(), self.codec),
+                                                 sec.pieces, dict(transforms))
+        return codec.payload_to_bytes(payload)
 
     def keep(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, transforms) -> None:
         self.sent[(plan.layout_key, sec.key)] = (StoredResidual.encode(residual, self.codec), sec.pieces,
@@ -219,6 +247,18 @@ class ErrorFeedback:
         payload = codec.bytes_to_payload(wire, values.numel(), check_header=False)
         self.sent[(plan.layout_key, sec.key)] = (StoredResidual.of_sent(values, codec, payload, self.codec),
                                                  sec.pieces, dict(transforms))
+
+    def send_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor, codec, *, generator=None,
+                     tile_elements: Optional[int] = None) -> torch.Tensor:
+        """:meth:`send` of a chunk sum this rank relays (:meth:`add_relayed`, the encode and
+        :meth:`keep_relayed_sent` in one)."""
+        held = self.relayed.get((plan.layout_key, index))
+        held = None if held is None or held[0] != plan.hash else held[1]
+        payload, residual = self.codec.encode_with_residual(
+            value.reshape(-1), None if held is None else held._payload(), codec, generator=generator,
+            tile_elements=tile_elements)
+        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.kept(residual, value.numel(), self.codec))
+        return codec.payload_to_bytes(payload)
 
     def add_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor) -> torch.Tensor:
         held = self.relayed.get((plan.layout_key, index))

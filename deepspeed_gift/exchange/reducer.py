@@ -223,15 +223,20 @@ class GiftReducer:
                 packed.append(Packed(own=values))  # never shared: not reached with only_shared
                 continue
             t0 = self.now()
-            if feedback:
-                values = self.feedback.add(plan, sec, values, whiteners)
-            wire, decoded = enc.encode(sec, values, stats, sample, enc.generator_for(sec, step),
+            if feedback and not sample and me not in sec.dests:
+                # last residual added, encoded, the new residual kept: one pass where compiled
+                wire = self.feedback.send(plan, sec, values, enc.codec_of(sec), whiteners,
+                                          generator=enc.generator_for(sec, step), tile_elements=enc.tile_elements)
+                own = None
+            else:  # (sampled steps measure the quantization on the way; a section I own decodes)
+                if feedback:
+                    values = self.feedback.add(plan, sec, values, whiteners)
+                wire, own = enc.encode(sec, values, stats, sample, enc.generator_for(sec, step),
                                        decode=me in sec.dests)
-            own = decoded
-            if feedback and decoded is not None:
-                self.feedback.keep(plan, sec, values.sub_(decoded), whiteners)
-            elif feedback:  # values minus the payload's decode, in one pass where compiled
-                self.feedback.keep_sent(plan, sec, values, enc.codec_of(sec), wire, whiteners)
+                if feedback and own is not None:
+                    self.feedback.keep(plan, sec, values.sub_(own), whiteners)
+                elif feedback:  # values minus the payload's decode, in one pass where compiled
+                    self.feedback.keep_sent(plan, sec, values, enc.codec_of(sec), wire, whiteners)
             enc.count_sent(sec, wire.numel(), sec.numel, sum(1 for d in sec.dests if d != me), stats)
             if outbox is not None:
                 outbox.put(index, wire)

@@ -87,12 +87,16 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             continue
         feedback = r.error_feedback and not sec.high
         value = sums[i]
-        if feedback:  # the relay's own residual: the second quantization is fed back too
-            value = r.feedback.add_relayed(plan, i, value)
         codec = r.encoder.forward_codec_of(sec)
-        wire, _ = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=False, codec=codec)
-        if feedback:  # the sum minus the payload's decode, in one pass where compiled
-            r.feedback.keep_relayed_sent(plan, i, value, codec, wire)
+        if feedback and not sample:  # the relay's own residual added, encoded and kept: one pass where compiled
+            wire = r.feedback.send_relayed(plan, i, value, codec, generator=r.encoder.generator,
+                                           tile_elements=r.encoder.tile_elements)
+        else:
+            if feedback:  # the relay's own residual: the second quantization is fed back too
+                value = r.feedback.add_relayed(plan, i, value)
+            wire, _ = r.encoder.encode(sec, value, stats, sample, r.encoder.generator, decode=False, codec=codec)
+            if feedback:  # the sum minus the payload's decode, in one pass where compiled
+                r.feedback.keep_relayed_sent(plan, i, value, codec, wire)
         r.encoder.count_sent(sec, wire.numel(), sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
     stats.codec_s += r.now() - t0

@@ -20,6 +20,12 @@ from .reducer import Begun, GiftReducer
 from .stats import ByteKind, StepStats, clock
 
 NODE_SPLITS = ("owner_slot", "balanced")  # how a bucket is spread over a node's ranks; a tie picks the first
+# Pieces whose exchange among the nodes is under way before the oldest is finished (decoded,
+# delivered, forwarded). At 1 the GPU's stream, in order, waits for piece k-1's last exchange
+# before it sums and encodes piece k+1; at 2 that wait falls behind piece k's encode and piece
+# k+1's sum, for one more piece's partial held (benchmarks/layout_model.py: 7B at W = 64 in nodes
+# of 8, 0.74x -> 0.69x DeepSpeed's gradient time with GIFT's GPU work counted).
+FINISH_LAG = 2
 
 Carried = List[Tuple[int, int, int]]  # (index of the slice in the bucket, start inside it, numel), bucket order
 
@@ -390,10 +396,11 @@ class TwoLevelReducer:
         meets the encodes in the same order): piece k+1's node stage begun, piece k's node
         partial summed, piece k-1's last exchange begun (a relay's sums encoded and sent), piece
         k's exchange among the nodes begun (its encode, its first all-to-all posted), then piece
-        k-1's exchange finished (the owner's decode and inverse), its results delivered and its
-        forwards begun, piece k-2's forwards finished. Overlapped, every all-to-all runs while the
-        work after it is done; serial, each is waited for as it is posted. Held at once: two
-        pieces' node partials and exchanges, the next piece's node stage, one piece's forwards."""
+        k - FINISH_LAG's exchange finished (the owner's decode and inverse), its results
+        delivered and its forwards begun, the forwards before them finished. Overlapped, every
+        all-to-all runs while the work after it is done; serial, each is waited for as it is
+        posted. Held at once: FINISH_LAG + 1 pieces' node partials and exchanges, the next
+        piece's node stage, one piece's forwards."""
         agreed = self.plans_agreed
         versions = {key: t.version for key, t in whiteners.items()}
         layout = tuple(slices)
@@ -431,22 +438,24 @@ class TwoLevelReducer:
             acc["stats"] = stats if acc["stats"] is None else acc["stats"].add(stats)
 
         staged = timed(self._node_stage_start, tensor, planned[0][0], heads[0])
-        running = None  # (piece, its exchange's steps, its node partial): begun, not finished
+        waiting = []  # (piece, its exchange's steps, its node partial): begun, not finished, oldest first
         for k, (plan, _) in enumerate(planned):
             this = staged
             if k + 1 < len(planned):  # begun before this piece's sum: the node's links never wait for it
                 staged = timed(self._node_stage_start, tensor, planned[k + 1][0], heads[k + 1])
             partial, sent = timed(self._node_stage_finish, this, tensor.dtype)
             acc["bytes"] += sent
-            if running is not None:  # piece k-1's last exchange under way before piece k's first
-                running[1].post_last()
+            if waiting:  # piece k-1's last exchange under way before piece k's first
+                waiting[-1][1].post_last()
             steps = Begun(self.inner.reduce_steps(partial, plan.slices, whiteners, divisor=divisor, step=step,
                                                   outputs=plan.outputs_for(parts[k][1]), sample=sample,
                                                   wait_at_once=not self.overlap, fidelity_elements=sampled))
-            if running is not None:
-                finish(*running)
-            running = (k, steps, partial)
-        finish(*running)
+            if len(waiting) == FINISH_LAG:
+                finish(*waiting.pop(0))
+            waiting.append((k, steps, partial))
+        waiting[-1][1].post_last()
+        for piece in waiting:
+            finish(*piece)
         acc["bytes"] += timed(self._forward_finish, forwarding[0], tensor)
         total = acc["stats"]
         # a bucket counts once, whatever its pieces did (any piece relayed, any split evenly)
@@ -474,16 +483,17 @@ class TwoLevelReducer:
         mine = self._gather_runs(tensor, plan.runs_to_slot[me])
         if L == 1:
             return mine, None, head, 0, 0
-        messages, sizes = [], []
+        parts, sizes = [], []
         for j in range(L):
             if j == me:
                 sizes.append(0)
                 continue
-            body = self._gather_runs(tensor, plan.runs_to_slot[j]).view(torch.uint8)
-            messages += [head, body]
-            sizes.append(CONTROL_HEADER_BYTES + body.numel())
+            runs = plan.runs_to_slot[j]
+            # the runs straight from the bucket into the send buffer: what leaves is copied once
+            parts += [head] + [tensor.narrow(0, start, numel).view(torch.uint8) for start, numel in runs]
+            sizes.append(CONTROL_HEADER_BYTES + sum(numel for _, numel in runs) * tensor.element_size())
         incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
-        pending = self._begun(self.node_comm.all_to_all_bytes_start(torch.cat(messages), sizes,
+        pending = self._begun(self.node_comm.all_to_all_bytes_start(torch.cat(parts), sizes,
                                                                     [0 if i == me else incoming for i in range(L)],
                                                                     kind=ByteKind.NODE))
         return mine, pending, head, incoming, sum(sizes)
@@ -523,21 +533,23 @@ class TwoLevelReducer:
         if not plan.forwards:
             return None
         L, me, dtype = self.ranks_per_node, plan.slot, tensor.dtype
-        messages, sizes = [], []
-        for o in range(L):
-            runs = plan.forward_out.get(o)
-            if not runs:
-                sizes.append(0)
-                continue
-            # each run cast on its own: no fp32 copy of everything forwarded besides the message
-            body = torch.cat([partial.narrow(0, at, n).to(dtype) for at, n in runs]).view(torch.uint8)
-            messages += [head, body]
-            sizes.append(CONTROL_HEADER_BYTES + body.numel())
         elem = tensor.element_size()
+        sizes = [CONTROL_HEADER_BYTES + sum(n for _, n in plan.forward_out[o]) * elem if plan.forward_out.get(o) else 0
+                 for o in range(L)]
+        send = torch.empty(sum(sizes), dtype=torch.uint8, device=partial.device)
+        at_send = 0
+        for o, size in enumerate(sizes):
+            if not size:
+                continue
+            send.narrow(0, at_send, CONTROL_HEADER_BYTES).copy_(head)
+            # the runs cast into the message as they are gathered: one pass, no fp32 or
+            # bucket-dtype copy of what is forwarded besides the message
+            torch.cat([partial.narrow(0, at, n) for at, n in plan.forward_out[o]],
+                      out=send.narrow(0, at_send + CONTROL_HEADER_BYTES, size - CONTROL_HEADER_BYTES).view(dtype))
+            at_send += size
         recv_sizes = [CONTROL_HEADER_BYTES + plan.forward_numel[j][me] * elem if plan.forward_numel[j][me] else 0
                       for j in range(L)]
-        pending = self._begun(self.node_comm.all_to_all_bytes_start(torch.cat(messages) if messages else head[:0],
-                                                                    sizes, recv_sizes, kind=ByteKind.NODE))
+        pending = self._begun(self.node_comm.all_to_all_bytes_start(send, sizes, recv_sizes, kind=ByteKind.NODE))
         return pending, plan, head, recv_sizes, outputs, sum(sizes)
 
     def _forward_finish(self, forwarding, tensor: torch.Tensor) -> int:

@@ -490,6 +490,13 @@ class Codec:
             got = self._headers[key] = host_to_device(self._header_tensor(numel), device)
         return got
 
+    def _payload_on(self, numel: int, shape: Shape, device) -> Payload:
+        """A new payload of ``numel`` elements on ``device``: its wire's header written, the rest
+        to be filled."""
+        buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=device)
+        buf[:HEADER_BYTES].copy_(self.header_on(numel, buf.device))
+        return self._views(buf, numel, _as_size(shape))
+
     def _views(self, buf: Tensor, numel: int, shape: torch.Size) -> Payload:
         g, s, d, end = self._offsets(numel)
         glob = _view_dtype(buf[..., g:s], torch.float32) if self.has_global_scale else None
@@ -539,10 +546,7 @@ class Codec:
         """:meth:`encode` of values read tile by tile from ``src`` (see :class:`TensorSource`),
         which is read in order, once or (per-tensor and NVFP4 global scales) twice."""
         numel = src.numel
-        shape = _as_size(numel if shape is None else shape)
-        buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=src.device)
-        buf[:HEADER_BYTES].copy_(self.header_on(numel, buf.device))
-        p = self._views(buf, numel, shape)
+        p = self._payload_on(numel, _as_size(numel if shape is None else shape), src.device)
         key = self._random_key(src.device, generator) if self.rounding == Rounding.STOCHASTIC and numel else None
         self._encode_into(src, p, key, self._tile(src.device, tile_elements))
         return p
@@ -645,6 +649,14 @@ class Codec:
     def _fused_decode(self) -> Optional[Tuple[Callable, Optional[Callable]]]:
         """This codec's payload values and block scales as :func:`fused_kernels.decoded_rows`
         takes them (functions of the family's module), or None: the eager decode only."""
+        return None
+
+    def _fused_block_codes(self) -> Optional[Tuple[Callable, tuple, bool]]:
+        """This codec's compiled quantizer of a tile of whole blocks (a family function taking
+        ``(x (rows, block), key, e0)`` and returning the rows' fp32 scales and their codes, whose
+        float value times the scale is the decode), its constants as ``(name, value)`` pairs,
+        and whether the codes are stored as nibbles; or None: it has none (per-tensor and E8M0
+        scales, NVFP4, the passthroughs)."""
         return None
 
     def _fused_whole(self, numel: int) -> int:

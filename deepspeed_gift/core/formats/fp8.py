@@ -23,14 +23,21 @@ def _fp8_rounded(y: Tensor, key: Optional[Tensor], e0: int, mant_bits: int, min_
     return stochastic_grid(y, random_bits(key, e0, y, 23 - mant_bits), mant_bits=mant_bits, min_normal=min_normal)
 
 
+def fp8_block_codes(x: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, fmax: float, dtype: torch.dtype,
+                    mant_bits: int = 0, min_normal: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """One tile of whole blocks: ``x`` (..., block) fp32, the encode's elements e0.. -> the blocks'
+    fp32 scales and the (..., block) elements of the fp8 ``dtype``, round to nearest, or
+    stochastic under ``key`` (``mant_bits``, ``min_normal``: the format's)."""
+    scale = fp32_scales(rows_amax(x), fmax)
+    y = _fp8_rounded(x / safe_divisor(scale)[..., None], key, e0, mant_bits, min_normal)
+    return scale, y.to(dtype)
+
+
 def fp8_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, fmax: float,
                      dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> Tensor:
-    """One tile of whole blocks: ``x`` (rows, block) fp32, the encode's elements e0.. -> ``data``
-    (the bytes of (rows, block) elements of the fp8 ``dtype``), round to nearest, or stochastic
-    under ``key`` (``mant_bits``, ``min_normal``: the format's); returns the rows' fp32 scales."""
-    scale = fp32_scales(rows_amax(x), fmax)
-    y = _fp8_rounded(x / safe_divisor(scale)[:, None], key, e0, mant_bits, min_normal)
-    data.view(dtype).copy_(y.to(dtype))
+    """:func:`fp8_block_codes` written into ``data`` (their bytes); returns the scales."""
+    scale, codes = fp8_block_codes(x, key, e0, fmax=fmax, dtype=dtype, mant_bits=mant_bits, min_normal=min_normal)
+    data.view(dtype).copy_(codes)
     return scale
 
 
@@ -110,6 +117,12 @@ class _Fp8Codec(_ScaledCodec):
                                                      dtype=self.data_dtype, **grid)(
             x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len), key, e0))
         return True
+
+    def _fused_block_codes(self):
+        if self.scale_kind != "fp32" or not self.block_size:
+            return None
+        grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if self.rounding == "stochastic" else ()
+        return fp8_block_codes, (("fmax", self.fmax), ("dtype", self.data_dtype)) + grid, False
 
     def _fused_decode(self):
         return _fp8_values, (_e8m0_row_scale if self.scale_kind == "e8m0" else fp32_row_scale)

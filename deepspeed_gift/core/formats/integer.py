@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import kernels as fused_kernels
 from ..kernels import fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor, stochastic_int
-from .base import (HEADER_BYTES, Codec, Payload, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles,
+from .base import (Codec, Payload, Rounding, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles,
                    _register, _ScaledCodec)
 
 # ----------------------------------------------------------------------------- fused kernels
@@ -29,13 +29,18 @@ def _pack_int4(codes: Tensor) -> Tensor:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
+def int_block_codes(x: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int) -> Tuple[Tensor, Tensor]:
+    """One tile of whole blocks of a symmetric integer format: the fp32 scales of the blocks of
+    ``x`` (..., block) and their int8 codes in [-qmax, qmax], round half to even or stochastic under ``key``."""
+    scale = fp32_scales(rows_amax(x), float(qmax))
+    return scale, _int_codes(x / safe_divisor(scale)[..., None], key, e0)
+
+
 def int_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int,
                      packed: bool) -> Tensor:
-    """One tile of whole blocks of a symmetric integer format: ``data`` the bytes of (rows, block)
-    int8, or (rows, block / 2) nibbles (element 2i low) when ``packed``, round half to even or
-    stochastic under ``key``; returns the fp32 scales."""
-    scale = fp32_scales(rows_amax(x), float(qmax))
-    codes = _int_codes(x / safe_divisor(scale)[:, None], key, e0)
+    """:func:`int_block_codes` written into ``data``, the bytes of (rows, block) int8, or
+    (rows, block / 2) nibbles (element 2i low) when ``packed``; returns the fp32 scales."""
+    scale, codes = int_block_codes(x, key, e0, qmax=qmax)
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
     return scale
 
@@ -50,6 +55,41 @@ def int8_difference_encode(values: Tensor, data: Tensor, scales: Optional[Tensor
     width = res_data.shape[-1]
     torch._check(values.shape[0] == res_data.shape[0] * width)  # whole residual blocks
     return int_block_encode((values - decoded).view(-1, width), res_data, qmax=qmax, packed=False)
+
+
+def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: Tensor, res_out: Tensor,
+                    key: Optional[Tensor] = None, e0: int = 0, *, codes_fn, codes_kw: tuple, packed: bool,
+                    block: int, qmax: int) -> Tuple[Tensor, Tensor]:
+    """Error feedback's step for one tile of a payload a rank sends, in one pass: last step's
+    residual (int8 codes ``res_data`` (n,), fp32 scales ``res_scales``, one per row of
+    ``res_out``) added to ``values`` (n,); that encoded by the sent format's ``codes_fn``
+    (``codes_kw``: its constants; element e0 first, stochastic under ``key``) into ``data`` (the
+    bytes of its (rows, block) elements, nibbles when ``packed``); and the new residual, the sum
+    minus the payload's decode (each code's value times its block's scale, what the owner's
+    decode gives, taken from the codes before they are stored: a re-read of ``data`` would cut
+    the kernel in three), as int8 blocks into ``res_out``. The operations of the residual's
+    decode-and-add, the encode and :func:`int8_difference_encode`, in their order; returns
+    (the payload's scales, the new residual's scales)."""
+    width = res_out.shape[-1]
+    torch._check(values.shape[0] == res_out.shape[0] * width)  # whole blocks of both
+    old = fused_kernels.decoded_rows(res_data.view(1, -1), res_scales.view(1, -1), None, values=_int8_values,
+                                     row_scale=fp32_row_scale, block=width)[0]
+    fed = values + old
+    scale, codes = codes_fn(fed.view(-1, block), key, e0, **dict(codes_kw))
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+    decoded = (codes.to(torch.float32) * scale[:, None]).view(-1)
+    res_scale, res_codes = int_block_codes((fed - decoded).view(-1, width), qmax=qmax)
+    res_out.copy_(res_codes.view(torch.uint8))
+    return scale, res_scale
+
+
+# Inductor stores an intermediate that two loops read once its expression passes 30 operations
+# (50 on a CPU): here the residual (the sum less the payload's decode, which holds the payload's
+# scale and codes) feeds both the residual's amax and its codes, and would be written out and
+# read back in fp32 (8 B an element, the kernel cut in three). Recomputed instead, the step is one
+# kernel reading the values and the old residual and writing the two payloads. Only here: with it
+# raised for every kernel, benchmarks/codec_traffic.py stalled for minutes in one compile.
+feedback_encode.compile_options = {"realize_opcount_threshold": 100_000, "realize_reads_threshold": 64}
 
 
 def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
@@ -108,9 +148,7 @@ class _IntCodec(_ScaledCodec):
         block, sent_block, epb = self.block_size, sent.block_size, sent.elements_per_byte
         unit = math.lcm(block, sent_block or 1, epb)
         done = numel - numel % unit
-        buf = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=device)
-        buf[:HEADER_BYTES].copy_(self.header_on(numel, device))
-        q = self._views(buf, numel, values.shape)
+        q = self._payload_on(numel, values.shape, device)
         batch = p.as_batch()
         run = fused_kernels.compiled(int8_difference_encode, values_fn=fused[0], row_scale=fused[1], block=sent_block,
                                      qmax=self.qmax)
@@ -129,6 +167,41 @@ class _IntCodec(_ScaledCodec):
             q.scales[done // block :].copy_(tail.scales)
             q.data[done:].copy_(tail.data)
         return q
+
+    def encode_with_residual(self, values: Tensor, residual: Optional[Payload], sent: Codec, *,
+                             generator=None, tile_elements: Optional[int] = None) -> Tuple[Payload, Payload]:
+        """Error feedback's step for a payload a rank sends: ``sent``'s encode of ``values`` (flat
+        fp32, overwritten) plus last step's ``residual`` (this codec's payload of as many
+        elements; None: none), and this codec's encode of the new residual (that sum minus the
+        payload's decode). Compiled (``sent`` block-scaled fp8 or integer, this codec int8
+        blocks, both compiled, whole blocks), one kernel a tile reads the values and the old
+        residual and writes the payload and the new residual (the sum is never stored); else the
+        residual's decode is added to ``values``, ``sent`` encodes them, and
+        :meth:`encode_difference` makes the new residual. The same bytes either way."""
+        numel, device = values.numel(), values.device
+        encoder = sent._fused_block_codes()
+        unit = math.lcm(self.block_size or 1, sent.block_size or 1)
+        if (residual is None or encoder is None or numel == 0 or numel % unit
+                or not self.block_size or self.elements_per_byte != 1
+                or not (self.compiled_on(device) and sent.compiled_on(device))):
+            if residual is not None:
+                self.decode_into(residual, values, add=True, tile_elements=tile_elements)
+            p = sent.encode(values, generator=generator, tile_elements=tile_elements)
+            return p, self.encode_difference(values, sent, p, tile_elements=tile_elements)
+        block, width, epb = sent.block_size, self.block_size, sent.elements_per_byte
+        p, q = sent._payload_on(numel, values.shape, device), self._payload_on(numel, values.shape, device)
+        key = sent._random_key(device, generator) if sent.rounding == Rounding.STOCHASTIC else None
+        run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
+                                     block=block, qmax=self.qmax)
+        step = max(unit, self._tile(device, tile_elements) // unit * unit)
+        for e0 in range(0, numel, step):
+            e1 = min(e0 + step, numel)
+            scale, res_scale = run(values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width],
+                                   p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, block // epb),
+                                   q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
+            p.scales[e0 // block : e1 // block].copy_(scale)
+            q.scales[e0 // width : e1 // width].copy_(res_scale)
+        return p, q
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         scale = fp32_scales(_block_amax(x), float(self.qmax))
@@ -151,6 +224,11 @@ class _IntCodec(_ScaledCodec):
         p.scales[r0:r1].copy_(fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=packed)(
             x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
         return True
+
+    def _fused_block_codes(self):
+        if not self.block_size or (self.elements_per_byte == 2 and self.block_size % 2):
+            return None
+        return int_block_codes, (("qmax", self.qmax),), self.elements_per_byte == 2
 
     def _fused_decode(self):
         return (_int4_values if self.elements_per_byte == 2 else _int8_values), fp32_row_scale
