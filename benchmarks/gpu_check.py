@@ -9,7 +9,9 @@ writes a JSON and prints a table:
    rounding, compiled and eager on the device, gives the CPU's eager bytes from the same seed (its
    random bits come from a counter); a batch of 5 payloads laid out as an owner
    receives them (one stride, fp32 scales misaligned) decodes on the device to what each decodes
-   to alone, and to the CPU's batch (nan equal to nan). (On ``--device cpu``: the codec
+   to alone, and to the CPU's batch (nan equal to nan); error feedback's step for a payload a
+   rank sends (one fused kernel a tile on CUDA for the block formats) gives the CPU's eager
+   payload and residual bytes. (On ``--device cpu``: the codec
    against itself, run twice; the byte count against ``nbytes``.)
 2. ``codec``: encode and decode throughput (GB/s of fp32 input), eager and compiled, and peak
    extra memory per element for fp8 per block and per tensor, nvfp4 and int4 at 64M and 512M elements
@@ -100,8 +102,32 @@ def check_parity(device, numel: int) -> list:
             for mode, key in (("by_device", "stochastic_equal"), ("eager", "stochastic_eager_equal")):
                 codec = formats.get_format(name, rounding="stochastic", seed=7, kernels=mode)
                 row[key] = torch.equal(sr_ref, codec.encode_to_bytes(x).cpu())
+        row["feedback_equal"] = _feedback_equal(name, device)
         rows.append(row)
     return rows
+
+
+def _feedback_equal(name: str, device, numel: int = 128 * 33) -> bool:
+    """Error feedback's step for a payload a rank sends (``Int8Codec.encode_with_residual``: one
+    compiled kernel a tile on CUDA for the block-scaled fp8 and integer formats) on ``device``
+    gives the CPU's eager payload and new residual, byte for byte, nearest and stochastic."""
+    from deepspeed_gift.exchange import feedback
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, numel)
+    store_cpu, store = feedback.residual_codec("eager"), feedback.residual_codec("by_device")
+    old = store_cpu.encode(torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 1e-3)
+    old_dev = store.bytes_to_payload(old.wire.to(device), (numel,), check_header=False)
+    same = True
+    for rounding in ("nearest", "stochastic"):
+        try:
+            sent_cpu = formats.get_format(name, rounding=rounding, seed=7, kernels="eager")
+        except ValueError:  # fp32 is exact: it takes no rounding
+            continue
+        sent = formats.get_format(name, rounding=rounding, seed=7)
+        want = store_cpu.encode_with_residual(x.clone(), old, sent_cpu)
+        got = store.encode_with_residual(x.to(device), old_dev, sent)
+        same = same and all(torch.equal(a.wire, b.wire.cpu()) for a, b in zip(want, got))
+    return same
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -320,12 +346,12 @@ def main(argv=None) -> dict:
     out["processes"] = processes_check(device, 3)
     print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
     print("| format | bytes | same bytes | eager same bytes | same count | same decode | batch decode | "
-          "stochastic = CPU | stochastic eager = CPU |")
-    print("|---|---:|---|---|---|---|---|---|---|")
+          "stochastic = CPU | stochastic eager = CPU | error feedback = CPU |")
+    print("|---|---:|---|---|---|---|---|---|---|---|")
     for r in out["parity"]:
         print(f"| {r['format']} | {r['nbytes']} | {r['bytes_equal']} | {r['eager_bytes_equal']} | {r['count_equal']} | "
               f"{r['decode_equal']} | {r['batch_decode_equal']} | {r.get('stochastic_equal', '-')} | "
-              f"{r.get('stochastic_eager_equal', '-')} |")
+              f"{r.get('stochastic_eager_equal', '-')} | {r['feedback_equal']} |")
     print("| codec | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | peak extra B/elem |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in out["codec"]:
