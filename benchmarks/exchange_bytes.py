@@ -63,7 +63,7 @@ def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
 
     calls: list = []
     names = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
-             "all_gather_single")
+             "all_gather_single", "batch_isend_irecv")
     me = dist.get_rank() // ranks_per_node
     active = []  # the spies are in place (an average_tensor inside reduce_gradients is counted there)
 
@@ -84,6 +84,11 @@ def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
 
         def spy(n, fn):
             def call(*args, **kwargs):
+                if n == "batch_isend_irecv":  # point-to-point parts (the node stage's): what the receives take
+                    recvs = [(op.tensor.numel() * op.tensor.element_size(), op.peer // ranks_per_node != me)
+                             for op in (args[0] if args else kwargs["p2p_op_list"]) if op.op is dist.irecv]
+                    seen.append((sum(b for b, _ in recvs), sum(b for b, off in recvs if off)))
+                    return fn(*args, **kwargs)
                 group = kwargs.get("group")
                 world, rank = dist.get_world_size(group), dist.get_rank(group)
                 off = [(dist.get_global_rank(group, i) if group is not None else i) // ranks_per_node != me

@@ -235,7 +235,6 @@ def reducer_check(device, worlds, numel: int, steps: int) -> list:
     whitener = geo.fit_whitener(X.T @ X / 2048, rank=16, damping=1e-3).to(device)
     for world in worlds:
         grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(world))
-        caught = []
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:

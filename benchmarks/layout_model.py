@@ -222,12 +222,13 @@ class Rates:
                 + (4 * self.whiten_rank * n / self.fp32_flops if inverse else 0.0))
 
     def node_sum(self, n: float, g: int, sent: float) -> float:
-        """The node stage's own work: its messages gathered (``sent`` elements of the bucket's
-        dtype read and written, a copy a message) and ``g`` parts of ``n`` elements summed into fp32
-        in order by the passthrough codec's decode-and-sum (one kernel: each part read once)."""
+        """The node stage's own work: ``g`` parts of ``n`` elements summed into fp32 in order by
+        the passthrough codec's decode-and-sum (one kernel: each part read once). Its messages
+        (``sent`` elements) go from where they lie in the bucket (``TorchComm``'s point-to-point
+        parts: no gather, so no pass over them; an MPI comm joins them, one copy more)."""
         if not self.hbm_bps:
             return 0.0
-        return (4 * sent + n * (2 * g + 4)) / self.hbm_bps + self._launches(n, 1) + (g - 1) * self.launch_s
+        return n * (2 * g + 4) / self.hbm_bps + self._launches(n, 1) + (g - 1) * self.launch_s
 
     def cast(self, n: float) -> float:
         """fp32 results cast to the bucket's dtype for the forwards."""

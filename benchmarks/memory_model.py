@@ -372,14 +372,14 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
             phases = [max(x, y) for x, y in zip(phases, bucket_phases(owners, me, nodes, b, relay, design.send_copies,
                                                                           design.relay_keeps_chunks))]
         ef, relayed = max(ef, ef_me), max(relayed, relayed_me)
-    if two_level:  # the node stage: a piece in the bucket's dtype out and in (the next piece's in flight while
-        # this one's is summed: two), and the fp32 node partial of a slot's share of a piece, which the pipeline
-        # holds for FINISH_LAG + 1 pieces with their exchanges (the exchange's phases stay the whole bucket's:
-        # those pieces hold at most its parts)
+    if two_level:  # the node stage: a piece in the bucket's dtype coming in (sent from where it lies in the
+        # bucket: TorchComm's parts; the next piece's in flight while this one's is summed: two), and the fp32
+        # node partial of a slot's share of a piece, which the pipeline holds for FINISH_LAG + 1 pieces with
+        # their exchanges (the exchange's phases stay the whole bucket's: those pieces hold at most its parts)
         biggest = max(sum(o.values()) for o in layout) * run.per_node
         pieces = max(1, min(run.node_pieces, int(biggest) // run.node_piece_min_elements))
         piece = biggest / pieces
-        node = 2 * run.params_bytes * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)
+        node = run.params_bytes * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)
         phases = [x + node for x in phases]
     out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
     out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0

@@ -81,10 +81,9 @@ class PacedComm:
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
-    def all_to_all_bytes_start(self, *args, **kwargs):
+    def _paced(self, pending):
         start = max(time.perf_counter(), self._free_at)
         self._free_at = done_at = start + self.seconds
-        pending = self._comm.all_to_all_bytes_start(*args, **kwargs)
 
         def finish():
             out = pending.wait()
@@ -92,6 +91,12 @@ class PacedComm:
             return out
 
         return Pending(finish)
+
+    def all_to_all_bytes_start(self, *args, **kwargs):
+        return self._paced(self._comm.all_to_all_bytes_start(*args, **kwargs))
+
+    def all_to_all_parts_start(self, *args, **kwargs):  # the node stage's
+        return self._paced(self._comm.all_to_all_parts_start(*args, **kwargs))
 
     def all_to_all_bytes(self, *args, **kwargs):
         return self.all_to_all_bytes_start(*args, **kwargs).wait()
@@ -136,6 +141,58 @@ def _pieces_body(rank, world, per_node):
         out["fp32", route, 4] = run("fp32", route, 4, True, False)
         out["fp32", route, 1] = run("fp32", route, 1, True, False)
     return out
+
+
+def _parts_body(rank, world):
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from deepspeed_gift.exchange.comm import Comm, TorchComm
+
+    dist.init_process_group("gloo")
+    comm = TorchComm()
+    sub = comm.split([[0, 2], [1, 3]])  # a group whose ranks are not the job's: global peers
+
+    def sizes(src, dst):  # parts of every size, an empty one among them
+        return [] if src == dst else [16, 0, 3 * (src + 1) + dst, 1000 + 7 * dst]
+
+    def part(src, dst, k, n):
+        return (torch.arange(n, dtype=torch.int64) * (src + 3) + 11 * dst + 5 * k).remainder(256).to(torch.uint8)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for name, c in (("world", comm), ("sub", sub)):
+        me, n = c.rank, c.world_size
+        parts = [[part(me, j, k, m) for k, m in enumerate(sizes(me, j))] for j in range(n)]
+        recv_parts = [sizes(i, me) for i in range(n)]
+        ops = Ops()
+        with ops:
+            pending = c.all_to_all_parts_start(parts, recv_parts)
+        got = pending.wait()
+        joined = Comm.all_to_all_parts_start(c, parts, recv_parts).wait()  # one send buffer, one collective
+        want = torch.cat([part(i, me, k, m) for i in range(n) for k, m in enumerate(sizes(i, me))])
+        out[name] = (torch.equal(got, want), torch.equal(joined, want),
+                     [o for o in ops.names if o in ("cat", "copy_", "clone")])
+    return out
+
+
+def test_parts_are_sent_where_they_lie_and_arrive_as_one_all_to_all_lays_them_out():
+    """The node stage's messages go as parts (``Comm.all_to_all_parts_start``): over torch's
+    point-to-point sends (TorchComm) every part is sent from where it lies (no gather, no cat,
+    no copy), and what arrives equals the joined send buffer's all-to-all, byte for byte, in a
+    group of the whole job and in one whose ranks are not the job's."""
+    for per_rank in run_ranks(_parts_body, 4):
+        for name, (p2p_equal, joined_equal, copies) in per_rank.items():
+            assert p2p_equal and joined_equal, name
+            assert copies == [], (name, copies)
 
 
 def test_overlapped_pieces_give_the_serial_bits_and_lossless_ones_the_whole_buckets():

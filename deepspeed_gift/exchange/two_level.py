@@ -483,20 +483,16 @@ class TwoLevelReducer:
         mine = self._gather_runs(tensor, plan.runs_to_slot[me])
         if L == 1:
             return mine, None, head, 0, 0
-        parts, sizes = [], []
-        for j in range(L):
-            if j == me:
-                sizes.append(0)
-                continue
-            runs = plan.runs_to_slot[j]
-            # the runs straight from the bucket into the send buffer: what leaves is copied once
-            parts += [head] + [tensor.narrow(0, start, numel).view(torch.uint8) for start, numel in runs]
-            sizes.append(CONTROL_HEADER_BYTES + sum(numel for _, numel in runs) * tensor.element_size())
-        incoming = CONTROL_HEADER_BYTES + mine.numel() * mine.element_size()
-        pending = self._begun(self.node_comm.all_to_all_bytes_start(torch.cat(parts), sizes,
-                                                                    [0 if i == me else incoming for i in range(L)],
-                                                                    kind=ByteKind.NODE))
-        return mine, pending, head, incoming, sum(sizes)
+        # the runs as they lie in the bucket: sent from there where the comm's point-to-point
+        # sends can (TorchComm), else joined into one send buffer (what leaves is copied once)
+        parts = [[] if j == me else [head] + [tensor.narrow(0, start, numel).view(torch.uint8)
+                                              for start, numel in plan.runs_to_slot[j]] for j in range(L)]
+        # every rank of the node sends this one the runs of its slot, as its own bucket holds them
+        mine_parts = [CONTROL_HEADER_BYTES] + [numel * tensor.element_size() for _, numel in plan.runs_to_slot[me]]
+        incoming = sum(mine_parts)
+        pending = self._begun(self.node_comm.all_to_all_parts_start(
+            parts, [[] if i == me else mine_parts for i in range(L)], kind=ByteKind.NODE))
+        return mine, pending, head, incoming, sum(p.numel() for ps in parts for p in ps)
 
     def _node_stage_finish(self, staged, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
         """fp32 node partial of every slice this rank's slot carries, in the compact layout (a
