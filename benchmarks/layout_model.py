@@ -59,7 +59,10 @@ if ROOT not in sys.path:
 
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
+from deepspeed_gift.config import GiftConfig  # noqa: E402
 from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
+
+NODE_PIECES = GiftConfig.model_fields["node_pieces"].default  # gift.node_pieces' default
 
 MODELS = {
     "~1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -382,7 +385,7 @@ def ring_seconds(stage: Stage, rates: Rates) -> float:
 
 def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit: float = 400.0,
                nvlink_gbyte: float = 450.0, units: List[int] = None, rates: Optional[Rates] = None,
-               pieces: int = 4, piece_min_elements: int = 1 << 22) -> List[dict]:
+               pieces: int = NODE_PIECES, piece_min_elements: int = 1 << 22) -> List[dict]:
     """Per W and G: the busiest NIC's bytes of every scheme against DeepSpeed's, and the gradient
     time (``rates``; default: bandwidth only), two-level's as whole buckets with its stages one
     after another (``_serial``) and as the pipeline of ``pieces`` it runs."""
@@ -468,7 +471,7 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--nic-gbit", type=float, default=400.0, help="NIC rate per GPU for the time columns")
     parser.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
-    parser.add_argument("--node-pieces", type=int, default=4, help="gift.node_pieces (two-level's pipeline)")
+    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES, help="gift.node_pieces (two-level's pipeline)")
     parser.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
     parser.add_argument("--alpha-us", type=float, default=0.0,
                         help="latency per step of DeepSpeed's ring all-reduce, microseconds (0: bandwidth only)")

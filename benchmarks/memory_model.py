@@ -66,7 +66,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.layout_model import MODELS as LAYOUT_MODELS, buckets_of, parameter_layout  # noqa: E402
+from benchmarks.layout_model import MODELS as LAYOUT_MODELS, NODE_PIECES, buckets_of, parameter_layout  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
 
@@ -337,7 +337,7 @@ class Run:
     sampled_versions: Optional[int] = None  # plan versions a sampled step used (None: a long run, cache full)
     optimizer_state: bool = True  # the worst refresh step has Adam state to capture (not so at step 0)
     offload: bool = False  # zero_optimization.offload_optimizer {"device": "cpu"}
-    node_pieces: int = 4  # gift.node_pieces: two-level's pipeline
+    node_pieces: int = NODE_PIECES  # gift.node_pieces: two-level's pipeline
     node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
 
 
@@ -528,7 +528,7 @@ def zero2_memory(params: int, run: Run, largest: int = 0) -> Dict[str, float]:
 
 
 # ---- the tables ------------------------------------------------------------------------------
-def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int, node_pieces: int = 4
+def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int, node_pieces: int = NODE_PIECES
              ) -> List[dict]:
     rows = []
     params = model_shape(config).params
@@ -613,7 +613,7 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--allgather-bucket", type=float, default=5e8, help="allgather_bucket_size")
     parser.add_argument("--design", choices=("now", "before", "both"), default="both")
-    parser.add_argument("--node-pieces", type=int, default=4, help="gift.node_pieces (two-level's pipeline; 1: whole "
+    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES, help="gift.node_pieces (two-level's pipeline; 1: whole "
                         "buckets, the stages one after another)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated among " + ", ".join(MODELS))
     parser.add_argument("--json")

@@ -292,14 +292,17 @@ class GiftConfig(_GiftModel):
     once per node partial. ``by_topology``: two-level when the job spans more than one node with
     more than one rank per node, else flat."""
 
-    node_pieces: int = Field(4, ge=1)
+    node_pieces: int = Field(6, ge=1)
     """Two-level: each bucket (and each ZeRO-1 round) is cut into this many pieces (on row
     boundaries), run as a pipeline: while piece k crosses the NICs, piece k+1's node stage and
-    piece k-1's forwards run on the node's links, so a bucket takes about its longest stage
+    earlier pieces' forwards run on the node's links, so a bucket takes about its longest stage
     instead of the sum of its stages (the last piece's stages after the first's add about
     1/``node_pieces`` of the others). ``1``: the stages one after another. The result depends on
     the cut (each piece is quantized on its own: per-tensor scales and the relay's split are per
-    piece), never on the overlap; lossless configs give native's bits at any count."""
+    piece), never on the overlap; lossless configs give native's bits at any count. 6: the
+    layout model (``benchmarks/layout_model.py``, GIFT's GPU work counted, 7B and 13B at W = 64
+    in nodes of 8) gives 0.65x and 0.70x DeepSpeed's gradient time at 4 pieces, 0.62x and 0.66x
+    at 6, 0.62x and 0.67x at 8 (each piece pays its collectives' latency and launches)."""
 
     node_piece_min_elements: int = Field(1 << 22, ge=1)
     """Two-level: the smallest piece ``node_pieces`` cuts (a bucket under twice this stays whole):
