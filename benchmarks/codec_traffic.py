@@ -11,7 +11,8 @@ element, beside the floor (what the operation must move at least) and their rati
 - compiled (``gift.kernels: compiled``): the same operation on this CPU with inductor compiling
   afresh (caches off), which reports each graph's fused kernels and the bytes they read and
   write (its scheduler's count: the same fusion decisions decide CUDA's kernels; it counts an
-  input the graph writes twice, once here: a written input is known by its version), plus the eager
+  input the graph only writes twice, once here: a written input is known by its version, and
+  one it also reads by a rerun with its old values changed), plus the eager
   operators the codec still runs around the graph (counted as above: the header's copy, the
   block scales' copy into the payload), with the tile laid out as on a GPU (NVFP4's blocks read
   as columns of a view, not the CPU's transposed copy). The CPU tile is 2^20 elements; the
@@ -147,6 +148,29 @@ def _inputs(numel: int, device: str, senders: int, codec: formats.Codec, seed: i
     return x, rows
 
 
+def _reads_written(graph, args, before, written, i) -> bool:
+    """Whether a compiled ``graph`` reads input ``i``, which it writes: run again twice on the
+    inputs as they were before the call, ``i`` holding its old values and then other ones, and
+    compare what it returns and writes. Inductor counts an input a graph only writes twice (the
+    computed buffer and a fake read of the input it copies into), and one it reads and writes
+    once each: only the first is corrected. The inputs are left as the real call left them."""
+    after = {j: args[j].clone() for j in written}
+
+    def trial(change: bool) -> list:
+        for j in written:
+            args[j].copy_(before[j][1])
+        if change:  # other bits in every byte (uint8 views of payloads, fp32 sums alike)
+            args[i].copy_(before[i][1] + 1 if before[i][1].is_floating_point() else before[i][1] ^ 1)
+        out = graph(*args)
+        return [t.clone() for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)] + [
+            args[j].clone() for j in written]
+
+    same = all(torch.equal(a, b) for a, b in zip(trial(False), trial(True)))
+    for j in written:
+        args[j].copy_(after[j])
+    return not same
+
+
 @contextlib.contextmanager
 def _fresh_inductor():
     """Inductor compiling afresh (no cache hit skips its count) with its byte count on, and
@@ -158,7 +182,6 @@ def _fresh_inductor():
 
     real = fused_kernels.compiled
     real_columns = formats.nvfp4._blocks_as_columns
-    counted = set()
 
     def compiled_uncounted(fn, **constants):
         graph = real(fn, **constants)
@@ -167,12 +190,14 @@ def _fresh_inductor():
             if isinstance(_get_current_dispatch_mode(), TrafficCounter):
                 with _pop_mode_temporarily():
                     return graph(*args)
-            versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+            tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            before = {i: (args[i]._version, args[i].clone()) for i in tensors}
+            counted = metrics.num_bytes_accessed
             out = graph(*args)
-            if graph not in counted:  # its compile: inductor counted every input it writes twice
-                counted.add(graph)
-                metrics.written_inputs_bytes += sum(touched_bytes(a) for a, v in zip(args, versions)
-                                                    if v is not None and a._version != v)
+            if metrics.num_bytes_accessed != counted:  # compiled in this call: inductor counted it
+                written = [i for i in tensors if args[i]._version != before[i][0]]
+                metrics.written_inputs_bytes += sum(touched_bytes(args[i]) for i in written
+                                                    if not _reads_written(graph, args, before, written, i))
             return out
         return run
 
@@ -222,9 +247,11 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
         with _fresh_inductor() as metrics:
             run()  # compiles: inductor counts each graph's kernels and bytes once
             # a fused scheduler node is one kernel on CUDA (on a CPU one C++ function may
-            # hold a few loops); its bytes are inductor's count less the inputs the graph
+            # hold a few loops); its bytes are inductor's count less the inputs the graph only
             # writes (inductor counts each twice, the computed buffer and the copy into the
-            # input, where the generated code stores it once; a write bumps the input's version)
+            # input, where the generated code stores it once; a write bumps the input's
+            # version, and a rerun with the input's old values changed tells a read: see
+            # _reads_written)
             compiled_kernels = len(metrics.nodes_num_elem)
             compiled_bytes = metrics.num_bytes_accessed - metrics.written_inputs_bytes
             with counter:

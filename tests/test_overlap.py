@@ -153,8 +153,8 @@ def _parts_body(rank, world):
     comm = TorchComm()
     sub = comm.split([[0, 2], [1, 3]])  # a group whose ranks are not the job's: global peers
 
-    def sizes(src, dst):  # parts of every size, an empty one among them
-        return [] if src == dst else [16, 0, 3 * (src + 1) + dst, 1000 + 7 * dst]
+    def sizes(src, dst):  # parts of every size, an empty one among them; a rank's own, copied in place
+        return [5, 0, 9] if src == dst else [16, 0, 3 * (src + 1) + dst, 1000 + 7 * dst]
 
     def part(src, dst, k, n):
         return (torch.arange(n, dtype=torch.int64) * (src + 3) + 11 * dst + 5 * k).remainder(256).to(torch.uint8)
@@ -186,13 +186,13 @@ def _parts_body(rank, world):
 
 def test_parts_are_sent_where_they_lie_and_arrive_as_one_all_to_all_lays_them_out():
     """The node stage's messages go as parts (``Comm.all_to_all_parts_start``): over torch's
-    point-to-point sends (TorchComm) every part is sent from where it lies (no gather, no cat,
-    no copy), and what arrives equals the joined send buffer's all-to-all, byte for byte, in a
+    point-to-point sends (TorchComm) every part that leaves is sent from where it lies (no
+    gather, no cat; a rank's parts to itself are copied into place), and what arrives equals the joined send buffer's all-to-all, byte for byte, in a
     group of the whole job and in one whose ranks are not the job's."""
     for per_rank in run_ranks(_parts_body, 4):
         for name, (p2p_equal, joined_equal, copies) in per_rank.items():
             assert p2p_equal and joined_equal, name
-            assert copies == [], (name, copies)
+            assert copies == ["copy_"] * 3, (name, copies)  # a rank's own parts only, into their places
 
 
 def test_overlapped_pieces_give_the_serial_bits_and_lossless_ones_the_whole_buckets():

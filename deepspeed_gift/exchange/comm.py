@@ -257,13 +257,18 @@ class TorchComm(Comm):
             return dist.get_global_rank(group, j) if group is not None else j
 
         recv = torch.empty(sum(sum(r) for r in recv_parts), dtype=torch.uint8, device=self.device)
+        staged = [[self._on_device(p) for p in ps] for ps in parts]  # held until the sends are done
+        if [p.numel() for p in staged[self.rank]] != list(recv_parts[self.rank]):
+            raise RuntimeError(f"deepspeed_gift: rank {self.rank} sends itself parts of {[p.numel() for p in staged[self.rank]]} "
+                               f"bytes and expects {list(recv_parts[self.rank])}")
         ops, at = [], 0
         for j, sizes in enumerate(recv_parts):
-            for n in sizes:
-                if j != self.rank and n:
+            for k, n in enumerate(sizes):
+                if j == self.rank:  # what a rank sends itself is copied, as an all-to-all does
+                    recv.narrow(0, at, n).copy_(staged[j][k])
+                elif n:
                     ops.append(dist.P2POp(dist.irecv, recv.narrow(0, at, n), peer(j), group))
                 at += n
-        staged = [[self._on_device(p) for p in ps] for ps in parts]  # held until the sends are done
         sent = 0
         for j, ps in enumerate(staged):
             for p in ps:
