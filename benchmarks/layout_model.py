@@ -224,14 +224,16 @@ class Rates:
         return ((self.decode_a + senders * self.decode_b) * n / self.hbm_bps + self._launches(n, 1)
                 + (4 * self.whiten_rank * n / self.fp32_flops if inverse else 0.0))
 
-    def node_sum(self, n: float, g: int, sent: float) -> float:
+    def node_sum(self, n: float, g: int, sent: float, gathered: bool = False) -> float:
         """The node stage's own work: ``g`` parts of ``n`` elements summed into fp32 in order by
         the passthrough codec's decode-and-sum (one kernel: each part read once). Its messages
         (``sent`` elements) go from where they lie in the bucket (``TorchComm``'s point-to-point
-        parts: no gather, so no pass over them; an MPI comm joins them, one copy more)."""
+        parts), or ``gathered`` into a send buffer first, a copy (a slot's runs of a piece past
+        ``comm.MAX_PEER_PARTS``: ZeRO-1's rounds; an MPI comm always)."""
         if not self.hbm_bps:
             return 0.0
-        return n * (2 * g + 4) / self.hbm_bps + self._launches(n, 1) + (g - 1) * self.launch_s
+        return ((4 * sent if gathered else 0.0) + n * (2 * g + 4)) / self.hbm_bps + self._launches(n, 1) + (
+            g - 1) * self.launch_s
 
     def cast(self, n: float) -> float:
         """fp32 results cast to the bucket's dtype for the forwards."""
@@ -256,9 +258,11 @@ def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool,
                  decode_s=rates.decode(owned, 1))
 
 
-def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, rates: Rates) -> Dict[str, Stage]:
+def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, rates: Rates,
+                  gathered: bool = False) -> Dict[str, Stage]:
     """Per scheme, one bucket's (or piece's) work (see the module docstring's bytes); ``bf16``:
-    DeepSpeed's ring, whose NVLink and NIC bytes move at once (in ``node`` and ``nic``)."""
+    DeepSpeed's ring, whose NVLink and NIC bytes move at once (in ``node`` and ``nic``);
+    ``gathered``: the node stage's messages copied into a send buffer (``Rates.node_sum``)."""
     n, biggest = sum(owners.values()), max(owners.values(), default=0)
     g = min(per_node, world)
     nodes = world // g
@@ -288,7 +292,7 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
                 routes.append(exchange_stage(nodes, carried, owned, b, True, rates))
             best = min(routes, key=nic_bytes)
             best.node, best.node_steps = stage, g - 1
-            best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g)
+            best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g, gathered)
             best.forward, best.forward_steps = forward, (g - 1) if forward else 0
             best.decode_s += rates.cast(forwarded)
             return best
@@ -409,10 +413,13 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                 seconds[scheme] = seconds.get(scheme, 0.0) + secs
 
             for kind, reductions in (("bucket", runs), ("round", rounds)):
+                # a round brings a slot more runs of a piece than TorchComm sends one by one
+                # (8-20 at W = 64, 60-140 at 512): its node stage gathers them; a bucket's do not
+                gathered = kind == "round"
                 for these in reductions:
-                    whole = bucket_stages(owners_of(these), world, per_node, b, rates)
-                    cut = [bucket_stages(o, world, per_node, b, rates) for o in cut_pieces(these, pieces,
-                                                                                            piece_min_elements)]
+                    whole = bucket_stages(owners_of(these), world, per_node, b, rates, gathered)
+                    cut = [bucket_stages(o, world, per_node, b, rates, gathered)
+                           for o in cut_pieces(these, pieces, piece_min_elements)]
                     if kind == "bucket":
                         for scheme, st in whole.items():
                             if scheme == "bf16":
