@@ -201,6 +201,17 @@ def test_parts_are_sent_where_they_lie_and_arrive_as_one_all_to_all_lays_them_ou
             assert copies == (["cat"] if name == "many" else ["copy_"] * 3), (name, copies)
 
 
+def test_parts_go_point_to_point_only_where_the_backend_sends_that_device():
+    """NCCL on CUDA and gloo on the host send parts where they lie; gloo's CUDA path (a
+    ``cuda:gloo`` group) and MPI through torch join them into one all-to-all."""
+    from deepspeed_gift.exchange.comm import sends_parts
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert sends_parts("nccl", cuda) and sends_parts("gloo", cpu)
+    assert sends_parts("cpu:gloo,cuda:nccl", cuda) and sends_parts("cpu:gloo,cuda:nccl", cpu)
+    assert not sends_parts("cuda:gloo", cuda) and not sends_parts("mpi", cpu)
+
+
 def test_overlapped_pieces_give_the_serial_bits_and_lossless_ones_the_whole_buckets():
     for per_rank in run_ranks(_pieces_body, 4, 2):
         for route in ("direct", "relay", "by_layout"):

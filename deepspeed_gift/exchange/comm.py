@@ -145,6 +145,13 @@ def served_devices(backend: str) -> Dict[str, str]:
     return {"cuda": backend}  # nccl; other device-only backends name their type with "type:backend"
 
 
+def sends_parts(backend: str, device: torch.device) -> bool:
+    """Whether a group's point-to-point sends take ``device``'s tensors where they lie: NCCL's on
+    CUDA, gloo's on the host (not gloo's CUDA path, nor MPI through torch)."""
+    by = served_devices(backend).get(torch.device(device).type)
+    return by == "nccl" or (by == "gloo" and torch.device(device).type == "cpu")
+
+
 def device_for_backend(backend: str) -> torch.device:
     """The device GIFT's collectives use on a group with this backend: the host where it has a
     host backend of its own (not only gloo's CUDA path), else the current accelerator."""
@@ -201,6 +208,7 @@ class TorchComm(Comm):
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.device = device_for_backend(dist.get_backend(group))
+        self.sends_parts = sends_parts(dist.get_backend(group), self.device)
 
     def split(self, groups):
         return self.split_many([groups])[0]
@@ -217,6 +225,7 @@ class TorchComm(Comm):
             sub = TorchComm.__new__(TorchComm)
             Comm.__init__(sub)
             sub._dist, sub.group, sub.timeout, sub.device = dist, made[members], self.timeout, self.device
+            sub.sends_parts = self.sends_parts
             sub.rank, sub.world_size = dist.get_rank(group=sub.group), dist.get_world_size(group=sub.group)
             subs.append(sub)
         return subs
@@ -254,10 +263,13 @@ class TorchComm(Comm):
         part into its place), so what leaves is never gathered into a send buffer: on a GPU that
         is a pass over the bucket's share the node stage sends (7/8 of it in nodes of 8). Parts
         off the comm's device are staged there first (a gloo group's host tensors are not).
+        Where the group's point-to-point sends do not serve the device (:func:`sends_parts`:
+        gloo's CUDA path), the parts are joined.
         More than :data:`MAX_PEER_PARTS` parts to a peer are joined instead (a send each would
         cost more in latency than the copy: ZeRO-1's rounds at W = 512 bring a slot 60-140 runs
         of a piece; DeepSpeed's buckets at 7B and 13B, W = 64 and 512, at most 12)."""
-        if self.world_size == 1 or max((len(ps) for ps in parts), default=0) > MAX_PEER_PARTS:
+        if (not self.sends_parts or self.world_size == 1
+                or max((len(ps) for ps in parts), default=0) > MAX_PEER_PARTS):
             return super().all_to_all_parts_start(parts, recv_parts, kind=kind)
         dist, group = self._dist, self.group
 
