@@ -162,8 +162,8 @@ def _reads_written(graph, args, before, written, i) -> bool:
         if change:  # other bits in every byte (uint8 views of payloads, fp32 sums alike)
             args[i].copy_(before[i][1] + 1 if before[i][1].is_floating_point() else before[i][1] ^ 1)
         out = graph(*args)
-        return [t.clone() for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)] + [
-            args[j].clone() for j in written]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return [t.clone() for t in outs if isinstance(t, torch.Tensor)] + [args[j].clone() for j in written]
 
     same = all(torch.equal(a, b) for a, b in zip(trial(False), trial(True)))
     for j in written:

@@ -613,8 +613,8 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--allgather-bucket", type=float, default=5e8, help="allgather_bucket_size")
     parser.add_argument("--design", choices=("now", "before", "both"), default="both")
-    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES, help="gift.node_pieces (two-level's pipeline; 1: whole "
-                        "buckets, the stages one after another)")
+    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES,
+                        help="gift.node_pieces (two-level's pipeline; 1: whole buckets, the stages one after another)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated among " + ", ".join(MODELS))
     parser.add_argument("--json")
     args = parser.parse_args(argv)

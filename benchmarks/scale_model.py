@@ -574,8 +574,8 @@ def main(argv=None) -> dict:
                    help="network rate per GPU (one NIC each), Gbit/s each way")
     g.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
     g.add_argument("--alpha-us", type=float, default=10.0, help="latency per collective step")
-    g.add_argument("--node-pieces", type=int, default=layout_model.NODE_PIECES, help="gift.node_pieces: two-level's pipeline (1: its "
-                                                              "stages one after another)")
+    g.add_argument("--node-pieces", type=int, default=layout_model.NODE_PIECES,
+                   help="gift.node_pieces: two-level's pipeline (1: its stages one after another)")
     g.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
     g.add_argument("--ring-eff", type=float, help="link efficiency of ring collectives (default: the calibrated "
                                                   "one with --calibration, else 1)")

@@ -192,7 +192,8 @@ def _parts_body(rank, world):
 def test_parts_are_sent_where_they_lie_and_arrive_as_one_all_to_all_lays_them_out():
     """The node stage's messages go as parts (``Comm.all_to_all_parts_start``): over torch's
     point-to-point sends (TorchComm) every part that leaves is sent from where it lies (no
-    gather, no cat; a rank's parts to itself are copied into place), and what arrives equals the joined send buffer's all-to-all, byte for byte, in a
+    gather, no cat; a rank's parts to itself are copied into place), and what arrives equals
+    the joined send buffer's all-to-all, byte for byte, in a
     group of the whole job and in one whose ranks are not the job's."""
     for per_rank in run_ranks(_parts_body, 4):
         for name, (p2p_equal, joined_equal, copies) in per_rank.items():

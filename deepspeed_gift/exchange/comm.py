@@ -263,24 +263,25 @@ class TorchComm(Comm):
         part into its place), so what leaves is never gathered into a send buffer: on a GPU that
         is a pass over the bucket's share the node stage sends (7/8 of it in nodes of 8). Parts
         off the comm's device are staged there first (a gloo group's host tensors are not).
-        Where the group's point-to-point sends do not serve the device (:func:`sends_parts`:
-        gloo's CUDA path), the parts are joined.
-        More than :data:`MAX_PEER_PARTS` parts to a peer are joined instead (a send each would
-        cost more in latency than the copy: ZeRO-1's rounds at W = 512 bring a slot 60-140 runs
-        of a piece; DeepSpeed's buckets at 7B and 13B, W = 64 and 512, at most 12)."""
+        The parts are joined instead where the group's point-to-point sends do not serve the
+        device (:func:`sends_parts`: gloo's CUDA path), and beyond :data:`MAX_PEER_PARTS` parts
+        to a peer (a send each would cost more in latency than the copy: ZeRO-1's rounds at
+        W = 512 bring a slot 60-140 runs of a piece; DeepSpeed's buckets at 7B and 13B, W = 64
+        and 512, at most 12)."""
         if (not self.sends_parts or self.world_size == 1
                 or max((len(ps) for ps in parts), default=0) > MAX_PEER_PARTS):
             return super().all_to_all_parts_start(parts, recv_parts, kind=kind)
         dist, group = self._dist, self.group
-
-        def peer(j: int) -> int:
-            return dist.get_global_rank(group, j) if group is not None else j
+        if getattr(self, "_peers", None) is None:  # the group's ranks as the job numbers them, once
+            self._peers = (dist.get_process_group_ranks(group) if group is not None
+                           else list(range(self.world_size)))
+        peer = self._peers.__getitem__
 
         recv = torch.empty(sum(sum(r) for r in recv_parts), dtype=torch.uint8, device=self.device)
         staged = [[self._on_device(p) for p in ps] for ps in parts]  # held until the sends are done
         if [p.numel() for p in staged[self.rank]] != list(recv_parts[self.rank]):
-            raise RuntimeError(f"deepspeed_gift: rank {self.rank} sends itself parts of {[p.numel() for p in staged[self.rank]]} "
-                               f"bytes and expects {list(recv_parts[self.rank])}")
+            raise RuntimeError(f"deepspeed_gift: rank {self.rank} sends itself parts of "
+                               f"{[p.numel() for p in staged[self.rank]]} bytes and expects {list(recv_parts[self.rank])}")
         ops, at = [], 0
         for j, sizes in enumerate(recv_parts):
             for k, n in enumerate(sizes):

@@ -229,12 +229,18 @@ class ErrorFeedback:
         the codecs are compiled: :meth:`Int8Codec.encode_with_residual`); ``values`` (staged,
         flat fp32) is overwritten."""
         values, held = self._take(plan, sec, values, transforms)
+        wire, kept = self._encode_with(values, held, codec, generator, tile_elements)
+        self.sent[(plan.layout_key, sec.key)] = (kept, sec.pieces, dict(transforms))
+        return wire
+
+    def _encode_with(self, values: torch.Tensor, held: Optional[StoredResidual], codec, generator,
+                     tile_elements: Optional[int]) -> Tuple[torch.Tensor, StoredResidual]:
+        """``codec``'s wire bytes of ``values`` plus ``held`` (None: nothing to add) and the new
+        residual to keep: :meth:`send`'s and :meth:`send_relayed`'s one step."""
         payload, residual = self.codec.encode_with_residual(
             values.reshape(-1), None if held is None else held._payload(), codec, generator=generator,
             tile_elements=tile_elements)
-        self.sent[(plan.layout_key, sec.key)] = (StoredResidual.kept(residual, values.numel(), self.codec),
-                                                 sec.pieces, dict(transforms))
-        return codec.payload_to_bytes(payload)
+        return codec.payload_to_bytes(payload), StoredResidual.kept(residual, values.numel(), self.codec)
 
     def keep(self, plan: BucketPlan, sec: Section, residual: torch.Tensor, transforms) -> None:
         self.sent[(plan.layout_key, sec.key)] = (StoredResidual.encode(residual, self.codec), sec.pieces,
@@ -252,17 +258,19 @@ class ErrorFeedback:
                      tile_elements: Optional[int] = None) -> torch.Tensor:
         """:meth:`send` of a chunk sum this rank relays (:meth:`add_relayed`, the encode and
         :meth:`keep_relayed_sent` in one)."""
+        wire, kept = self._encode_with(value, self._relayed_held(plan, index), codec, generator, tile_elements)
+        self.relayed[(plan.layout_key, index)] = (plan.hash, kept)
+        return wire
+
+    def _relayed_held(self, plan: BucketPlan, index: int) -> Optional[StoredResidual]:
+        """The residual of this relayed chunk sum, if kept for this plan (its hash: a refresh
+        starts it afresh)."""
         held = self.relayed.get((plan.layout_key, index))
-        held = None if held is None or held[0] != plan.hash else held[1]
-        payload, residual = self.codec.encode_with_residual(
-            value.reshape(-1), None if held is None else held._payload(), codec, generator=generator,
-            tile_elements=tile_elements)
-        self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.kept(residual, value.numel(), self.codec))
-        return codec.payload_to_bytes(payload)
+        return None if held is None or held[0] != plan.hash else held[1]
 
     def add_relayed(self, plan: BucketPlan, index: int, value: torch.Tensor) -> torch.Tensor:
-        held = self.relayed.get((plan.layout_key, index))
-        return value if held is None or held[0] != plan.hash else held[1].add_to(value)
+        held = self._relayed_held(plan, index)
+        return value if held is None else held.add_to(value)
 
     def keep_relayed(self, plan: BucketPlan, index: int, residual: torch.Tensor) -> None:
         self.relayed[(plan.layout_key, index)] = (plan.hash, StoredResidual.encode(residual, self.codec))

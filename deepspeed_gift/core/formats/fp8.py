@@ -10,7 +10,8 @@ from torch import Tensor
 
 from .. import kernels as fused_kernels
 from ..kernels import e8m0_to_fp32, fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor, stochastic_grid
-from .base import Payload, _block_amax, _check_block, _div_scalar, _register, _ScaledCodec, _stochastic_round_bits
+from .base import (Payload, Rounding, _block_amax, _check_block, _div_scalar, _register, _ScaledCodec,
+                   _stochastic_round_bits)
 
 # ----------------------------------------------------------------------------- fused kernels
 
@@ -121,7 +122,8 @@ class _Fp8Codec(_ScaledCodec):
     def _fused_block_codes(self):
         if self.scale_kind != "fp32" or not self.block_size:
             return None
-        grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if self.rounding == "stochastic" else ()
+        stochastic = self.rounding == Rounding.STOCHASTIC
+        grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if stochastic else ()
         return fp8_block_codes, (("fmax", self.fmax), ("dtype", self.data_dtype)) + grid, False
 
     def _fused_decode(self):
