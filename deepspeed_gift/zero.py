@@ -9,6 +9,11 @@ after the call the owner's slices of ``tensor`` must hold the averaged gradient 
 fp32 gradient accumulation of a bf16 model, the same added into the compact fp32
 partition buffer). GIFT replaces that method on the optimizer instance; everything
 around it (accumulation, overflow check, clipping, the step) stays DeepSpeed's.
+
+DeepSpeed's BF16_Optimizer (bf16 + stage 1 + fp32 gradient accumulation) has no buckets: the
+engine all-reduces its flat fp32 gradients after the backward (``buffered_allreduce_fallback``).
+GIFT replaces that call on the engine with its balanced rounds, seen through ``Bf16Layout`` (the
+optimizer as the ZeRO-1 layout GIFT reads), and the norm's gradients with their partitions.
 """
 
 from __future__ import annotations
@@ -54,14 +59,10 @@ def _check_engine(engine, cfg: GiftConfig):
     _require(stage in (1, 2), f"gift.enabled: GIFT replaces the ZeRO stage 1/2 gradient reduce-scatter; "
              f"zero_optimization.stage is {stage}. Use stage 1 or 2, or set gift.enabled to false")
     opt = engine.optimizer
+    if type(opt).__name__ == "BF16_Optimizer":
+        return _check_bf16_optimizer(engine, opt, cfg)
     if not isinstance(opt, DeepSpeedZeroOptimizer):
-        hint = ""
-        if type(opt).__name__ == "BF16_Optimizer":
-            # a pipeline cannot take stage 2 (DeepSpeed's PipelineEngine refuses it): only the dtype is left
-            stage2 = "" if getattr(engine, "is_pipe_parallel", False) else "use stage 2, or "
-            hint = (" (DeepSpeed picks BF16_Optimizer for bf16 + ZeRO stage 1 + fp32 gradient accumulation; "
-                    f"{stage2}set data_types.grad_accum_dtype to \"bf16\")")
-        raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}{hint}")
+        raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}")
     _probe_internals(opt)
     _require(not getattr(opt, "has_moe_layers", False),
              "gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert parameters over "
@@ -123,6 +124,136 @@ def _probe_params_internals(opt) -> None:
         raise ValueError(f"gift.params: DeepSpeed {deepspeed.__version__}'s {type(opt).__name__} has no "
                          f"{', '.join(missing)}, which the compressed parameter all-gather reads (built and tested "
                          "against DeepSpeed 0.19.8); remove gift.params or install a DeepSpeed in setup.py's range")
+
+
+# What GIFT reads of DeepSpeed's BF16_Optimizer (bf16 + ZeRO stage 1 + fp32 gradient
+# accumulation) and of the engine that reduces its gradients.
+BF16_INTERNALS = ("bf16_groups", "bf16_groups_flat", "fp32_groups_gradients", "fp32_groups_gradients_flat",
+                  "fp32_groups_flat_partition", "dp_process_group", "optimizer", "get_grads_for_norm",
+                  "has_moe_layers", "mpu")
+BF16_ENGINE_INTERNALS = ("buffered_allreduce_fallback", "communication_data_type", "gradient_average",
+                         "gradient_predivide_factor", "postscale_gradients", "zero_reduce_bucket_size")
+
+
+def _check_bf16_optimizer(engine, opt, cfg: GiftConfig) -> "Bf16Layout":
+    """DeepSpeed's BF16_Optimizer (bf16 parameters, fp32 gradients accumulated in flat buffers, the
+    fp32 master partitioned as ZeRO-1's): what GIFT serves of it, as a :class:`Bf16Layout`."""
+    import deepspeed
+
+    missing = [name for name in BF16_INTERNALS if not hasattr(opt, name)]
+    missing += [f"engine.{name}" for name in BF16_ENGINE_INTERNALS if not hasattr(engine, name)]
+    if missing:
+        raise ValueError(f"gift.enabled: DeepSpeed {deepspeed.__version__}'s BF16_Optimizer has no "
+                         f"{', '.join(missing)}, which GIFT reads (built and tested against DeepSpeed 0.19.8); "
+                         "install a DeepSpeed in the range setup.py names, or set gift.enabled to false")
+    _require(not opt.has_moe_layers,
+             "gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert parameters over "
+             "expert-data-parallel groups of their own, and GIFT's exchange serves one data-parallel group; set "
+             "gift.enabled to false for this model")
+    _require(not getattr(opt, "_uses_muon", False),
+             "gift.enabled: DeepSpeed's BF16_Optimizer with Muon moves whole matrices between the partitions after "
+             "the reduction, which GIFT does not model; with Muon, set data_types.grad_accum_dtype to \"bf16\" "
+             "(DeepSpeed's ZeRO stage 1/2 optimizer then serves it, and GIFT with it) or gift.enabled to false")
+    _require(cfg.params is None,
+             "gift.params: the compressed parameter all-gather serves DeepSpeed's ZeRO stage 1/2 optimizer; "
+             "BF16_Optimizer (bf16 + ZeRO stage 1 + data_types.grad_accum_dtype \"fp32\") gathers its bf16 "
+             "partitions its own way; remove gift.params, or set data_types.grad_accum_dtype to \"bf16\"")
+    _require(cfg.stage1_rounds,
+             "gift.stage1_rounds: got false, but DeepSpeed's BF16_Optimizer reduces every gradient of the step "
+             "after the backward, which GIFT does in balanced rounds (allowed with BF16_Optimizer: true)")
+    _require(engine.gradient_predivide_factor() == 1.0 and engine.postscale_gradients(),
+             f"gift.enabled: gradient_predivide_factor {engine.gradient_predivide_factor()} / prescale_gradients "
+             f"{not engine.postscale_gradients()}: GIFT sums in fp32 and divides once, as ZeRO's reduce-scatter "
+             "does (allowed: gradient_predivide_factor 1.0 and prescale_gradients false)")
+    return Bf16Layout(engine, opt)
+
+
+class Bf16Layout:
+    """DeepSpeed's BF16_Optimizer seen as the ZeRO stage 1 optimizer GIFT reads: its flat groups
+    cut into W equal contiguous partitions (rank r owns the r-th, as ZeRO-1's), each parameter's
+    runs in them, its fp32 gradients (flat buffers, views per parameter) where ZeRO keeps bit16
+    ones, and its fp32 master partition where ZeRO keeps ``single_partition_of_fp32_groups``.
+    BF16_Optimizer all-reduces the whole gradient after the backward (``buffered_allreduce_fallback``
+    of the engine); GIFT reduces it in balanced rounds instead, each owner's part in the bucket's
+    communication dtype as DeepSpeed's all-reduce does, then copied back into the fp32 buffer."""
+
+    overlap_comm = False
+    partition_gradients = False
+    cpu_offload = False
+    contiguous_gradients = True
+
+    def __init__(self, engine, opt) -> None:
+        import torch.distributed as dist
+
+        self.bf16 = opt
+        self.engine = engine
+        self.optimizer = opt.optimizer
+        self.dp_process_group = opt.dp_process_group
+        self.bit16_groups = opt.bf16_groups
+        self.bit16_groups_flat = opt.bf16_groups_flat
+        self.single_partition_of_fp32_groups = opt.fp32_groups_flat_partition
+        self.gradient_average = engine.gradient_average
+        self.sequence_parallel_size = getattr(engine, "sequence_parallel_size", 1)
+        self.reduce_bucket_size = int(engine.zero_reduce_bucket_size())
+        self.ipg_buckets: dict = {}  # no buckets: the rounds stage in a buffer of their own
+        world = dist.get_world_size(group=opt.dp_process_group)
+        self.param_id: Dict[int, int] = {}
+        self._where: Dict[int, tuple] = {}  # param id -> (group, index in group)
+        self.partition_size, self.grad_start_offset, self.grad_partition_insertion_offset = [], [], []
+        self.param_to_partition_ids = []
+        for g, params in enumerate(opt.bf16_groups):
+            size = opt.bf16_groups_flat[g].numel() // world
+            starts = [{} for _ in range(world)]
+            inserts = [{} for _ in range(world)]
+            owners: Dict[int, list] = {}
+            offset = 0
+            for j, param in enumerate(params):
+                pid = self.param_id.setdefault(id(param), len(self.param_id))
+                self._where[pid] = (g, j)
+                first, last = offset // size, (offset + max(param.numel(), 1) - 1) // size
+                owners[pid] = list(range(first, min(last, world - 1) + 1)) if param.numel() else []
+                for part in owners[pid]:
+                    start = max(offset, part * size)
+                    starts[part][pid] = start - offset
+                    inserts[part][pid] = start - part * size
+                offset += param.numel()
+            self.partition_size.append(size)
+            self.grad_start_offset.append(starts)
+            self.grad_partition_insertion_offset.append(inserts)
+            self.param_to_partition_ids.append(owners)
+
+    def get_param_id(self, param) -> int:
+        return self.param_id[id(param)]
+
+    def get_gradient_for_reduction(self, param):
+        """The parameter's fp32 gradient: always (a parameter without one this step has zeros
+        there, which DeepSpeed's all-reduce of the whole buffer reduces too)."""
+        g, j = self._where[self.param_id[id(param)]]
+        return self.bf16.fp32_groups_gradients[g][j]
+
+    def get_param_comm_dtype(self, param) -> torch.dtype:
+        return self.engine.communication_data_type
+
+    def _get_compact_grad_partition_slice(self, *args):
+        return None  # the fp32 gradient buffer is the partition's gradient: the rounds write it
+
+    def owned_parts(self, tensors) -> List[torch.Tensor]:
+        """This rank's parts of ``tensors`` (BF16_Optimizer's per-parameter fp32 gradients):
+        where its partition of each flat group covers them."""
+        import torch.distributed as dist
+
+        me = dist.get_rank(group=self.dp_process_group)
+        index = {id(t): (g, j) for g, grads in enumerate(self.bf16.fp32_groups_gradients)
+                 for j, t in enumerate(grads)}
+        out = []
+        for t in tensors:
+            g, j = index[id(t)]
+            pid = self.param_id[id(self.bit16_groups[g][j])]
+            if pid in self.grad_start_offset[g][me]:
+                start = self.grad_start_offset[g][me][pid]
+                room = self.partition_size[g] - self.grad_partition_insertion_offset[g][me][pid]
+                out.append(t.view(-1).narrow(0, start, min(t.numel() - start, room)))
+        return out
 
 
 def _allgather_bucket_size(engine) -> int:
@@ -410,7 +541,7 @@ class GiftState:
                                               if id(p) in getattr(opt, "param_id", {})}
         if device.type != "cpu":  # the codecs' tables on the device now, not at a first decode in a reduction
             formats.warm_device_tables(device)
-        self.native_average_tensor = opt.average_tensor
+        self.native_average_tensor = getattr(opt, "average_tensor", None)
         self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
         self._rounds_plan = None  # (the layout it was planned for, the rounds): the same step after step
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
@@ -589,18 +720,19 @@ class GiftState:
                 out.setdefault(opt.get_param_comm_dtype(param), []).append((g, param, grad))
         return out
 
-    def _round_staging(self, comm_dtype: torch.dtype, numel: int, grad: torch.Tensor) -> torch.Tensor:
-        """Where a round is staged, in the gradients' dtype (as DeepSpeed's bucket buffer is): that
-        buffer itself, idle until DeepSpeed's walk refills it after the rounds (so the rounds
-        hold no bucket of their own), or, for a round longer than a bucket (a row's slack, a
-        whole shared matrix), a buffer of its own."""
+    def _round_staging(self, comm_dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        """Where a round is staged, in the dtype DeepSpeed communicates in (its bucket buffer's;
+        BF16_Optimizer casts its fp32 gradients to it for the all-reduce): that buffer itself,
+        idle until DeepSpeed's walk refills it after the rounds (so the rounds hold no bucket of
+        their own), or, for a round longer than a bucket (a row's slack, a whole shared matrix)
+        and where there are no buckets, a buffer of its own."""
         bucket = self.opt.ipg_buckets.get(comm_dtype)
         buffers = getattr(bucket, "buffer", None) or []
         if buffers:
             idle = buffers[bucket.index]
-            if idle.numel() >= numel and idle.dtype == grad.dtype and idle.device == grad.device:
+            if idle.numel() >= numel and idle.dtype == comm_dtype and idle.device == device:
                 return idle.narrow(0, 0, numel)
-        return torch.empty(numel, dtype=grad.dtype, device=grad.device)
+        return torch.empty(numel, dtype=comm_dtype, device=device)
 
     def reduce_in_rounds(self, k: int) -> None:
         """Reduce every gradient of the step in rounds of at most ``reduce_bucket_size`` elements,
@@ -624,7 +756,7 @@ class GiftState:
             if self._rounds_plan is None or self._rounds_plan[0] != key:  # the same layout every step
                 self._rounds_plan = (key, plan_rounds(*key))
             for round_ in self._rounds_plan[1]:
-                staging = self._round_staging(comm_dtype, round_.numel, entries[0][2])
+                staging = self._round_staging(comm_dtype, round_.numel, entries[0][2].device)
                 slices, outputs, whiteners, targets = [], [], {}, []
                 for piece in round_.pieces:
                     g, param, grad = entries[piece.param]
@@ -648,6 +780,38 @@ class GiftState:
                 for flat, offset, numel in targets:
                     flat.copy_(staging.narrow(0, offset, numel))
                 del staging
+
+    def reduce_bf16(self, native, grads=None, *args, **kwargs):
+        """The engine's ``buffered_allreduce_fallback`` for BF16_Optimizer (``grads`` None: its
+        flat fp32 gradients, at the accumulation boundary; under a pipeline too): the step's
+        gradients reduced in balanced rounds, each owner's part written back into the fp32
+        buffer as DeepSpeed's all-reduce writes the whole."""
+        k = self.k
+        if k < 0 or grads is not None:
+            return native(grads, *args, **kwargs)
+        self.reduce_in_rounds(k)
+        return None
+
+    def bf16_grads_for_norm(self, native, for_clipping: bool = False):
+        """BF16_Optimizer's gradients for its norm. DeepSpeed all-reduced every gradient, so every
+        rank took the norm of all of them; with GIFT each rank holds the reduced sum of its own
+        partition only. So the norm is summed per partition, then over the data-parallel group,
+        and handed back as one tensor of that norm (DeepSpeed then sums it over the
+        model-parallel group as it would). The same filter (pipeline replicas, tensor-parallel
+        copies) picks the gradients; the order of the sum differs from DeepSpeed's, so the norm
+        may differ from native in its last bits (clipping with it, where it clips)."""
+        if for_clipping or self.k < 0:
+            return native(for_clipping=for_clipping) if for_clipping else native()
+        import torch.distributed as dist
+
+        dense, experts = native()
+        parts = self.opt.owned_parts(dense)
+        device = parts[0].device if parts else self.opt.bit16_groups_flat[0].device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for part in parts:
+            local = local + part.detach().float().norm(2).square()
+        dist.all_reduce(local, group=self.opt.dp_process_group)
+        return [local.sqrt().reshape(1)], experts
 
     # ---- the parameter all-gather (gift.params) ----------------------------------------
     def params_exact_now(self, k: int) -> bool:
@@ -897,6 +1061,34 @@ def attach(engine) -> Optional[GiftState]:
     log_like_deepspeed()
     state = GiftState(engine, cfg)
     engine.gift = state
+    if isinstance(state.opt, Bf16Layout):
+        _attach_bf16(engine, state)
+    else:
+        _attach_zero(state)
+    _attach_engine(engine, state, cfg)
+    return state
+
+
+def _attach_bf16(engine, state: GiftState) -> None:
+    """BF16_Optimizer: the engine's all-reduce of its fp32 gradients, and their norm."""
+    native_fallback = engine.buffered_allreduce_fallback
+
+    def buffered_allreduce_fallback(grads=None, *args, **kwargs):
+        return state.reduce_bf16(native_fallback, grads, *args, **kwargs)
+
+    _replace(state, engine, "buffered_allreduce_fallback", buffered_allreduce_fallback)
+    bf16 = state.opt.bf16
+    native_norm = bf16.get_grads_for_norm
+
+    def get_grads_for_norm(for_clipping=False):
+        return state.bf16_grads_for_norm(native_norm, for_clipping)
+
+    _replace(state, bf16, "get_grads_for_norm", get_grads_for_norm)
+
+
+def _attach_zero(state: GiftState) -> None:
+    """ZeRO stage 1/2's optimizer: its bucket reduction, ZeRO-1's walk, the fallbacks for
+    scattered gradients, and (``gift.params``) its step's all-gather."""
     _replace(state, state.opt, "average_tensor", state.average_tensor)
     native_reduce = state.opt.reduce_gradients
 
@@ -925,6 +1117,9 @@ def attach(engine) -> Optional[GiftState]:
         _replace(state, state.opt, "step", optimizer_step)
         _route_param_gather(state)
 
+
+def _attach_engine(engine, state: GiftState, cfg: GiftConfig) -> None:
+    """The engine's model step (GIFT's per-step work) and its checkpoints."""
     # The optimizer step of both engines: DeepSpeedEngine.step calls it at the accumulation
     # boundary, PipelineEngine's OptimizerStep instruction directly (its step() only raises).
     native_model_step = getattr(engine, "_take_model_step", None)
@@ -963,7 +1158,6 @@ def attach(engine) -> Optional[GiftState]:
 
     _replace(state, engine, "save_checkpoint", save_checkpoint)
     _replace(state, engine, "load_checkpoint", load_checkpoint)
-    return state
 
 
 _ABSENT = object()

@@ -243,7 +243,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         param.register_hook(hook)
     if spec.get("perturb_ulps"):  # tests/spread.py: every gradient element moved by +-k fp32 ulps
         perturb_gradients(engine.module, spec["perturb_ulps"], engine.global_rank)
-    losses, step_times, rss_steps, digests = [], [], {}, []
+    losses, step_times, rss_steps, digests, grad_norms = [], [], {}, [], []
     micro, ga, seq = spec.get("micro", 2), spec.get("ga", 1), spec.get("seq", 32)
     done = 0
     if spec.get("resume"):
@@ -267,6 +267,8 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         losses.append(float(out.loss.detach()))
         if (i + 1) % ga == 0:  # tests compare every rank's replicas after every step
             digests.append(param_digest(engine.module))
+            norm = engine.get_global_grad_norm()
+            grad_norms.append(None if norm is None else float(norm))
         if spec.get("rss_at") and engine.global_steps in spec["rss_at"] and (i + 1) % ga == 0:
             import resource
 
@@ -283,7 +285,7 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
                 if len(opt.param_to_partition_ids[group][opt.get_param_id(p)]) > 1:
                     split.append(name)
     gift = getattr(engine, "gift", None)
-    result = {"losses": losses, "params": params, "digests": digests, "skipped": getattr(engine, "skipped_steps", 0),
+    result = {"losses": losses, "params": params, "digests": digests, "grad_norms": grad_norms, "skipped": getattr(engine, "skipped_steps", 0),
               "step_times": step_times, "peak_rss_mib": rss_steps, "split_muon": split, "hooks": hooks,
               "host_syncs": host_syncs, "grad_receives": grad_receives, "bucket_owners": bucket_owners}
     if gift is not None:
