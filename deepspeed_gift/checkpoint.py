@@ -103,6 +103,9 @@ def gift_state(state, sink=None) -> dict:
             "global_rank": state.global_rank, "dp_ranks": list(state.dp_ranks), "exchange": state.exchange, "fingerprint": state.cfg.fingerprint(),
             "geometry": state.geometry.state_dict(),
             "reducer": state.reducer.state_dict(current=_current_transforms(state), sink=sink),
+            # DeepSpeed-MoE's expert groups: their exchanges' stochastic rounding (no residuals)
+            "expert_reducers": {name: r.state_dict(current=_current_transforms(state), sink=sink)
+                                for name, r in state.expert_reducers.items()},
             "run_totals": dict(state.run_totals)}
 
 
@@ -121,6 +124,12 @@ def load_gift_state(state, saved: dict, source=None) -> None:
         logger.warning("gift: resuming with %s = %r (the checkpoint was written with %r)", diff[0], diff[2],
                        diff[1])
     state.geometry.load_state_dict(saved["geometry"])
+    experts = saved.get("expert_reducers", {})
+    if sorted(experts) != sorted(state.expert_reducers):
+        raise ValueError(f"gift checkpoint: saved with expert groups {sorted(experts)}, this model has "
+                         f"{sorted(state.expert_reducers)}")
+    for name, reducer in state.expert_reducers.items():
+        reducer.load_state_dict(experts[name], state.engine.device, source=source)
     state.run_totals.clear()
     state.run_totals.update(saved["run_totals"])
     saved_exchange = list(saved.get("exchange", [Hierarchy.FLAT.value]))

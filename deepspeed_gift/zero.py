@@ -64,10 +64,8 @@ def _check_engine(engine, cfg: GiftConfig):
     if not isinstance(opt, DeepSpeedZeroOptimizer):
         raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}")
     _probe_internals(opt)
-    _require(not getattr(opt, "has_moe_layers", False),
-             "gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert parameters over "
-             "expert-data-parallel groups of their own, in buckets shared with the dense parameters, and GIFT's "
-             "exchange serves one data-parallel group; set gift.enabled to false for this model")
+    if getattr(opt, "has_moe_layers", False):
+        _check_moe(opt, cfg)
     _require(not getattr(opt, "zenflow", False), "gift.enabled: ZenFlow is not supported")
     if not opt.partition_gradients and opt.overlap_comm and cfg.stage1_rounds:
         # ZeRO-1 with overlap_comm reduces during the boundary micro-batch's backward, bucket by
@@ -95,6 +93,46 @@ ZERO_INTERNALS = (
     # contiguous_gradients false: DeepSpeed's reduction of gradients that do not share a buffer
     "buffered_reduce_fallback", "_clear_previous_reduced_grads",
 )
+
+
+def _check_moe(opt, cfg: GiftConfig) -> None:
+    """DeepSpeed-MoE under ZeRO stage 1/2: what GIFT serves of it. Expert parameters are reduced
+    over their expert-data-parallel groups (``expert_dp_process_group``), each by an exchange of
+    its own; what that exchange does not carry yet is refused here, naming the key."""
+    _require(isinstance(getattr(opt, "expert_dp_process_group", None), dict) and opt.expert_dp_process_group,
+             "gift.enabled: this DeepSpeed's ZeRO optimizer has MoE layers but no expert_dp_process_group, which "
+             "GIFT reads (built and tested against DeepSpeed 0.19.8)")
+    _require(not cfg.error_feedback,
+             "gift.error_feedback: got true with DeepSpeed-MoE; the expert groups' exchanges keep no residuals yet "
+             "(allowed with MoE: false)")
+    _require(cfg.params is None,
+             "gift.params: the compressed parameter all-gather serves one data-parallel group, and DeepSpeed-MoE "
+             "gathers expert partitions over expert-data-parallel groups; remove gift.params for this model")
+    _require(cfg.backend == "torch",
+             f"gift.backend: got {cfg.backend!r} with DeepSpeed-MoE; the expert groups' exchanges run over "
+             "DeepSpeed's process groups (allowed with MoE: 'torch')")
+
+
+def _dense_candidates(cfg: GiftConfig, modules: Dict[str, torch.nn.Module]) -> Dict[str, torch.nn.Module]:
+    """The candidate layers without DeepSpeed-MoE's experts: an expert's module has the same name
+    on every rank of the data-parallel group but holds another expert on each expert-parallel
+    rank, so the group's statistics of it would mix experts; experts travel in Euclidean
+    coordinates. A ``gift.layers`` pattern that names experts only is refused."""
+    from deepspeed.moe.utils import is_moe_param
+
+    experts = {name for name, m in modules.items() if is_moe_param(m.weight)}
+    if not experts:
+        return modules
+    if isinstance(cfg.layers, (list, tuple)):
+        import fnmatch
+
+        only = [p for p in cfg.layers if not any(fnmatch.fnmatchcase(n, p) for n in modules if n not in experts)]
+        _require(not only, f"gift.layers: pattern(s) {only} name only DeepSpeed-MoE expert layers, which travel in "
+                 "Euclidean coordinates (the data-parallel group holds a different expert under one name on each "
+                 "expert-parallel rank); name dense layers, or use \"all\" / \"measured\"")
+    logger.info("gift: %d DeepSpeed-MoE expert layers travel in Euclidean coordinates, reduced over their "
+                "expert-data-parallel groups", len(experts))
+    return {name: m for name, m in modules.items() if name not in experts}
 
 
 def _probe_internals(opt) -> None:
@@ -502,6 +540,23 @@ class GiftState:
                                        ranks_per_node=self.ranks_per_node, defer_checks=True,
                                        fidelity_elements=cfg.telemetry.fidelity_elements, route=cfg.route,
                                        tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
+        # DeepSpeed-MoE: each expert group's parameters reduced over its expert-data-parallel group,
+        # by a flat exchange of its own (ZeRO partitions them over that group)
+        self.expert_reducers: Dict[str, GiftReducer] = {}
+        for name, group in sorted((getattr(opt, "expert_dp_process_group", None) or {}).items()
+                                  if getattr(opt, "has_moe_layers", False) else []):
+            comm = make_comm(cfg.backend, group=group, timeout=cfg.comm_timeout_s)
+            self.expert_reducers[name] = GiftReducer(
+                comm, *codecs, generator=CounterRng(cfg.seed * 1_000_003 + 7919 * (len(self.expert_reducers) + 1)
+                                                    + comm.rank + 1),
+                ranks_per_node=1, defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
+                route=cfg.route, tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
+        self._expert_groups: Dict[int, str] = {}  # param id -> its expert group's name
+        if self.expert_reducers:
+            for g, params in enumerate(opt.bit16_groups):
+                if opt.is_moe_param_group[g]:
+                    name = opt.optimizer.param_groups[g]["name"]
+                    self._expert_groups.update((opt.get_param_id(p), name) for p in params)
         self.params: Optional[ReplicaGather] = None
         self.params_codec = None
         self._params_pending = None  # set by the optimizer step: "exact" or the replicas before it
@@ -520,7 +575,8 @@ class GiftState:
                          and dist.get_rank(group=opt.real_dp_process_group[g]) == self.comm.rank,
                          "gift.params: DeepSpeed's partitions of the parameters do not follow GIFT's data-parallel "
                          "ranks; remove gift.params")
-        modules = find_candidates(cfg, engine.module, gather=None if self.whole_job else _gather_over_job)
+        modules = _dense_candidates(cfg, find_candidates(cfg, engine.module,
+                                                         gather=None if self.whole_job else _gather_over_job))
         self.optimizer_state = ZeroOptimizerState(opt, modules, self.comm.rank)
         self.geometry = GeometryManager(cfg, modules, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)
@@ -537,13 +593,16 @@ class GiftState:
                         len(self.copy_params), ", ".join(sorted({why for why, _, _ in self.copy_params.values()})),
                         copy_codec_for(self.main_codec, self.high_codec).name)
         # every trained parameter's name, for errors that say which one ranks disagree on
-        self._header_reducer().param_names = {opt.param_id[id(p)]: name for name, p in engine.module.named_parameters()
-                                              if id(p) in getattr(opt, "param_id", {})}
+        names = {opt.param_id[id(p)]: name for name, p in engine.module.named_parameters()
+                 if id(p) in getattr(opt, "param_id", {})}
+        for reducer in (self._header_reducer(), *self.expert_reducers.values()):
+            reducer.param_names = names
         if device.type != "cpu":  # the codecs' tables on the device now, not at a first decode in a reduction
             formats.warm_device_tables(device)
         self.native_average_tensor = getattr(opt, "average_tensor", None)
         self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
-        self._rounds_plan = None  # (the layout it was planned for, the rounds): the same step after step
+        # per (dtype, expert group or None): (the layout it was planned for, the rounds), the same step after step
+        self._rounds_plan: Dict[tuple, tuple] = {}
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
         self.run_totals: Dict[str, float] = {"bytes": 0, "elements": 0}
         self.telemetry = TelemetryLog(cfg.telemetry.jsonl, self.comm.rank, cfg.telemetry.monitor,
@@ -637,9 +696,28 @@ class GiftState:
                                f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
         divisor = self._divisor()
         with _reduction_stream(opt, communication_data_type):
-            stats = self.reducer.reduce(tensor, slices, whiteners, divisor=divisor, step=k,
-                                        outputs=outputs, sample=self.sampling(k))
-        self._count(stats)
+            for reducer, these in self._by_group(slices, outputs):
+                stats = reducer.reduce(tensor, [s for s, _ in these], whiteners, divisor=divisor, step=k,
+                                       outputs=[o for _, o in these], sample=self.sampling(k))
+                self._count(stats)
+
+    def _expert_group(self, param_id: int) -> Optional[str]:
+        """The expert group a parameter belongs to (DeepSpeed-MoE), None for a dense one."""
+        return self._expert_groups.get(param_id)
+
+    def _reducer_of(self, group: Optional[str]):
+        return self.reducer if group is None else self.expert_reducers[group]
+
+    def _by_group(self, slices, outputs):
+        """A bucket's slices (with their outputs) by the exchange that reduces them: the dense
+        ones first, then each expert group's, in name order; empty groups left out."""
+        if not self.expert_reducers:
+            return [(self.reducer, list(zip(slices, outputs)))]
+        parts: Dict[Optional[str], list] = {}
+        for s, out in zip(slices, outputs):
+            parts.setdefault(self._expert_group(s.param_key), []).append((s, out))
+        order = sorted(parts, key=lambda g: (g is not None, g or ""))
+        return [(self._reducer_of(g), parts[g]) for g in order]
 
     def reduce_fallback(self, native, rank, grads, communication_data_type: torch.dtype, *args, **kwargs):
         """DeepSpeed's reduction of a bucket whose gradients do not share one buffer
@@ -739,47 +817,63 @@ class GiftState:
         each a slice of every owner's partition (``exchange.rounds``): what DeepSpeed's
         ``average_tensor`` would leave in the owner's slices of its buckets, written into the
         gradients themselves (and into the compact fp32 partition, as there)."""
-        opt, me = self.opt, self.comm.rank
+        opt = self.opt
         divisor = self._divisor()
+        by_group: Dict[tuple, list] = {}
         for comm_dtype, entries in sorted(self._step_gradients().items(), key=lambda item: str(item[0])):
-            owned, copies = [], []
-            for g, param, grad in entries:
-                param_id = opt.get_param_id(param)
-                runs = self.optimizer_state.partition_runs(g, param_id, param.numel())
-                name = self.param_names.get(param_id)
-                if name is not None and self.geometry.wants_capture(name):
-                    self.geometry.capture(name, grad.view(param.shape))
-                copies.append(self.optimizer_state.copy_ranks(param, runs))
-                owned.append(OwnedParam(param_id, param.numel(), tuple(runs),
-                                        param.shape[-1] if param.dim() >= 2 else 1, bool(copies[-1])))
-            key = (tuple(owned), self.comm.world_size, int(opt.reduce_bucket_size))
-            if self._rounds_plan is None or self._rounds_plan[0] != key:  # the same layout every step
-                self._rounds_plan = (key, plan_rounds(*key))
-            for round_ in self._rounds_plan[1]:
-                staging = self._round_staging(comm_dtype, round_.numel, entries[0][2].device)
-                slices, outputs, whiteners, targets = [], [], {}, []
-                for piece in round_.pieces:
-                    g, param, grad = entries[piece.param]
-                    flat = grad.view(-1).narrow(0, piece.start, piece.numel)
-                    staging.narrow(0, piece.offset, piece.numel).copy_(flat)
-                    mode, whitener = self.mode_of(piece.key)
-                    if whitener is not None:
-                        whiteners[piece.key] = whitener
-                    run = next(r for r in owned[piece.param].runs if r[0] <= piece.start < r[1])
-                    copy_ranks = copies[piece.param]
-                    slices.append(ParamSlice(piece.owner, piece.offset, piece.numel, piece.start, piece.key,
-                                             whitener.run_unit if mode == GEO else 0, mode, copy_ranks))
-                    out = opt._get_compact_grad_partition_slice(g, run[2], piece.key, run[1] - run[0])
-                    outputs.append(None if out is None else out.narrow(0, piece.start - run[0], piece.numel))
-                    if piece.owner == me or me in copy_ranks:
-                        targets.append((flat, piece.offset, piece.numel))
-                stats = self.reducer.reduce(staging, slices, whiteners, divisor=divisor, step=k, outputs=outputs,
-                                            sample=self.sampling(k))
-                stats.rounds = 1
-                self._count(stats)
-                for flat, offset, numel in targets:
-                    flat.copy_(staging.narrow(0, offset, numel))
-                del staging
+            for entry in entries:
+                group = self._expert_group(opt.get_param_id(entry[1]))
+                by_group.setdefault((str(comm_dtype), group or ""), (comm_dtype, group, []))[2].append(entry)
+        for key in sorted(by_group, key=lambda key: (key[0], key[1] != "", key[1])):  # dense first
+            comm_dtype, group, entries = by_group[key]
+            self._reduce_group_in_rounds(k, comm_dtype, group, entries, divisor)
+
+    def _reduce_group_in_rounds(self, k: int, comm_dtype: torch.dtype, group: Optional[str], entries: list,
+                                divisor: float) -> None:
+        """:meth:`reduce_in_rounds` of one dtype's gradients reduced by one exchange (the dense
+        one, or an expert group's over its expert-data-parallel group)."""
+        opt = self.opt
+        reducer = self._reducer_of(group)
+        me, world = reducer.comm.rank, reducer.comm.world_size
+        owned, copies = [], []
+        for g, param, grad in entries:
+            param_id = opt.get_param_id(param)
+            runs = self.optimizer_state.partition_runs(g, param_id, param.numel())
+            name = self.param_names.get(param_id)
+            if name is not None and self.geometry.wants_capture(name):
+                self.geometry.capture(name, grad.view(param.shape))
+            copies.append(self.optimizer_state.copy_ranks(param, runs))
+            owned.append(OwnedParam(param_id, param.numel(), tuple(runs),
+                                    param.shape[-1] if param.dim() >= 2 else 1, bool(copies[-1])))
+        key = (tuple(owned), world, int(opt.reduce_bucket_size))
+        plan = self._rounds_plan.get((comm_dtype, group))
+        if plan is None or plan[0] != key:  # the same layout every step
+            plan = self._rounds_plan[(comm_dtype, group)] = (key, plan_rounds(*key))
+        for round_ in plan[1]:
+            staging = self._round_staging(comm_dtype, round_.numel, entries[0][2].device)
+            slices, outputs, whiteners, targets = [], [], {}, []
+            for piece in round_.pieces:
+                g, param, grad = entries[piece.param]
+                flat = grad.view(-1).narrow(0, piece.start, piece.numel)
+                staging.narrow(0, piece.offset, piece.numel).copy_(flat)
+                mode, whitener = self.mode_of(piece.key)
+                if whitener is not None:
+                    whiteners[piece.key] = whitener
+                run = next(r for r in owned[piece.param].runs if r[0] <= piece.start < r[1])
+                copy_ranks = copies[piece.param]
+                slices.append(ParamSlice(piece.owner, piece.offset, piece.numel, piece.start, piece.key,
+                                         whitener.run_unit if mode == GEO else 0, mode, copy_ranks))
+                out = opt._get_compact_grad_partition_slice(g, run[2], piece.key, run[1] - run[0])
+                outputs.append(None if out is None else out.narrow(0, piece.start - run[0], piece.numel))
+                if piece.owner == me or me in copy_ranks:
+                    targets.append((flat, piece.offset, piece.numel))
+            stats = reducer.reduce(staging, slices, whiteners, divisor=divisor, step=k, outputs=outputs,
+                                   sample=self.sampling(k))
+            stats.rounds = 1
+            self._count(stats)
+            for flat, offset, numel in targets:
+                flat.copy_(staging.narrow(0, offset, numel))
+            del staging
 
     def reduce_bf16(self, native, grads=None, *args, **kwargs):
         """The engine's ``buffered_allreduce_fallback`` for BF16_Optimizer (``grads`` None: its
@@ -821,6 +915,12 @@ class GiftState:
     def _header_reducer(self) -> GiftReducer:
         """The reducer that exchanges the quantized payloads (two-level: among the nodes)."""
         return self.reducer.inner if isinstance(self.reducer, TwoLevelReducer) else self.reducer
+
+    def verify_checks(self) -> None:
+        """Every exchange's header checks (the dense one's, each expert group's)."""
+        self.reducer.verify_checks()
+        for reducer in self.expert_reducers.values():
+            reducer.verify_checks()
 
     def _header_checks(self):
         """The reducer's header checks, read once a step before the optimizer uses what came."""
@@ -1130,10 +1230,10 @@ def _attach_engine(engine, state: GiftState, cfg: GiftConfig) -> None:
     def take_model_step(*args, **kwargs):
         # The headers of this step's messages were compared on the device; read them before the
         # optimizer uses what they carried (one host read per step, not one per bucket).
-        state.reducer.verify_checks()
+        state.verify_checks()
         before = engine.global_steps
         result = native_model_step(*args, **kwargs)
-        state.reducer.verify_checks()  # reductions DeepSpeed ran inside the optimizer step
+        state.verify_checks()  # reductions DeepSpeed ran inside the optimizer step
         if engine.global_steps != before:
             state.on_optimizer_step(before - cfg.start_step)
         return result

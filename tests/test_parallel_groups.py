@@ -536,35 +536,3 @@ def test_ulysses_sequence_parallel_lossless_equals_native(stage):
         assert results[0][run]["losses"] != results[sp_peer][run]["losses"]
         assert tp_peer is None or results[0][run]["losses"] == results[tp_peer][run]["losses"]
         assert len({r[run]["digest"] for r in results}) == 1
-
-
-def _moe_body(rank, world):
-    """A model with one of DeepSpeed's MoE layers (2 experts, expert parallelism 2): what
-    GIFT's initialize says."""
-    import sys
-
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401
-    import torch
-    from deepspeed.moe.layer import MoE
-    from torch import nn
-
-    import deepspeed_gift
-    from tests.harness import ds_config
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), MoE(hidden_size=16, expert=nn.Linear(16, 16), num_experts=2, ep_size=2))
-    try:
-        deepspeed_gift.initialize(model=model, model_parameters=model.parameters(),
-                                  config=ds_config(dict(stage=2, gift={"format": "fp8_e4m3"})))
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
-def test_moe_is_refused_at_initialize_with_the_reason():
-    for message in run_ranks(_moe_body, 2, timeout=300):
-        assert message.startswith("gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert "
-                                  "parameters over expert-data-parallel groups of their own"), message
