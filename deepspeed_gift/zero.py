@@ -834,7 +834,8 @@ class GiftState:
         one, or an expert group's over its expert-data-parallel group)."""
         opt = self.opt
         reducer = self._reducer_of(group)
-        me, world = reducer.comm.rank, reducer.comm.world_size
+        comm = self.comm if group is None else reducer.comm  # the group's ranks (two-level: all of them)
+        me, world = comm.rank, comm.world_size
         owned, copies = [], []
         for g, param, grad in entries:
             param_id = opt.get_param_id(param)
