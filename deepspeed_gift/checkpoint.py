@@ -103,7 +103,7 @@ def gift_state(state, sink=None) -> dict:
             "global_rank": state.global_rank, "dp_ranks": list(state.dp_ranks), "exchange": state.exchange, "fingerprint": state.cfg.fingerprint(),
             "geometry": state.geometry.state_dict(),
             "reducer": state.reducer.state_dict(current=_current_transforms(state), sink=sink),
-            # DeepSpeed-MoE's expert groups: their exchanges' stochastic rounding (no residuals)
+            # DeepSpeed-MoE's expert groups: their exchanges' residuals and stochastic rounding
             "expert_reducers": {name: r.state_dict(current=_current_transforms(state), sink=sink)
                                 for name, r in state.expert_reducers.items()},
             "run_totals": dict(state.run_totals)}
@@ -128,16 +128,18 @@ def load_gift_state(state, saved: dict, source=None) -> None:
     if sorted(experts) != sorted(state.expert_reducers):
         raise ValueError(f"gift checkpoint: saved with expert groups {sorted(experts)}, this model has "
                          f"{sorted(state.expert_reducers)}")
-    for name, reducer in state.expert_reducers.items():
-        reducer.load_state_dict(experts[name], state.engine.device, source=source)
     state.run_totals.clear()
     state.run_totals.update(saved["run_totals"])
     saved_exchange = list(saved.get("exchange", [Hierarchy.FLAT.value]))
-    if saved["world_size"] == state.comm.world_size and saved_exchange == state.exchange:
+    same_layout = saved["world_size"] == state.comm.world_size and saved_exchange == state.exchange
+    for name, reducer in state.expert_reducers.items():  # an expert group's residuals: on the same layout only
+        reducer.load_state_dict(experts[name] if same_layout else dict(experts[name], residuals=[]),
+                                state.engine.device, source=source)
+    if same_layout:
         state.reducer.load_state_dict(saved["reducer"], state.engine.device, source=source)
-    elif saved["reducer"]["residuals"]:
+    elif saved["reducer"]["residuals"] or any(e["residuals"] for e in experts.values()):
         # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
-        dropped = _residual_numel(saved["reducer"])
+        dropped = _residual_numel(saved["reducer"]) + sum(_residual_numel(e) for e in experts.values())
         logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
                        "error-feedback residual elements of rank %d (statistics, factors and selection are "
                        "kept)", saved["world_size"], saved_exchange, state.comm.world_size, state.exchange, dropped,

@@ -102,9 +102,6 @@ def _check_moe(opt, cfg: GiftConfig) -> None:
     _require(isinstance(getattr(opt, "expert_dp_process_group", None), dict) and opt.expert_dp_process_group,
              "gift.enabled: this DeepSpeed's ZeRO optimizer has MoE layers but no expert_dp_process_group, which "
              "GIFT reads (built and tested against DeepSpeed 0.19.8)")
-    _require(not cfg.error_feedback,
-             "gift.error_feedback: got true with DeepSpeed-MoE; the expert groups' exchanges keep no residuals yet "
-             "(allowed with MoE: false)")
     _require(cfg.params is None,
              "gift.params: the compressed parameter all-gather serves one data-parallel group, and DeepSpeed-MoE "
              "gathers expert partitions over expert-data-parallel groups; remove gift.params for this model")
@@ -549,7 +546,8 @@ class GiftState:
             self.expert_reducers[name] = GiftReducer(
                 comm, *codecs, generator=CounterRng(cfg.seed * 1_000_003 + 7919 * (len(self.expert_reducers) + 1)
                                                     + comm.rank + 1),
-                ranks_per_node=1, defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
+                error_feedback=cfg.error_feedback, ranks_per_node=1, defer_checks=True,
+                fidelity_elements=cfg.telemetry.fidelity_elements,
                 route=cfg.route, tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
         self._expert_groups: Dict[int, str] = {}  # param id -> its expert group's name
         if self.expert_reducers:
@@ -917,6 +915,10 @@ class GiftState:
         """The reducer that exchanges the quantized payloads (two-level: among the nodes)."""
         return self.reducer.inner if isinstance(self.reducer, TwoLevelReducer) else self.reducer
 
+    def residual_nbytes(self) -> int:
+        """Memory error feedback holds: every exchange's residuals (the dense one's, each expert group's)."""
+        return self.reducer.residual_nbytes() + sum(r.residual_nbytes() for r in self.expert_reducers.values())
+
     def verify_checks(self) -> None:
         """Every exchange's header checks (the dense one's, each expert group's)."""
         self.reducer.verify_checks()
@@ -969,7 +971,7 @@ class GiftState:
         record = step_record(k, t, start_step=self.cfg.start_step, hierarchy=self.hierarchy, geometry=self.geometry,
                              run_totals=self.run_totals,
                              replica_itemsize=self.replica_dtype.itemsize if self.replica_dtype is not None else None,
-                             error_feedback_bytes=self.reducer.residual_nbytes() if self.cfg.error_feedback else None,
+                             error_feedback_bytes=self.residual_nbytes() if self.cfg.error_feedback else None,
                              profile=self.geometry.take_profile())
         self.telemetry.write(record, self.engine)
 

@@ -11,8 +11,8 @@ from launch.spawn import run_ranks
 from tests.spread import assert_within_native_spread, native_perturbed
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
-FP8_KFAC_SR = {"format": "fp8_e4m3", "rounding": "stochastic", "layers": "all", "telemetry": {"every": 1},
-               "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}}
+FP8_KFAC_EF = {"format": "fp8_e4m3", "rounding": "stochastic", "error_feedback": True, "layers": "all",
+               "telemetry": {"every": 1}, "geometry": {"rank": 8, "refresh_interval": 2, "collect_interval": 1}}
 VOCAB, WIDTH, SEQ = 256, 64, 16
 # SGD for the lossless comparison: Adam divides by sqrt(v), so an element whose 4-rank sum nearly
 # cancels turns a rounding of that sum into a step of order lr, and one element's luck decides the
@@ -116,8 +116,10 @@ def test_lossless_gift_is_within_native_spread_with_experts_reduced_over_their_g
 
 
 def test_fp8_with_geometry_on_dense_layers_trains_and_resumes_exactly(tmp_path):
+    # stochastic rounding and error feedback in every exchange: the expert groups' residuals and
+    # generators are in the checkpoint beside the dense one's
     save_dir = str(tmp_path / "ckpt")
-    base = dict(stage=2, steps=6, bucket=12000, gift=FP8_KFAC_SR, lr=1e-2)
+    base = dict(stage=2, steps=6, bucket=12000, gift=FP8_KFAC_EF, lr=1e-2)
     results = run_ranks(_moe_body, 4, [dict(base, extra={}), dict(base, steps=3, save_at=3, save_dir=save_dir)],
                         timeout=300)
     resumed = run_ranks(_moe_body, 4, [dict(base, resume=save_dir)], timeout=300)
@@ -127,16 +129,16 @@ def test_fp8_with_geometry_on_dense_layers_trains_and_resumes_exactly(tmp_path):
         assert not any("deepspeed_experts" in name for name in full["active"]), full["active"]
         assert all(1.0 < (r["bytes_payload"] + r["bytes_header"]) / r["elements_sent"] < 1.1
                    for r in full["records"])
-        # the expert groups' stochastic rounding continues from the checkpoint
+        assert all(r["error_feedback_bytes"] > 0 for r in full["records"])
+        # the expert groups' stochastic rounding and residuals continue from the checkpoint
         assert first["losses"] == full["losses"][:3] and again["losses"] == full["losses"][3:]
         assert all(bool((full["params"][k] == again["params"][k]).all()) for k in full["params"])
 
 
 def test_what_the_expert_exchanges_do_not_carry_yet_fails_at_initialize_naming_the_key():
     cases = [
-        (dict(FP8_KFAC_SR, error_feedback=True), "gift.error_feedback: got true with DeepSpeed-MoE"),
-        (dict(FP8_KFAC_SR, params={}), "gift.params: the compressed parameter all-gather serves one"),
-        (dict(FP8_KFAC_SR, layers=["*.deepspeed_experts.*"]),
+        (dict(FP8_KFAC_EF, params={}), "gift.params: the compressed parameter all-gather serves one"),
+        (dict(FP8_KFAC_EF, layers=["*.deepspeed_experts.*"]),
          "gift.layers: pattern(s) ['*.deepspeed_experts.*'] name only DeepSpeed-MoE"),
     ]
     results = run_ranks(_moe_body, 4, [dict(stage=2, steps=1, gift=g, init_error=True) for g, _ in cases],
