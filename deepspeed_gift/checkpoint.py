@@ -102,6 +102,7 @@ def gift_state(state, sink=None) -> dict:
     return {"format": CHECKPOINT_FORMAT, "world_size": state.comm.world_size, "rank": state.comm.rank,
             "global_rank": state.global_rank, "dp_ranks": list(state.dp_ranks), "exchange": state.exchange, "fingerprint": state.cfg.fingerprint(),
             "geometry": state.geometry.state_dict(),
+            "expert_geometry": {group: g.state_dict() for group, g in state.expert_geometry.items()},
             "reducer": state.reducer.state_dict(current=_current_transforms(state), sink=sink),
             # DeepSpeed-MoE's expert groups: their exchanges' residuals and stochastic rounding
             "expert_reducers": {name: r.state_dict(current=_current_transforms(state), sink=sink)
@@ -124,10 +125,13 @@ def load_gift_state(state, saved: dict, source=None) -> None:
         logger.warning("gift: resuming with %s = %r (the checkpoint was written with %r)", diff[0], diff[2],
                        diff[1])
     state.geometry.load_state_dict(saved["geometry"])
-    experts = saved.get("expert_reducers", {})
-    if sorted(experts) != sorted(state.expert_reducers):
-        raise ValueError(f"gift checkpoint: saved with expert groups {sorted(experts)}, this model has "
-                         f"{sorted(state.expert_reducers)}")
+    experts, geometries = saved.get("expert_reducers", {}), saved.get("expert_geometry", {})
+    if sorted(experts) != sorted(state.expert_reducers) or sorted(geometries) != sorted(state.expert_geometry):
+        raise ValueError(f"gift checkpoint: saved with expert groups {sorted(experts)} (geometry of "
+                         f"{sorted(geometries)}), this model has {sorted(state.expert_reducers)} (geometry of "
+                         f"{sorted(state.expert_geometry)})")
+    for group, geometry in state.expert_geometry.items():
+        geometry.load_state_dict(geometries[group])
     state.run_totals.clear()
     state.run_totals.update(saved["run_totals"])
     saved_exchange = list(saved.get("exchange", [Hierarchy.FLAT.value]))

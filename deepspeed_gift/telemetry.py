@@ -63,12 +63,13 @@ TELEMETRY_KEYS: Dict[str, str] = {
     "profile_whitened_euclid": "profile_whitened with every layer Euclidean",
     "profile_update_euclid": "profile_update with every layer Euclidean",
     "profile_per_layer": "judging refresh: each layer's errors, selection and kind",
+    "profile_experts": "judging refresh, DeepSpeed-MoE: each expert group's profile (the fields above)",
 }
 
 
 def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geometry,
                 run_totals: Dict[str, float], replica_itemsize: Optional[int], error_feedback_bytes: Optional[int],
-                profile: Optional[dict]) -> dict:
+                profile: Optional[dict], expert_profiles: Optional[Dict[str, dict]] = None) -> dict:
     """The record of step ``k`` from its summed counters; ``run_totals`` (bytes and elements since
     the start) is updated here."""
     sent, elements, geometry_bytes = t.bytes_sent, t.elements_sent, t.bytes_geometry
@@ -131,6 +132,8 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
         record["underflow_rate"] = t.underflow / t.quantized
     if profile:
         record.update(profile)
+    if expert_profiles:
+        record["profile_experts"] = expert_profiles
     return record
 
 

@@ -110,26 +110,32 @@ def _check_moe(opt, cfg: GiftConfig) -> None:
              "DeepSpeed's process groups (allowed with MoE: 'torch')")
 
 
-def _dense_candidates(cfg: GiftConfig, modules: Dict[str, torch.nn.Module]) -> Dict[str, torch.nn.Module]:
-    """The candidate layers without DeepSpeed-MoE's experts: an expert's module has the same name
-    on every rank of the data-parallel group but holds another expert on each expert-parallel
-    rank, so the group's statistics of it would mix experts; experts travel in Euclidean
-    coordinates. A ``gift.layers`` pattern that names experts only is refused."""
+def _split_experts(modules: Dict[str, torch.nn.Module]) -> tuple:
+    """The candidate layers as (dense, {expert group: its experts' layers}): DeepSpeed-MoE's expert
+    modules have one name on every rank of the data-parallel group but hold another expert on each
+    expert-parallel rank, so their statistics are shared over their expert-data-parallel group
+    (whose ranks hold the same experts), not over the data-parallel group."""
     from deepspeed.moe.utils import is_moe_param
 
-    experts = {name for name, m in modules.items() if is_moe_param(m.weight)}
-    if not experts:
-        return modules
-    if isinstance(cfg.layers, (list, tuple)):
-        import fnmatch
+    dense: Dict[str, torch.nn.Module] = {}
+    experts: Dict[str, Dict[str, torch.nn.Module]] = {}
+    for name, module in modules.items():
+        if is_moe_param(module.weight):
+            experts.setdefault(module.weight.group_name, {})[name] = module
+        else:
+            dense[name] = module
+    return dense, experts
 
-        only = [p for p in cfg.layers if not any(fnmatch.fnmatchcase(n, p) for n in modules if n not in experts)]
-        _require(not only, f"gift.layers: pattern(s) {only} name only DeepSpeed-MoE expert layers, which travel in "
-                 "Euclidean coordinates (the data-parallel group holds a different expert under one name on each "
-                 "expert-parallel rank); name dense layers, or use \"all\" / \"measured\"")
-    logger.info("gift: %d DeepSpeed-MoE expert layers travel in Euclidean coordinates, reduced over their "
-                "expert-data-parallel groups", len(experts))
-    return {name: m for name, m in modules.items() if name not in experts}
+
+class _AllGeometry:
+    """The dense and the expert groups' geometries as one, for telemetry's record of a step: the
+    refresh count (they refresh on the same steps), the kinds, and every layer's transform."""
+
+    def __init__(self, managers) -> None:
+        self.version = managers[0].version
+        self.kinds = managers[0].kinds
+        self.active = {name: kind for m in managers for name, kind in m.active.items()}
+        self.whiteners = {name: w for m in managers for name, w in m.whiteners.items()}
 
 
 def _probe_internals(opt) -> None:
@@ -573,11 +579,19 @@ class GiftState:
                          and dist.get_rank(group=opt.real_dp_process_group[g]) == self.comm.rank,
                          "gift.params: DeepSpeed's partitions of the parameters do not follow GIFT's data-parallel "
                          "ranks; remove gift.params")
-        modules = _dense_candidates(cfg, find_candidates(cfg, engine.module,
-                                                         gather=None if self.whole_job else _gather_over_job))
-        self.optimizer_state = ZeroOptimizerState(opt, modules, self.comm.rank)
-        self.geometry = GeometryManager(cfg, modules, self.comm, main_codec=self.main_codec,
+        modules = find_candidates(cfg, engine.module, gather=None if self.whole_job else _gather_over_job)
+        dense, experts = _split_experts(modules) if self.expert_reducers else (modules, {})
+        self.optimizer_state = ZeroOptimizerState(opt, dense, self.comm.rank)
+        self.geometry = GeometryManager(cfg, dense, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)
+        # DeepSpeed-MoE: each expert group's layers take geometry over its own exchange's ranks
+        self.expert_geometry: Dict[str, GeometryManager] = {}
+        for group, layers in sorted(experts.items()):
+            comm = self.expert_reducers[group].comm
+            self.expert_geometry[group] = GeometryManager(
+                cfg, layers, comm, main_codec=self.main_codec, optimizer=ZeroOptimizerState(opt, layers, comm.rank))
+        self._geometry_of: Dict[str, GeometryManager] = {name: g for g in self.expert_geometry.values()
+                                                         for name in g.names}
         self.param_names: Dict[int, str] = {opt.get_param_id(m.weight): name for name, m in modules.items()}
         ids = getattr(opt, "param_id", {})
         self.copy_params: Dict[int, tuple] = {ids[key]: entry for key, entry in params_with_copies(engine).items()
@@ -621,21 +635,33 @@ class GiftState:
     def k(self) -> int:
         return self.engine.global_steps - self.cfg.start_step
 
+    @property
+    def geometries(self) -> List[GeometryManager]:
+        """The dense layers' geometry, then each DeepSpeed-MoE expert group's."""
+        return [self.geometry, *self.expert_geometry.values()]
+
+    def geometry_of(self, name: str) -> GeometryManager:
+        """The geometry that holds candidate layer ``name``."""
+        return self._geometry_of.get(name, self.geometry)
+
     def on_forward(self) -> None:
         if self.params is not None:  # the last gather's headers: read with this step's reduction's
             self.params.hand_over_checks(self._header_checks())
-        self.geometry.begin_step(self.k)
+        for geometry in self.geometries:
+            geometry.begin_step(self.k)
 
     def close(self) -> None:
         """Remove this state's hooks from the model and close its telemetry (detach)."""
         self._forward_hook.remove()
-        self.geometry.remove_hooks()
+        for geometry in self.geometries:
+            geometry.remove_hooks()
         self.telemetry.close()
 
     def on_optimizer_step(self, k: int) -> None:
         if self.copy_params and k >= 0 and k % self.cfg.geometry.refresh_interval == 0:
             check_copies(self.copy_params, self._header_reducer().param_names)  # on refresh steps
-        self.geometry.end_step(k)
+        for geometry in self.geometries:  # the dense one first, then each expert group's (collectives in one order)
+            geometry.end_step(k)
         self._flush_telemetry(k)
 
     def sampled(self, k: int) -> bool:
@@ -652,8 +678,8 @@ class GiftState:
         if param_id in self.copy_params:
             return COPY, None
         name = self.param_names.get(param_id)
-        if name is not None and self.geometry.in_branch(name):
-            w = self.geometry.whitener_for(name)
+        if name is not None and self.geometry_of(name).in_branch(name):
+            w = self.geometry_of(name).whitener_for(name)
             return (GEO, w) if w is not None else (MAIN, None)
         return (HIGH if self.high_codec is not None else MAIN), None
 
@@ -680,8 +706,8 @@ class GiftState:
             if whitener is not None:
                 whiteners[param_id] = whitener
             name = self.param_names.get(param_id)
-            if name is not None and self.geometry.wants_capture(name):
-                self.geometry.capture(name, tensor.narrow(0, offset, numel).view(param.shape))
+            if name is not None and self.geometry_of(name).wants_capture(name):
+                self.geometry_of(name).capture(name, tensor.narrow(0, offset, numel).view(param.shape))
             runs = self.optimizer_state.partition_runs(group_idx, param_id, numel)
             copy_ranks = self.optimizer_state.copy_ranks(param, runs)  # then delivered whole: every row is whole
             for start, end, pid in runs:
@@ -839,8 +865,8 @@ class GiftState:
             param_id = opt.get_param_id(param)
             runs = self.optimizer_state.partition_runs(g, param_id, param.numel())
             name = self.param_names.get(param_id)
-            if name is not None and self.geometry.wants_capture(name):
-                self.geometry.capture(name, grad.view(param.shape))
+            if name is not None and self.geometry_of(name).wants_capture(name):
+                self.geometry_of(name).capture(name, grad.view(param.shape))
             copies.append(self.optimizer_state.copy_ranks(param, runs))
             owned.append(OwnedParam(param_id, param.numel(), tuple(runs),
                                     param.shape[-1] if param.dim() >= 2 else 1, bool(copies[-1])))
@@ -967,12 +993,15 @@ class GiftState:
         t, self.step_totals = self.step_totals, None
         if t is None:
             return
-        t.bytes_geometry += self.geometry.take_geometry_bytes()
-        record = step_record(k, t, start_step=self.cfg.start_step, hierarchy=self.hierarchy, geometry=self.geometry,
+        t.bytes_geometry += sum(g.take_geometry_bytes() for g in self.geometries)
+        profiles = {group: g.take_profile() for group, g in self.expert_geometry.items()}
+        record = step_record(k, t, start_step=self.cfg.start_step, hierarchy=self.hierarchy,
+                             geometry=_AllGeometry(self.geometries) if self.expert_geometry else self.geometry,
                              run_totals=self.run_totals,
                              replica_itemsize=self.replica_dtype.itemsize if self.replica_dtype is not None else None,
                              error_feedback_bytes=self.residual_nbytes() if self.cfg.error_feedback else None,
-                             profile=self.geometry.take_profile())
+                             profile=self.geometry.take_profile(),
+                             expert_profiles={group: p for group, p in profiles.items() if p is not None})
         self.telemetry.write(record, self.engine)
 
     @property

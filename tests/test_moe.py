@@ -2,8 +2,9 @@
 expert parallelism 2, so ranks {0, 2} hold experts 0-1 and {1, 3} experts 2-3. DeepSpeed reduces
 the dense parameters over the data-parallel group and each expert parameter over its
 expert-data-parallel group (both divided by the data-parallel size); GIFT runs one exchange per
-group, each with its own plans, and keeps the experts out of the geometry (one module name holds
-another expert on each expert-parallel rank). Real engines on gloo ranks, real text."""
+group, each with its own plans, and gives each expert group's layers a geometry of their own,
+shared over the group's ranks (one module name holds another expert on each expert-parallel rank,
+the same one on each rank of its group). Real engines on gloo ranks, real text."""
 
 import pytest
 
@@ -88,7 +89,9 @@ def _moe_body(rank, world, specs):
         result = {"losses": losses, "params": {k: v.detach().clone() for k, v in engine.module.named_parameters()}}
         if gift is not None:
             result.update(records=list(gift.records), version=gift.geometry.version,
-                          active=sorted(gift.geometry.active), experts=sorted(gift.expert_reducers))
+                          active=sorted(gift.geometry.active), experts=sorted(gift.expert_reducers),
+                          expert_active={k: sorted(g.active) for k, g in gift.expert_geometry.items()},
+                          expert_versions={k: g.version for k, g in gift.expert_geometry.items()})
         out.append(result)
         torch.distributed.barrier()
     return out
@@ -115,31 +118,40 @@ def test_lossless_gift_is_within_native_spread_with_experts_reduced_over_their_g
             assert bool((results[a][1]["params"][k] == results[b][1]["params"][k]).all()), k
 
 
-def test_fp8_with_geometry_on_dense_layers_trains_and_resumes_exactly(tmp_path):
-    # stochastic rounding and error feedback in every exchange: the expert groups' residuals and
-    # generators are in the checkpoint beside the dense one's
+def test_fp8_with_geometry_on_dense_and_expert_layers_trains_and_resumes_exactly(tmp_path):
+    # stochastic rounding and error feedback in every exchange: the expert groups' residuals,
+    # generators and geometry are in the checkpoint beside the dense one's
     save_dir = str(tmp_path / "ckpt")
     base = dict(stage=2, steps=6, bucket=12000, gift=FP8_KFAC_EF, lr=1e-2)
-    results = run_ranks(_moe_body, 4, [dict(base, extra={}), dict(base, steps=3, save_at=3, save_dir=save_dir)],
-                        timeout=300)
+    experts_only = dict(base, steps=2, gift=dict(FP8_KFAC_EF, layers=["*.deepspeed_experts.*"]))
+    results = run_ranks(_moe_body, 4, [dict(base, extra={}), dict(base, steps=3, save_at=3, save_dir=save_dir),
+                                       experts_only], timeout=300)
     resumed = run_ranks(_moe_body, 4, [dict(base, resume=save_dir)], timeout=300)
-    for (full, first), (again,) in zip(results, resumed):
+    for (full, first, named), (again,) in zip(results, resumed):
         assert full["losses"][-1] < full["losses"][0] - 0.3, full["losses"]
         assert full["version"] >= 2 and full["active"]
         assert not any("deepspeed_experts" in name for name in full["active"]), full["active"]
+        # each local expert's two linears whitened by the expert group's shared statistics
+        (group, layers), = full["expert_active"].items()
+        assert group == "ep_size_2" and full["expert_versions"][group] == full["version"]
+        assert len(layers) == 4 and all("deepspeed_experts" in name for name in layers), layers
+        # a layers pattern may name the experts alone
+        assert named["active"] == [] and len(named["expert_active"]["ep_size_2"]) == 4
         assert all(1.0 < (r["bytes_payload"] + r["bytes_header"]) / r["elements_sent"] < 1.1
                    for r in full["records"])
         assert all(r["error_feedback_bytes"] > 0 for r in full["records"])
         # the expert groups' stochastic rounding and residuals continue from the checkpoint
         assert first["losses"] == full["losses"][:3] and again["losses"] == full["losses"][3:]
         assert all(bool((full["params"][k] == again["params"][k]).all()) for k in full["params"])
+    # the ranks of an expert group whiten with the same shared factors: they end with one model
+    for a, b in ((0, 2), (1, 3)):
+        assert all(bool((results[a][0]["params"][k] == results[b][0]["params"][k]).all())
+                   for k in results[a][0]["params"])
 
 
 def test_what_the_expert_exchanges_do_not_carry_yet_fails_at_initialize_naming_the_key():
     cases = [
         (dict(FP8_KFAC_EF, params={}), "gift.params: the compressed parameter all-gather serves one"),
-        (dict(FP8_KFAC_EF, layers=["*.deepspeed_experts.*"]),
-         "gift.layers: pattern(s) ['*.deepspeed_experts.*'] name only DeepSpeed-MoE"),
     ]
     results = run_ranks(_moe_body, 4, [dict(stage=2, steps=1, gift=g, init_error=True) for g, _ in cases],
                         timeout=300)
