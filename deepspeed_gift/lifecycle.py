@@ -38,7 +38,7 @@ from .config import Layers
 from .core import geometry as geo
 from .core.geometry import GeometryKind as K
 from .exchange.stats import ByteKind
-from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings
+from .refresh import KfacRefresh, balance_over_ranks, refit_adam_scalings, weight_shape
 from .selection import PROFILE_MAX_ROWS, Selection, rows_of_slice, summarize_profile
 from .statistics import InputMoments
 
@@ -81,7 +81,7 @@ def is_linear(module: nn.Module) -> bool:
     """A trainable linear layer GIFT can give geometry: an ``nn.Linear``, or a tensor-parallel
     framework's linear (by class name, ``TENSOR_PARALLEL_LINEARS``) with a 2-D ``weight``."""
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not weight.requires_grad:
+    if not isinstance(weight, nn.Parameter) or len(weight_shape(module)) != 2 or not weight.requires_grad:
         return False
     return isinstance(module, nn.Linear) or type(module).__name__ in TENSOR_PARALLEL_LINEARS
 
@@ -89,7 +89,7 @@ def is_linear(module: nn.Module) -> bool:
 def input_width(module: nn.Module) -> int:
     """The features a linear layer reads: its weight's second dimension (``in_features`` of an
     ``nn.Linear``; of a tensor-parallel shard, what this rank's shard reads)."""
-    return int(module.weight.shape[1])
+    return int(weight_shape(module)[1])
 
 
 def find_candidates(cfg, model: nn.Module, gather=None) -> Dict[str, nn.Module]:

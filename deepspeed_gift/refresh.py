@@ -338,6 +338,13 @@ class KfacRefresh:
         return shared
 
 
+def weight_shape(module: nn.Module) -> torch.Size:
+    """The whole shape of a layer's weight: ZeRO stage 3 keeps only a partition in the parameter
+    (an empty tensor outside its forward and backward) and the whole shape in ``ds_shape``."""
+    weight = module.weight
+    return getattr(weight, "ds_shape", None) or weight.shape
+
+
 def refit_adam_scalings(names: List[str], modules: Dict[str, nn.Linear], optimizer, comm,
                         built: Dict[str, object], *, version: int) -> None:
     """Adam's factored second moment of every layer: each rank adds the row and column sums
@@ -346,7 +353,7 @@ def refit_adam_scalings(names: List[str], modules: Dict[str, nn.Linear], optimiz
     state on every element (Muon trains it, or no step yet) has none: it stays Euclidean."""
     parts = []
     for name in names:
-        out_dim, width = modules[name].weight.shape
+        out_dim, width = weight_shape(modules[name])
         got = optimizer.second_moment_sums(name)
         device = modules[name].weight.device
         if got is None:
@@ -359,7 +366,7 @@ def refit_adam_scalings(names: List[str], modules: Dict[str, nn.Linear], optimiz
     comm.all_reduce_sum(flat, kind=ByteKind.GEOMETRY)
     pos = 0
     for name in names:
-        out_dim, width = modules[name].weight.shape
+        out_dim, width = weight_shape(modules[name])
         rows, cols = flat[pos:pos + out_dim], flat[pos + out_dim:pos + out_dim + width]
         covered = float(flat[pos + out_dim + width])
         pos += out_dim + width + 1

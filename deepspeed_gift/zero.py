@@ -31,7 +31,7 @@ from .core.formats import Rounding
 from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
-from .core.geometry import row_col_sums
+from .core.geometry import GeometryKind, row_col_sums
 from .core.rng import CounterRng
 from .lifecycle import GeometryManager, find_candidates
 from .core import metrics
@@ -56,9 +56,11 @@ def _check_engine(engine, cfg: GiftConfig):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     stage = engine.zero_optimization_stage()
-    _require(stage in (1, 2), f"gift.enabled: GIFT replaces the ZeRO stage 1/2 gradient reduce-scatter; "
-             f"zero_optimization.stage is {stage}. Use stage 1 or 2, or set gift.enabled to false")
+    _require(stage in (1, 2, 3), f"gift.enabled: GIFT replaces ZeRO's gradient reduce-scatter; "
+             f"zero_optimization.stage is {stage}. Use stage 1, 2 or 3, or set gift.enabled to false")
     opt = engine.optimizer
+    if stage == 3:
+        return _check_stage3(engine, opt, cfg)
     if type(opt).__name__ == "BF16_Optimizer":
         return _check_bf16_optimizer(engine, opt, cfg)
     if not isinstance(opt, DeepSpeedZeroOptimizer):
@@ -207,6 +209,95 @@ def _check_bf16_optimizer(engine, opt, cfg: GiftConfig) -> "Bf16Layout":
              f"{not engine.postscale_gradients()}: GIFT sums in fp32 and divides once, as ZeRO's reduce-scatter "
              "does (allowed: gradient_predivide_factor 1.0 and prescale_gradients false)")
     return Bf16Layout(engine, opt)
+
+
+# What GIFT reads of DeepSpeed's ZeRO stage 3 optimizer: the per-bucket average and scatter it
+# replaces, and what that method reads itself.
+STAGE3_INTERNALS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "dp_process_group", "fp16_groups",
+                    "reduce_scatter", "all2all_process_group", "postscale_gradients", "gradient_predivide_factor",
+                    "gradient_accumulation_dtype", "dtype", "_get_param_partition_group",
+                    "_gradient_averaging_world_size", "optimizer")
+
+
+def _check_stage3(engine, opt, cfg: GiftConfig) -> "Stage3Layout":
+    """DeepSpeed's ZeRO stage 3 optimizer: what GIFT serves of it, as a :class:`Stage3Layout`."""
+    import deepspeed
+    from .lifecycle import geometry_kinds
+
+    missing = [name for name in STAGE3_INTERNALS if not hasattr(opt, name)]
+    if missing:
+        raise ValueError(f"gift.enabled: DeepSpeed {deepspeed.__version__}'s {type(opt).__name__} has no "
+                         f"{', '.join(missing)}, which GIFT reads under ZeRO stage 3 (built and tested against "
+                         "DeepSpeed 0.19.8); install a DeepSpeed in the range setup.py names, or set gift.enabled "
+                         "to false")
+    _require(opt.reduce_scatter, "gift.enabled: zero_optimization.reduce_scatter is false: ZeRO-3 then all-reduces "
+             "each bucket, and GIFT replaces its reduce-scatter (allowed with GIFT: true)")
+    _require(opt.all2all_process_group is None,
+             "gift.enabled: zero_optimization.zero_quantized_gradients is true: ZeRO++'s quantized gradients and "
+             "GIFT both replace ZeRO-3's gradient reduce-scatter; set zero_quantized_gradients to false")
+    _require(not getattr(opt, "has_moe_layers", False) and not getattr(opt, "zenflow", False),
+             "gift.enabled: MoE and ZenFlow under ZeRO stage 3 are not served by GIFT (allowed: stage 1 or 2 for "
+             "MoE); set gift.enabled to false for this model")
+    _require(opt.gradient_predivide_factor == 1.0 and opt.postscale_gradients,
+             "gift.enabled: gradient_predivide_factor other than 1.0 / prescale_gradients under ZeRO stage 3: GIFT "
+             "sums in fp32 and divides once (allowed: gradient_predivide_factor 1.0, prescale_gradients false)")
+    _require(cfg.params is None,
+             "gift.params: under ZeRO stage 3 DeepSpeed gathers each layer's parameters itself, around its "
+             "forward and backward; remove gift.params (ZeRO++'s zero_quantized_weights serves that gather)")
+    _require(GeometryKind.ADAM_FACTORED not in geometry_kinds(cfg.geometry.kind),
+             "gift.geometry.kind: 'adam_factored' reads Adam's second moment from ZeRO stage 1/2's partitions; "
+             "under ZeRO stage 3 use 'kfac_input' or 'hadamard'")
+    _require(type(opt.optimizer).__name__ != "MuonWithAuxAdam",
+             "gift.enabled: DeepSpeed's Muon under ZeRO stage 3 orthogonalizes full gradients inside its "
+             "reduction, which GIFT does not model; use stage 1 or 2 with Muon")
+    offload = engine.zero_cpu_offload() or getattr(engine, "zero_offload_param", lambda: None)()
+    _require(not offload, "gift.enabled: ZeRO stage 3 with offload_optimizer / offload_param is not served by GIFT "
+             "yet (stage 1/2 offload is); remove the offload, or set gift.enabled to false")
+    return Stage3Layout(opt)
+
+
+class Stage3Layout:
+    """DeepSpeed's ZeRO stage 3 optimizer seen as what GIFT reads: its data-parallel group, the
+    parameters by their place in its groups, no buckets of ZeRO-1/2's kind. Stage 3 partitions every
+    parameter: rank r owns elements [r c, (r + 1) c) of each, c = ceil(numel / W), so a bucket's
+    reduce-scatter sends every owner 1/W of every parameter (``reduce_scatter_coalesced``'s layout)."""
+
+    overlap_comm = False
+    partition_gradients = True
+    cpu_offload = False
+    ipg_buckets: dict = {}
+
+    def __init__(self, opt) -> None:
+        self.z3 = opt
+        self.optimizer = opt.optimizer
+        self.dp_process_group = opt.dp_process_group
+        # A parameter's key is its place in the optimizer's groups, not its ds_id: DeepSpeed counts
+        # ds_ids over every engine of the process, so a resumed run that builds one engine fewer
+        # before this one would key its checkpoint's residuals and factors by other numbers.
+        self.param_id = {id(p): i for i, p in enumerate(p for group in opt.fp16_groups for p in group)}
+
+    def get_param_id(self, param) -> int:
+        return self.param_id[id(param)]
+
+
+class Stage3OptimizerState:
+    """GIFT's view of the optimizer under ZeRO stage 3: which rank captures each layer's gradient
+    for the profile (every rank holds the bucket's full gradients when it reduces; the layers are
+    dealt round the ranks); no update rule is modelled (the profile judges in plain L2) and no
+    parameter goes whole to several ranks."""
+
+    def __init__(self, modules: Dict[str, torch.nn.Module], world: int) -> None:
+        self.capture_rank = {name: i % world for i, name in enumerate(sorted(modules))}
+
+    def update_rule(self, name: str):
+        return None
+
+    def second_moment_sums(self, name: str):
+        return None
+
+    @staticmethod
+    def copy_ranks(param, runs) -> tuple:
+        return ()
 
 
 class Bf16Layout:
@@ -581,7 +672,8 @@ class GiftState:
                          "ranks; remove gift.params")
         modules = find_candidates(cfg, engine.module, gather=None if self.whole_job else _gather_over_job)
         dense, experts = _split_experts(modules) if self.expert_reducers else (modules, {})
-        self.optimizer_state = ZeroOptimizerState(opt, dense, self.comm.rank)
+        self.optimizer_state = (Stage3OptimizerState(dense, self.comm.world_size) if isinstance(opt, Stage3Layout)
+                                else ZeroOptimizerState(opt, dense, self.comm.rank))
         self.geometry = GeometryManager(cfg, dense, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)
         # DeepSpeed-MoE: each expert group's layers take geometry over its own exchange's ranks
@@ -900,6 +992,53 @@ class GiftState:
                 flat.copy_(staging.narrow(0, offset, numel))
             del staging
 
+    def avg_scatter_stage3(self, native, params, communication_data_type: torch.dtype):
+        """ZeRO stage 3's ``__avg_scatter_grads``: each parameter's full gradient averaged and its
+        r-th chunk of ceil(numel / W) elements left with rank r; returns this rank's chunks (in the
+        gradient accumulation dtype), as DeepSpeed's ``reduce_scatter_coalesced`` path does."""
+        k = self.k
+        if k < 0:
+            return native(params, communication_data_type)
+        import torch.distributed as dist
+
+        z3 = self.opt.z3
+        group = z3._get_param_partition_group(params[0])
+        if dist.get_process_group_ranks(group) != list(self.dp_ranks):
+            raise RuntimeError(f"deepspeed_gift: ZeRO-3 partitions these gradients over ranks "
+                               f"{dist.get_process_group_ranks(group)}, and GIFT reduces over {list(self.dp_ranks)}")
+        grads = [p.grad if communication_data_type == z3.dtype else p.grad.to(communication_data_type)
+                 for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # as reduce_scatter_coalesced interleaves a copy
+        world, me = self.comm.world_size, self.comm.rank
+        slices, whiteners, mine = [], {}, []
+        offset = 0
+        for param, grad in zip(params, grads):
+            numel, chunk = grad.numel(), -(-grad.numel() // world)
+            key = self.opt.get_param_id(param)
+            mode, whitener = self.mode_of(key)
+            if whitener is not None:
+                whiteners[key] = whitener
+            name = self.param_names.get(key)
+            if name is not None and self.geometry_of(name).wants_capture(name):
+                self.geometry_of(name).capture(name, grad.view(param.ds_shape))
+            for r in range(world):
+                start, end = min(r * chunk, numel), min((r + 1) * chunk, numel)
+                if end > start:
+                    slices.append(ParamSlice(r, offset + start, end - start, start, key,
+                                             whitener.run_unit if mode == GEO else 0, mode, ()))
+            mine.append(flat.narrow(0, offset + min(me * chunk, numel), max(0, min((me + 1) * chunk, numel) - me * chunk)))
+            offset += numel
+        with _reduction_stream(self.opt, communication_data_type):
+            stats = self.reducer.reduce(flat, slices, whiteners, divisor=float(world), step=k,
+                                        outputs=[None] * len(slices), sample=self.sampling(k))
+        self._count(stats)
+        averaging = z3._gradient_averaging_world_size(params, world)
+        if averaging != world:  # DeepSpeed's rescale, the same operation on the same values
+            mine = [g.mul(world / float(averaging)) for g in mine]
+        if communication_data_type != z3.gradient_accumulation_dtype:
+            mine = [g.to(z3.gradient_accumulation_dtype) for g in mine]
+        return mine
+
     def reduce_bf16(self, native, grads=None, *args, **kwargs):
         """The engine's ``buffered_allreduce_fallback`` for BF16_Optimizer (``grads`` None: its
         flat fp32 gradients, at the accumulation boundary; under a pipeline too): the step's
@@ -1195,6 +1334,13 @@ def attach(engine) -> Optional[GiftState]:
     engine.gift = state
     if isinstance(state.opt, Bf16Layout):
         _attach_bf16(engine, state)
+    elif isinstance(state.opt, Stage3Layout):
+        native_scatter = getattr(state.opt.z3, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads")
+
+        def avg_scatter_grads(params, communication_data_type):
+            return state.avg_scatter_stage3(native_scatter, params, communication_data_type)
+
+        _replace(state, state.opt.z3, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)
     else:
         _attach_zero(state)
     _attach_engine(engine, state, cfg)

@@ -163,7 +163,8 @@ def perturb_gradients(module, ulps: float, rank: int) -> None:
         if not param.requires_grad:
             continue
         gen = torch.Generator().manual_seed(7919 * rank + index)
-        signs = torch.randint(0, 2, param.shape, generator=gen).to(param.dtype).mul_(2).sub_(1)
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 holds a partition; the gradient is whole
+        signs = torch.randint(0, 2, shape, generator=gen).to(param.dtype).mul_(2).sub_(1)
         delta = signs.mul_(ulps * 2.0 ** -24)
         param.register_hook(lambda g, delta=delta: torch.addcmul(g, g.abs(), delta))
 
@@ -179,6 +180,18 @@ def param_digest(module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def whole_params(engine):
+    """A context in which the model's parameters are whole: ZeRO stage 3 gathers its partitions
+    (every rank takes part); other stages hold them whole already."""
+    import contextlib
+
+    import deepspeed
+
+    if engine.zero_optimization_stage() == 3:
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
 
 
 def initialize_error(rank: int, world_size: int, spec: dict) -> str:
@@ -266,7 +279,8 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
         step_times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))
         if (i + 1) % ga == 0:  # tests compare every rank's replicas after every step
-            digests.append(param_digest(engine.module))
+            with whole_params(engine):
+                digests.append(param_digest(engine.module))
             norm = engine.get_global_grad_norm()
             grad_norms.append(None if norm is None else float(norm))
         if spec.get("rss_at") and engine.global_steps in spec["rss_at"] and (i + 1) % ga == 0:
@@ -275,7 +289,8 @@ def train(rank: int, world_size: int, spec: dict) -> dict:
             rss_steps[engine.global_steps] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # MiB
         if spec.get("save_at") == engine.global_steps and (i + 1) % ga == 0:
             engine.save_checkpoint(spec["save_dir"])
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    with whole_params(engine):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
     split = []  # Muon matrices that ZeRO's partitions cut (tests assert the case they cover happens)
     if hasattr(opt, "param_to_partition_ids"):
