@@ -10,7 +10,9 @@ multi-rank bucket all-reduce, and ``use_multi_rank_bucket_allreduce: false``) be
 by route (direct, relay, by_layout; at stage 1 also the default balanced rounds, the routes then
 with ``stage1_rounds: false``), for a ``reduce_bucket_size`` smaller than a partition
 (each bucket reaches one or two owners) and one larger than the model, flat and two-level
-(2 x 2: ranks 0-1 and 2-3 as nodes). Beside it the same sum over what arrives from other
+(2 x 2: ranks 0-1 and 2-3 as nodes). ZeRO stage 3 beside them: its ``__avg_scatter_grads``
+(native: ``reduce_scatter_coalesced``, a reduce-scatter in which every rank owns 1/W of every
+parameter; GIFT's exchange in its place). Beside it the same sum over what arrives from other
 nodes only (the NICs', where the node stage of two-level rides a node's own links; native's
 ring in rank order crosses a node at every second rank; flat, every rank counts as a node).
 Telemetry's own ``bytes_recv_max`` and ``bytes_recv_max_internode`` are printed beside the
@@ -35,6 +37,8 @@ def _received(name, args, kwargs, world, rank, off_node) -> tuple:
     """Bytes this rank receives in one collective (see the module docstring), in all and from
     ranks of other nodes (``off_node[i]``: group rank i sits on another node than this one)."""
     t = args[0] if args else kwargs.get("tensor", kwargs.get("output"))
+    if name == "reduce_scatter_tensor":  # (output, input): the input is the whole tensor
+        t = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
     nbytes = t.numel() * t.element_size()
     if name == "all_to_all_single":
         out_splits = kwargs.get("output_split_sizes", args[2] if len(args) > 2 else None)
@@ -48,6 +52,8 @@ def _received(name, args, kwargs, world, rank, off_node) -> tuple:
         total = nbytes
     elif name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_gather_single"):
         total = (world - 1) * nbytes // world  # ring: (W-1)/W of the whole tensor
+    elif name == "reduce_scatter":  # (output, input list): a ring brings the output's size W - 1 times
+        total = (world - 1) * nbytes
     else:
         total = nbytes
     return total, total if world > 1 and off_node[(rank - 1) % world] else 0
@@ -62,8 +68,8 @@ def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
     import torch.distributed as dist
 
     calls: list = []
-    names = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
-             "all_gather_single", "batch_isend_irecv")
+    names = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter",
+             "all_gather_into_tensor", "all_gather_single", "batch_isend_irecv")
     me = dist.get_rank() // ranks_per_node
     active = []  # the spies are in place (an average_tensor inside reduce_gradients is counted there)
 
@@ -99,15 +105,26 @@ def count_gradient_receives(opt, ranks_per_node: int = 1) -> list:
 
         for n, fn in saved.items():
             setattr(dist, n, spy(n, fn))
+        # DeepSpeed's comm keeps its own reference to torch's reduce_scatter_tensor (ZeRO-3's path)
+        from deepspeed.comm import comm as ds_comm
+
+        backend = ds_comm.cdb
+        held = getattr(backend, "reduce_scatter_function", None)
+        if held is not None:
+            backend.reduce_scatter_function = spy("reduce_scatter_tensor", held)
         try:
             return native(*call_args, **call_kwargs)
         finally:
             for n, fn in saved.items():
                 setattr(dist, n, fn)
+            if held is not None:
+                backend.reduce_scatter_function = held
             calls.append(seen)
 
-    opt.average_tensor = counting(opt.average_tensor)
-    opt.reduce_gradients = counting(opt.reduce_gradients)
+    # ZeRO-1/2's bucket and boundary reductions; ZeRO-3's per-bucket average-and-scatter
+    for name in ("average_tensor", "reduce_gradients", "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"):
+        if hasattr(opt, name):
+            setattr(opt, name, counting(getattr(opt, name)))
     return calls
 
 
@@ -135,7 +152,9 @@ def configs(stage: int) -> list:
     # stage 1: the default reduces in balanced rounds; the bucket routes with stage1_rounds false
     buckets = {} if stage != 1 else {"stage1_rounds": False}
     rounds = [("GIFT fp8 rounds (stage-1 default)", dict(FP8), {})] if stage == 1 else []
-    return [("native bf16", None, {}), ("native bf16, multi-rank all-reduce off", None, no_multi), *rounds,
+    natives = [("native bf16", None, {})] + ([] if stage == 3 else [("native bf16, multi-rank all-reduce off", None,
+                                                                    no_multi)])
+    return [*natives, *rounds,
             ("GIFT fp8 direct", dict(FP8, route="direct", **buckets), {}),
             ("GIFT fp8 relay", dict(FP8, route="relay", **buckets), {}),
             ("GIFT fp8 by_layout", dict(FP8, route="by_layout", **buckets), {})]
@@ -186,13 +205,15 @@ def main(argv=None) -> list:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--stages", type=int, nargs="*", help="ZeRO stages (default 2 1 3, then two-level at 2 and 3)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
-    for stage in (2, 1):
+    for stage in (args.stages or (2, 1, 3)):
         for bucket in (20000, 2_000_000):
             rows += measure(args.world, stage, bucket, args.steps)
-    rows += measure(args.world, 2, 20000, args.steps, hierarchy="two_level")
+    for stage in (s for s in (args.stages or (2, 3)) if s in (2, 3)):
+        rows += measure(args.world, stage, 20000, args.steps, hierarchy="two_level")
     print("| stage | bucket | hierarchy | config | busiest rank's receive per step | vs native bf16 | telemetry |"
           " from other nodes | vs native bf16 | telemetry | relay buckets | balanced buckets | rounds |")
     print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
