@@ -204,7 +204,9 @@ class GiftConfig(_GiftModel):
 
     enabled: bool = True
     """``false`` leaves DeepSpeed's own gradient reduction untouched (as a missing block does).
-    When on, GIFT needs DeepSpeed's ZeRO stage 1 or 2 optimizer (optimizer offload to the host included)."""
+    When on, GIFT needs ZeRO stage 1, 2 or 3: DeepSpeed's ZeRO optimizer (stage 1/2 with optimizer offload
+    to the host included), its BF16_Optimizer, or its stage 3 optimizer (docs/deepspeed.md says what each
+    serves)."""
 
     format: FormatName = "fp8_e4m3"
     """Wire format of the gradients: ``fp8_e4m3``/``fp8_e5m2`` (1 B per element + scales),
