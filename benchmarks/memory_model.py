@@ -224,6 +224,31 @@ def transform_bytes(dims: List[int], rank: int, host: bool) -> int:
     return u + blob + whitener
 
 
+def stage3_buckets(sizes: List[int], arrival: List[int], world: int, bucket: int,
+                   piece: int) -> List[Dict[int, int]]:
+    """ZeRO stage 3's reductions in backward order, elements per owner: a gradient that would take
+    the bucket past ``reduce_bucket_size`` reduces it first (``__add_grad_to_ipg_bucket``), GIFT
+    reduces a bucket in pieces of whole parameters of at most ``piece`` elements
+    (``zero.STAGE3_PIECE_TILES`` tiles; a bucket's parameters in ``ds_id`` order there, counted here
+    in arrival order: the same sizes), and every parameter is cut into W chunks of ceil(numel / W),
+    rank r owning the r-th."""
+    out: List[Dict[int, int]] = []
+    current: Dict[int, int] = {}
+    filled = 0
+    for i in arrival:
+        n = sizes[i]
+        if filled and filled + n > min(bucket, piece):
+            out.append(current)
+            current, filled = {}, 0
+        chunk = -(-n // world)
+        for r in range(world):
+            current[r] = current.get(r, 0) + max(0, min((r + 1) * chunk, n) - r * chunk)
+        filled += n
+    if filled:
+        out.append(current)
+    return out
+
+
 def relay_is_lighter(owners: Dict[int, int], world: int, b: float) -> bool:
     """``plan.plan_route``'s ``by_layout`` choice: the relay when its busiest rank receives fewer
     bytes than the busiest owner of the direct route (it needs 3+ ranks)."""
@@ -339,6 +364,9 @@ class Run:
     offload: bool = False  # zero_optimization.offload_optimizer {"device": "cpu"}
     node_pieces: int = NODE_PIECES  # gift.node_pieces: two-level's pipeline
     node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
+    stage: int = 2  # zero_optimization.stage (3: every parameter partitioned; flat rows only)
+    max_live_parameters: int = 1_000_000_000  # stage3_max_live_parameters (DeepSpeed's default)
+    prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (DeepSpeed's default)
 
 
 def wire_bytes(fmt: str) -> float:
@@ -353,7 +381,14 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
     b = wire_bytes(run.format)
     two_level = run.per_node > 1 and run.world > run.per_node
     nodes = run.world // run.per_node if two_level else run.world
-    layout = [o for o in buckets_of(shape.sizes, shape.arrival, run.world, run.bucket) if o]
+    if run.stage == 3:  # flat: every owner's chunk of every parameter
+        two_level, nodes = False, run.world
+        from deepspeed_gift.zero import STAGE3_PIECE_TILES
+
+        tile = design.codec_tile or 1 << 24
+        layout = stage3_buckets(shape.sizes, shape.arrival, run.world, run.bucket, STAGE3_PIECE_TILES * tile)
+    else:
+        layout = [o for o in buckets_of(shape.sizes, shape.arrival, run.world, run.bucket) if o]
     if two_level:  # the exchange among nodes runs on each slot's node partial: 1/G of a bucket
         layout = [_node_partial(o, run.per_node) for o in layout]
     ranks = range(nodes)
@@ -406,8 +441,14 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
     # one bucket's reduction at its largest: on an ordinary step and on a sampled one
     out["reduce"] = max(encode + max(whiten, codec, decoded), phases[1], phases[2])
     out["reduce_sampled"] = max(phases)
-    out["refresh_captures"] = capture_bytes(shape, main_owners(shape.sizes, run.world), design,
-                                            CAPTURE_BYTES if run.optimizer_state else 4.0, run.world)
+    if run.stage == 3:  # Stage3OptimizerState: a layer's whole gradient (no optimizer state modelled), one at a
+        # time where judged as captured (a tile of rows at a time under "tile")
+        largest = max(numel for _, _, numel in shape.linears)
+        out["refresh_captures"] = 4.0 * (min(largest, design.codec_tile) if design.capture == "tile"
+                                         and design.codec_tile else largest)
+    else:
+        out["refresh_captures"] = capture_bytes(shape, main_owners(shape.sizes, run.world), design,
+                                                CAPTURE_BYTES if run.optimizer_state else 4.0, run.world)
     out["param_gather"] = param_gather_bytes(shape.params, run, design) if run.params_format else 0.0
     out["held"] = sum(out[k] for k in HELD)
     out["peak"] = peak_bytes(out, phases, design.capture in ("layer", "slice", "tile"))
@@ -527,6 +568,58 @@ def zero2_memory(params: int, run: Run, largest: int = 0) -> Dict[str, float]:
     return out
 
 
+def zero3_memory(shape: "Shape", run: Run, block: int) -> Dict[str, float]:
+    """DeepSpeed ZeRO-3's own bytes per rank on the device (``deepspeed/runtime/zero/stage3.py``,
+    counted as it allocates them): the parameter partitions (params_dtype x N/W), the fp32 master
+    partitions (4 N/W), Adam's moments (8 N/W), the gradient partitions (``grad_partitions_flat_buffer``,
+    params_dtype x N/W) and their fp32 copy for the step (4 N/W), the reduce bucket (params_dtype x
+    ``reduce_bucket_size``, and the copy ``reduce_scatter_coalesced`` interleaves it into), and the
+    parameters gathered whole while a layer runs: the running transformer block and the prefetched
+    one (``block`` elements each, at most ``stage3_max_live_parameters``) and the prefetch bucket."""
+    w, pb, n = run.world, run.params_bytes, shape.params
+    out = {"param_partition": pb * n / w, "fp32_master": 4 * n / w, "adam": 8 * n / w,
+           "grad_partition": pb * n / w + 4 * n / w, "reduce_bucket": 2 * pb * run.bucket,
+           "live_parameters": pb * (min(2 * block, run.max_live_parameters) + run.prefetch_bucket)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def largest_block(config: dict) -> int:
+    """Elements of one transformer block of the model (a layer's attention, MLP and norms)."""
+    h, i, heads, kv = (config["hidden_size"], config["intermediate_size"], config["num_attention_heads"],
+                       config["num_key_value_heads"])
+    return 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * i + 2 * h
+
+
+def print_stage3(args, design: Design) -> List[dict]:
+    """ZeRO stage 3, flat, README block with and without error feedback: GIFT's peak extra against
+    stage 3's own per rank, with DeepSpeed's default buckets and with what HF's integration sets
+    for ``"auto"`` (``reduce_bucket_size`` hidden^2, ``stage3_prefetch_bucket_size`` 0.9 hidden^2)."""
+    print(f"\nZeRO stage 3, flat, README block, design {design.name}: GIFT's peak extra / ZeRO-3's own per rank (GiB)")
+    print("| model | buckets | W | EF | payload | codec_staging | error_feedback | statistics + transforms | "
+          "GIFT peak | ZeRO-3 own | peak / ZeRO-3 |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for name in args.models.split(","):
+        config = MODELS[name]
+        shape = model_shape(config)
+        h2 = config["hidden_size"] ** 2
+        for buckets, bucket, prefetch in (("DeepSpeed's", int(args.bucket), Run.prefetch_bucket),
+                                          ("HF auto", h2, int(0.9 * h2))):
+            for world in WORLDS:
+                for ef in (False, True):
+                    run = Run(world=world, bucket=bucket, allgather_bucket=int(args.allgather_bucket),
+                              error_feedback=ef, stage=3, prefetch_bucket=prefetch)
+                    gift, zero = gift_memory(config, run, design), zero3_memory(shape, run, largest_block(config))
+                    rows.append({"model": name, "buckets": buckets, "world": world, "stage": 3, "error_feedback": ef,
+                                 "gift": gift, "zero3": zero, "peak_over_zero3": gift["peak"] / zero["total"]})
+                    print(f"| {name} | {buckets} | {world} | {'on' if ef else 'off'} | {gift['payload'] / GIB:.2f} | "
+                          f"{gift['codec_staging'] / GIB:.2f} | {gift['error_feedback'] / GIB:.2f} | "
+                          f"{(gift['statistics'] + gift['transforms']) / GIB:.2f} | {gift['peak'] / GIB:.2f} | "
+                          f"{zero['total'] / GIB:.2f} | {100 * gift['peak'] / zero['total']:.1f}% |")
+    return rows
+
+
 # ---- the tables ------------------------------------------------------------------------------
 def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int, node_pieces: int = NODE_PIECES
              ) -> List[dict]:
@@ -639,6 +732,8 @@ def main(argv=None) -> List[dict]:
                   f"{', '.join(grows_with(design)) or 'none'}")
         print_offload(args, design)
         rows += these
+        if design.name == "now":
+            rows += print_stage3(args, design)
     write_json(args.json, rows)
     return rows
 

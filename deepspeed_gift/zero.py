@@ -211,6 +211,10 @@ def _check_bf16_optimizer(engine, opt, cfg: GiftConfig) -> "Bf16Layout":
     return Bf16Layout(engine, opt)
 
 
+# ZeRO stage 3 reduces a bucket in pieces of whole parameters of at most this many tiles
+# (gift.tile_elements each): the encoded sections and what arrives of one piece are held at once.
+STAGE3_PIECE_TILES = 4
+
 # What GIFT reads of DeepSpeed's ZeRO stage 3 optimizer: the per-bucket average and scatter it
 # replaces, and what that method reads itself.
 STAGE3_INTERNALS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "dp_process_group", "fp16_groups",
@@ -253,6 +257,10 @@ def _check_stage3(engine, opt, cfg: GiftConfig) -> "Stage3Layout":
     offload = engine.zero_cpu_offload() or getattr(engine, "zero_offload_param", lambda: None)()
     _require(not offload, "gift.enabled: ZeRO stage 3 with offload_optimizer / offload_param is not served by GIFT "
              "yet (stage 1/2 offload is); remove the offload, or set gift.enabled to false")
+    if cfg.error_feedback:
+        logger.warning("gift: error feedback under ZeRO stage 3 keeps an int8 residual of what this rank sends, "
+                       "(W-1)/W of every parameter (about 1 B a parameter on every rank, against stage 3's own "
+                       "~18 B / W): benchmarks/memory_model.py prints it per model and world size")
     return Stage3Layout(opt)
 
 
@@ -995,7 +1003,10 @@ class GiftState:
     def avg_scatter_stage3(self, native, params, communication_data_type: torch.dtype):
         """ZeRO stage 3's ``__avg_scatter_grads``: each parameter's full gradient averaged and its
         r-th chunk of ceil(numel / W) elements left with rank r; returns this rank's chunks (in the
-        gradient accumulation dtype), as DeepSpeed's ``reduce_scatter_coalesced`` path does."""
+        gradient accumulation dtype), as DeepSpeed's ``reduce_scatter_coalesced`` path does. The
+        bucket goes in pieces of whole parameters of at most ``STAGE3_PIECE_TILES`` tiles, each an
+        exchange of its own: what is encoded and received at once stays bounded whatever
+        ``reduce_bucket_size`` is (DeepSpeed's default bucket is 5e8 elements)."""
         k = self.k
         if k < 0:
             return native(params, communication_data_type)
@@ -1006,9 +1017,30 @@ class GiftState:
         if dist.get_process_group_ranks(group) != list(self.dp_ranks):
             raise RuntimeError(f"deepspeed_gift: ZeRO-3 partitions these gradients over ranks "
                                f"{dist.get_process_group_ranks(group)}, and GIFT reduces over {list(self.dp_ranks)}")
+        limit = STAGE3_PIECE_TILES * self.cfg.tile_elements
+        mine: List[torch.Tensor] = []
+        start = 0
+        while start < len(params):
+            end, numel = start + 1, params[start].ds_numel
+            while end < len(params) and numel + params[end].ds_numel <= limit:
+                numel += params[end].ds_numel
+                end += 1
+            mine += self._avg_scatter_piece(k, params[start:end], communication_data_type)
+            start = end
+        averaging = z3._gradient_averaging_world_size(params, self.comm.world_size)
+        if averaging != self.comm.world_size:  # DeepSpeed's rescale, the same operation on the same values
+            mine = [g.mul(self.comm.world_size / float(averaging)) for g in mine]
+        if communication_data_type != z3.gradient_accumulation_dtype:
+            mine = [g.to(z3.gradient_accumulation_dtype) for g in mine]
+        return mine
+
+    def _avg_scatter_piece(self, k: int, params, communication_data_type: torch.dtype) -> List[torch.Tensor]:
+        """One piece of :meth:`avg_scatter_stage3`: its gradients joined (as ``reduce_scatter_coalesced``
+        joins a bucket's), every owner's chunks reduced into place, this rank's chunks returned."""
+        z3 = self.opt.z3
         grads = [p.grad if communication_data_type == z3.dtype else p.grad.to(communication_data_type)
                  for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # as reduce_scatter_coalesced interleaves a copy
+        flat = torch.cat([g.reshape(-1) for g in grads])
         world, me = self.comm.world_size, self.comm.rank
         slices, whiteners, mine = [], {}, []
         offset = 0
@@ -1026,17 +1058,13 @@ class GiftState:
                 if end > start:
                     slices.append(ParamSlice(r, offset + start, end - start, start, key,
                                              whitener.run_unit if mode == GEO else 0, mode, ()))
-            mine.append(flat.narrow(0, offset + min(me * chunk, numel), max(0, min((me + 1) * chunk, numel) - me * chunk)))
+            mine.append(flat.narrow(0, offset + min(me * chunk, numel),
+                                    max(0, min((me + 1) * chunk, numel) - me * chunk)))
             offset += numel
         with _reduction_stream(self.opt, communication_data_type):
             stats = self.reducer.reduce(flat, slices, whiteners, divisor=float(world), step=k,
                                         outputs=[None] * len(slices), sample=self.sampling(k))
         self._count(stats)
-        averaging = z3._gradient_averaging_world_size(params, world)
-        if averaging != world:  # DeepSpeed's rescale, the same operation on the same values
-            mine = [g.mul(world / float(averaging)) for g in mine]
-        if communication_data_type != z3.gradient_accumulation_dtype:
-            mine = [g.to(z3.gradient_accumulation_dtype) for g in mine]
         return mine
 
     def reduce_bf16(self, native, grads=None, *args, **kwargs):

@@ -16,13 +16,16 @@ LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all",
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True}
 
 
-@pytest.mark.parametrize("dtype,ga,overlap", [("fp32", 1, False), ("fp32", 2, True), ("bf16", 2, False)],
-                         ids=["fp32", "fp32-ga2-overlap", "bf16-ga2"])
-def test_lossless_gift_equals_deepspeed_bit_for_bit_under_stage3(dtype, ga, overlap):
+@pytest.mark.parametrize("dtype,ga,overlap,tile", [("fp32", 1, False, None), ("fp32", 2, True, None),
+                                                   ("bf16", 2, False, 512)],
+                         ids=["fp32", "fp32-ga2-overlap", "bf16-ga2-pieces"])
+def test_lossless_gift_equals_deepspeed_bit_for_bit_under_stage3(dtype, ga, overlap, tile):
     # 2 ranks: x/2 + y/2 (DeepSpeed divides before its reduce-scatter) == (x + y)/2, one rounding
-    # either way, in fp32 and in bf16; ga=2: stage 3 accumulates the reduced partitions
+    # either way, in fp32 and in bf16; ga=2: stage 3 accumulates the reduced partitions; tile 512:
+    # a bucket goes in pieces of at most 4 tiles (2048 elements: most parameters alone)
     base = dict(stage=3, steps=3, ga=ga, bucket=12000, overlap=overlap, dtype=dtype)
-    native, lossless = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS)])[0]
+    gift = LOSSLESS if tile is None else dict(LOSSLESS, tile_elements=tile)
+    native, lossless = run_ranks(train_many, 2, [base, dict(base, gift=gift)])[0]
     assert lossless["losses"] == native["losses"] and lossless["digests"] == native["digests"]
     assert len(lossless["records"]) == 3
     assert all(r["bytes_per_elem"] > 4.0 and r["fidelity_rel_err"] == 0.0 for r in lossless["records"])
