@@ -190,9 +190,9 @@ def _check_bf16_optimizer(engine, opt, cfg: GiftConfig) -> "Bf16Layout":
                          f"{', '.join(missing)}, which GIFT reads (built and tested against DeepSpeed 0.19.8); "
                          "install a DeepSpeed in the range setup.py names, or set gift.enabled to false")
     _require(not opt.has_moe_layers,
-             "gift.enabled: MoE expert parallelism is not supported: DeepSpeed reduces expert parameters over "
-             "expert-data-parallel groups of their own, and GIFT's exchange serves one data-parallel group; set "
-             "gift.enabled to false for this model")
+             "gift.enabled: DeepSpeed-MoE under BF16_Optimizer is not served by GIFT (its expert gradients are "
+             "all-reduced apart from the dense ones' flat buffers); GIFT serves MoE with DeepSpeed's ZeRO stage 1/2 "
+             "optimizer: set data_types.grad_accum_dtype to \"bf16\", or gift.enabled to false")
     _require(not getattr(opt, "_uses_muon", False),
              "gift.enabled: DeepSpeed's BF16_Optimizer with Muon moves whole matrices between the partitions after "
              "the reduction, which GIFT does not model; with Muon, set data_types.grad_accum_dtype to \"bf16\" "
