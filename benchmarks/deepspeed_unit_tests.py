@@ -1,12 +1,13 @@
-""".venv/bin/python benchmarks/deepspeed_unit_tests.py --tests /tmp/dsut/DeepSpeed/tests/unit --files v1/zero/test_zero.py v1/moe/test_moe.py v1/half_precision/test_bf16.py runtime/zero/test_zero_grad_clip.py checkpoint/test_zero_optimizer.py -k "not Zero3" --json runs/deepspeed_unit_tests.json
+""".venv/bin/python benchmarks/deepspeed_unit_tests.py --tests DEEPSPEED/tests/unit --files v1/zero/test_zero.py v1/moe/test_moe.py v1/half_precision/test_bf16.py runtime/zero/test_zero_grad_clip.py checkpoint/test_zero_optimizer.py -k "not Zero3" --json runs/deepspeed_unit_tests.json
 
 DeepSpeed's own unit tests, run twice on CPU ranks (``DS_ACCELERATOR=cpu``, gloo): natively, and
-with ``-p benchmarks.inject_gift``, which gives every ZeRO stage 1/2 engine the tests build a
+with ``-p benchmarks.inject_gift``, which gives every ZeRO stage 1/2/3 engine the tests build a
 lossless GIFT block (fp32, identity geometry, all layers). Prints the outcome counts of each mode,
 every test whose outcome differs, and the injection log's counts (engines attached, refused by
 GIFT with each message, built natively because of their stage).
 
-``--tests`` is a DeepSpeed ``tests/unit`` directory of the installed version's era (its parent,
+``--tests`` is a DeepSpeed ``tests/unit`` directory (``DEEPSPEED``: a checkout of DeepSpeed's
+repository) of the installed version's era (its parent,
 with ``conftest.py`` and ``pytest.ini``, is where pytest runs); ``--files`` are paths under it.
 ``--ranks`` (``LOCAL_SIZE``, default 4) is how many CPU devices DeepSpeed reports, so tests of
 world size up to it run instead of skipping. ``--modes`` runs one mode only; ``-k`` is handed to pytest in both modes.
@@ -112,7 +113,7 @@ def main(argv=None):
     p.add_argument("--modes", nargs="+", default=["native", "injected"], choices=["native", "injected"])
     p.add_argument("--ranks", type=int, default=4, help="CPU 'devices' DeepSpeed sees (LOCAL_SIZE)")
     p.add_argument("--timeout", type=int, default=300, help="pytest-timeout seconds per test")
-    p.add_argument("--out-dir", default="/tmp/dsut/out")
+    p.add_argument("--out-dir", default="runs/deepspeed_unit_tests")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = p.parse_args(argv)

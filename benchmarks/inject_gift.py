@@ -1,7 +1,6 @@
-"""pytest plugin: every ZeRO stage 1/2 engine a test suite builds gets a lossless GIFT block.
+"""pytest plugin: every ZeRO stage 1/2/3 engine a test suite builds gets a lossless GIFT block.
 
-    PYTHONPATH=/work/main GIFT_INJECT_LOG=/tmp/inject.jsonl \\
-        .venv/bin/python -m pytest -p benchmarks.inject_gift <tests>
+    PYTHONPATH=. GIFT_INJECT_LOG=runs/inject.jsonl .venv/bin/python -m pytest -p benchmarks.inject_gift <tests>
 
 Loaded in the pytest process, it turns injection on there and, through a generated
 ``sitecustomize.py`` put first on ``PYTHONPATH``, in every Python process started from it
@@ -10,7 +9,7 @@ import neither pytest's plugins nor this module by themselves).
 
 In each process ``deepspeed.initialize`` is wrapped once ``deepspeed`` is imported. A call whose
 config (``config``/``config_params`` as a dict or a json path, or ``args.deepspeed_config``) has
-``zero_optimization.stage`` in ``GIFT_INJECT_STAGES`` (default ``1,2``) and no ``"gift"`` block is
+``zero_optimization.stage`` in ``GIFT_INJECT_STAGES`` (default ``1,2,3``) and no ``"gift"`` block is
 rebuilt through ``deepspeed_gift.initialize`` with :data:`GIFT_BLOCK` added to a copy of the
 config (the caller's dict is not changed); any other call goes to DeepSpeed untouched.
 
@@ -32,7 +31,7 @@ GIFT_BLOCK = {"enabled": True, "format": "fp32", "geometry": {"kind": "identity"
 
 ENV_ON = "GIFT_INJECT"  # "1": wrap deepspeed.initialize in this process
 ENV_LOG = "GIFT_INJECT_LOG"  # jsonl file, one line per deepspeed.initialize call
-ENV_STAGES = "GIFT_INJECT_STAGES"  # ZeRO stages that get the block, default "1,2"
+ENV_STAGES = "GIFT_INJECT_STAGES"  # ZeRO stages that get the block, default "1,2,3"
 ENV_SITE = "GIFT_INJECT_SITEDIR"  # where the generated sitecustomize.py goes
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +40,7 @@ _inside = 0  # depth of injected builds: deepspeed_gift.initialize calls deepspe
 
 
 def _stages():
-    raw = os.environ.get(ENV_STAGES, "1,2")
+    raw = os.environ.get(ENV_STAGES, "1,2,3")
     return {int(s) for s in raw.replace(" ", "").split(",") if s}
 
 
@@ -99,9 +98,8 @@ def _wrap_initialize(module) -> None:
         call = dict(bound.arguments)
         ds_args = call.get("args")
         config = call.get("config")
-        key = "config"
         if config is None and call.get("config_params") is not None:
-            config, key = call["config_params"], "config_params"
+            config = call["config_params"]
         source = "dict"
         from_args = False
         if config is None:
