@@ -40,6 +40,16 @@ def test_lossless_gift_is_within_native_spread_at_three_ranks():
         assert len(lossless["records"]) == 3
 
 
+def test_zeropp_hierarchical_partitions_beside_gift_lossless_within_native_spread():
+    # ZeRO++'s hpZ (zero_hpz_partition_size 2 of 4): a secondary copy of the parameters
+    # partitioned within groups of 2 for the gathers; the gradients still reduce over all 4
+    base = dict(stage=3, steps=3, bucket=12000, extra=SGD, zero={"zero_hpz_partition_size": 2})
+    for native, lossless, perturbed in run_ranks(train_many, 4, [base, dict(base, gift=LOSSLESS),
+                                                                  native_perturbed(base, 4)]):
+        assert_within_native_spread(native, perturbed, lossless)
+        assert len(lossless["records"]) == 3
+
+
 def test_fp8_kfac_trains_under_stage3_and_resumes_exactly(tmp_path):
     base = dict(stage=3, steps=6, bucket=30000, gift=FP8_KFAC_EF)
     full, _ = resumed_as_uninterrupted(base, str(tmp_path / "ckpt"), 3)
