@@ -91,37 +91,49 @@ def unwrap_engine_class() -> None:
                 del cls.__init_subclass__
             else:
                 cls.__init_subclass__ = native_hook
-    for finder in [f for f in sys.meta_path if isinstance(f, _EngineFinder)]:
+    for finder in [f for f in sys.meta_path if isinstance(f, AfterImport) and f.fullname == ENGINE_MODULE]:
         sys.meta_path.remove(finder)
 
 
-class _EngineFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when DeepSpeed's engine module is about to load, it takes the spec
-    the other finders give and runs the wrap right after the module's own code."""
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when module ``fullname`` is about to load, it takes the spec the
+    other finders give and runs ``then(module)`` right after the module's own code."""
+
+    def __init__(self, fullname: str, then) -> None:
+        self.fullname, self.then = fullname, then
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != ENGINE_MODULE:
+        if fullname != self.fullname:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _WrappingLoader(spec.loader)
+                spec.loader = _WrappingLoader(spec.loader, self.then)
                 return spec
         return None
 
 
+def after_import(fullname: str, then) -> None:
+    """``then(module)`` now if ``fullname`` is imported, else right after it is (once)."""
+    module = sys.modules.get(fullname)
+    if module is not None:
+        then(module)
+    elif not any(isinstance(f, AfterImport) and f.fullname == fullname and f.then is then for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(fullname, then))
+
+
 class _WrappingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, then):
+        self.loader, self.then = loader, then
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        _wrap_engine_class(module)
+        self.then(module)
 
     def __getattr__(self, name):  # get_source, is_package, ... of the real loader
         return getattr(self.loader, name)
@@ -129,11 +141,7 @@ class _WrappingLoader(importlib.abc.Loader):
 
 def watch_deepspeed() -> None:
     """Wrap ``DeepSpeedEngine.__init__`` now if DeepSpeed is imported, else when it is."""
-    module = sys.modules.get(ENGINE_MODULE)
-    if module is not None:
-        _wrap_engine_class(module)
-    elif not any(isinstance(f, _EngineFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _EngineFinder())
+    after_import(ENGINE_MODULE, _wrap_engine_class)
 
 
 def startup() -> None:

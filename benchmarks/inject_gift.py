@@ -162,43 +162,10 @@ def _wrap_initialize(module) -> None:
 
 def _activate() -> None:
     """Wrap ``deepspeed.initialize`` now if DeepSpeed is imported, else right after it is."""
-    module = sys.modules.get("deepspeed")
-    if module is not None and hasattr(module, "initialize"):
-        _wrap_initialize(module)
-        return
-    import importlib.abc
+    sys.path.insert(0, _REPO)  # the startup hook's module, at the repository's root
+    from deepspeed_gift_hook import after_import
 
-    class _Loader(importlib.abc.Loader):
-        def __init__(self, loader):
-            self.loader = loader
-
-        def create_module(self, spec):
-            return self.loader.create_module(spec)
-
-        def exec_module(self, module):
-            self.loader.exec_module(module)
-            _wrap_initialize(module)
-
-        def __getattr__(self, name):
-            return getattr(self.loader, name)
-
-    class _Finder(importlib.abc.MetaPathFinder):
-        _gift_inject = True
-
-        def find_spec(self, fullname, path, target=None):
-            if fullname != "deepspeed":
-                return None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                    return spec
-            return None
-
-    if not any(getattr(f, "_gift_inject", False) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    after_import("deepspeed", _wrap_initialize)
 
 
 _SITECUSTOMIZE = '''\
