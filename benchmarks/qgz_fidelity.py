@@ -295,15 +295,7 @@ def parse_args(argv):
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(rf.GIL_SWITCH_S)
-    try:
-        return _run(args, argv)
-    finally:
-        sys.setswitchinterval(switch)
+    return rf.run_ranks_as_threads(_run, parse_args(argv), argv)
 
 
 def _run(args, argv) -> dict:

@@ -668,18 +668,22 @@ def parse_args(argv):
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
-    args = parse_args(argv)
+def run_ranks_as_threads(run, args, argv):
+    """``run(args, argv)`` with ``args.threads`` torch threads and short GIL slices: W simulated
+    ranks trade the GIL after every small kernel; at the default 5 ms slice the relay at W = 32
+    waited on it for half its time (12.3 s against 6.0 s with 0.1 ms on a 2-core machine)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    # W threads trade the GIL after every small kernel; at the default 5 ms slice the relay at W = 32
-    # waited on it for half its time (12.3 s against 6.0 s with 0.1 ms on a 2-core machine)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_S)
     try:
-        return _run(args, argv)
+        return run(args, argv)
     finally:
         sys.setswitchinterval(switch)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    return run_ranks_as_threads(_run, parse_args(argv), argv)
 
 
 def _run(args, argv) -> dict:
