@@ -141,14 +141,15 @@ def load_gift_state(state, saved: dict, source=None) -> None:
                                 state.engine.device, source=source)
     if same_layout:
         state.reducer.load_state_dict(saved["reducer"], state.engine.device, source=source)
-    elif saved["reducer"]["residuals"] or any(e["residuals"] for e in experts.values()):
-        # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
-        dropped = _residual_numel(saved["reducer"]) + sum(_residual_numel(e) for e in experts.values())
+        return
+    # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
+    dropped = _residual_numel(saved["reducer"]) + sum(_residual_numel(e) for e in experts.values())
+    if dropped:
         logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
                        "error-feedback residual elements of rank %d (statistics, factors and selection are "
                        "kept)", saved["world_size"], saved_exchange, state.comm.world_size, state.exchange, dropped,
                        saved["rank"])
-    else:
+    if not saved["reducer"]["residuals"]:
         state.reducer.load_state_dict(dict(saved["reducer"], residuals=[]), state.engine.device, source=source)
 
 

@@ -181,7 +181,7 @@ def test_netns_cluster_smoke(tmp_path, ranks, per_host, in_host):
     if per_host == 1:
         bad = tmp_path / "bad.json"  # a config the job refuses: the run goes on and still tears down
         cfg = json.load(open(os.path.join(ROOT, "ds_configs/gift_fp8_zero2.json")))
-        cfg["zero_optimization"]["stage"] = 3
+        cfg["zero_optimization"]["stage"] = 0  # GIFT replaces a ZeRO reduce-scatter: stage 0 has none
         bad.write_text(json.dumps(cfg))
         configs.append(str(bad))
     proc = subprocess.run([sys.executable, "benchmarks/netns_cluster.py", "--preset", "tiny", "--steps", "24",
