@@ -204,8 +204,8 @@ class GiftConfig(_GiftModel):
 
     enabled: bool = True
     """``false`` leaves DeepSpeed's own gradient reduction untouched (as a missing block does).
-    When on, GIFT needs ZeRO stage 1, 2 or 3: DeepSpeed's ZeRO optimizer (stage 1/2 with optimizer offload
-    to the host included), its BF16_Optimizer, or its stage 3 optimizer (docs/deepspeed.md says what each
+    When on, GIFT needs ZeRO stage 1, 2 or 3: DeepSpeed's ZeRO optimizer for stage 1/2, its BF16_Optimizer,
+    or its stage 3 optimizer, optimizer offload to the host included (docs/deepspeed.md says what each
     serves)."""
 
     format: FormatName = "fp8_e4m3"

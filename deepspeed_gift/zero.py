@@ -31,7 +31,7 @@ from .core.formats import Rounding
 from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
-from .core.geometry import GeometryKind, row_col_sums
+from .core.geometry import row_col_sums
 from .core.rng import CounterRng
 from .lifecycle import GeometryManager, find_candidates
 from .core import metrics
@@ -216,17 +216,18 @@ def _check_bf16_optimizer(engine, opt, cfg: GiftConfig) -> "Bf16Layout":
 STAGE3_PIECE_TILES = 4
 
 # What GIFT reads of DeepSpeed's ZeRO stage 3 optimizer: the per-bucket average and scatter it
-# replaces, and what that method reads itself.
+# replaces, what that method reads itself, and where each parameter's slice of the optimizer state
+# lies (Adam's geometry and metric).
 STAGE3_INTERNALS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "dp_process_group", "fp16_groups",
                     "reduce_scatter", "all2all_process_group", "postscale_gradients", "gradient_predivide_factor",
                     "gradient_accumulation_dtype", "dtype", "_get_param_partition_group",
-                    "_gradient_averaging_world_size", "optimizer")
+                    "_gradient_averaging_world_size", "optimizer", "grad_position", "get_param_id",
+                    "sub_group_to_group_id", "fp32_partitioned_groups_flat")
 
 
 def _check_stage3(engine, opt, cfg: GiftConfig) -> "Stage3Layout":
     """DeepSpeed's ZeRO stage 3 optimizer: what GIFT serves of it, as a :class:`Stage3Layout`."""
     import deepspeed
-    from .lifecycle import geometry_kinds
 
     missing = [name for name in STAGE3_INTERNALS if not hasattr(opt, name)]
     if missing:
@@ -248,20 +249,42 @@ def _check_stage3(engine, opt, cfg: GiftConfig) -> "Stage3Layout":
     _require(cfg.params is None,
              "gift.params: under ZeRO stage 3 DeepSpeed gathers each layer's parameters itself, around its "
              "forward and backward; remove gift.params (ZeRO++'s zero_quantized_weights serves that gather)")
-    _require(GeometryKind.ADAM_FACTORED not in geometry_kinds(cfg.geometry.kind),
-             "gift.geometry.kind: 'adam_factored' reads Adam's second moment from ZeRO stage 1/2's partitions; "
-             "under ZeRO stage 3 use 'kfac_input' or 'hadamard'")
     _require(type(opt.optimizer).__name__ != "MuonWithAuxAdam",
              "gift.enabled: DeepSpeed's Muon under ZeRO stage 3 orthogonalizes full gradients inside its "
              "reduction, which GIFT does not model; use stage 1 or 2 with Muon")
-    offload = engine.zero_cpu_offload() or getattr(engine, "zero_offload_param", lambda: None)()
-    _require(not offload, "gift.enabled: ZeRO stage 3 with offload_optimizer / offload_param is not served by GIFT "
-             "yet (stage 1/2 offload is); remove the offload, or set gift.enabled to false")
+    _check_stage3_offload(engine)
     if cfg.error_feedback:
         logger.warning("gift: error feedback under ZeRO stage 3 keeps an int8 residual of what this rank sends, "
                        "(W-1)/W of every parameter (about 1 B a parameter on every rank, against stage 3's own "
                        "~18 B / W): benchmarks/memory_model.py prints it per model and world size")
     return Stage3Layout(opt)
+
+
+def _offload_device(offload) -> str:
+    """The ``device`` of a ZeRO offload config (``none`` when the block is absent)."""
+    device = getattr(offload, "device", None)
+    return str(getattr(device, "value", device) or "none")
+
+
+def _check_stage3_offload(engine) -> None:
+    """Stage 3's offload to the host serves GIFT unchanged: the gradient chunks GIFT returns go
+    where DeepSpeed's own reduce-scatter's would (its host partition and pinned buffers), and the
+    parameters' partitions live on the host between their gathers. What keeps optimizer state
+    where GIFT does not read it is refused: NVMe (swapped out between steps), a partial offload
+    (part of the state in a second optimizer on the device) and SuperOffload (an optimizer of its own)."""
+    optimizer, param = engine.zero_offload_optimizer(), engine.zero_offload_param()
+    for key, offload in (("offload_optimizer", optimizer), ("offload_param", param)):
+        device = _offload_device(offload)
+        _require(device in ("none", "cpu"),
+                 f"zero_optimization.{key}.device: {device!r} under ZeRO stage 3 with GIFT: the state swapped to "
+                 "NVMe is not where GIFT reads Adam's moments and not tested with it (allowed: 'cpu' or 'none')")
+    if _offload_device(optimizer) == "cpu":
+        ratio = float(getattr(optimizer, "ratio", 1.0))
+        _require(ratio == 1.0, f"zero_optimization.offload_optimizer.ratio: {ratio} under ZeRO stage 3 with GIFT: a "
+                 "partial offload keeps part of Adam's state in a second optimizer GIFT does not read (allowed: 1.0)")
+        _require(not getattr(optimizer, "super_offload", False),
+                 "zero_optimization.offload_optimizer.super_offload: true under ZeRO stage 3 with GIFT: SuperOffload's "
+                 "optimizer is not served by GIFT (allowed: false)")
 
 
 class Stage3Layout:
@@ -289,19 +312,60 @@ class Stage3Layout:
 
 
 class Stage3OptimizerState:
-    """GIFT's view of the optimizer under ZeRO stage 3: which rank captures each layer's gradient
-    for the profile (every rank holds the bucket's full gradients when it reduces; the layers are
-    dealt round the ranks); no update rule is modelled (the profile judges in plain L2) and no
+    """GIFT's view of the optimizer under ZeRO stage 3. Every rank holds 1/W of every layer:
+    rank r the flat elements [r c, min((r + 1) c, numel)) of each weight (c its
+    ``partition_numel``), at DeepSpeed's ``grad_position`` offset in its sub-group's fp32
+    partition, whose optimizer state is keyed by that partition. So each rank has Adam's moments
+    of its slice of every layer (the optimizer's metric, the row and column sums of the second
+    moment for ``adam_factored``); the layers whose gradients a rank captures for the profile are
+    dealt round the ranks (every rank holds the bucket's full gradients when it reduces); no
     parameter goes whole to several ranks."""
 
-    def __init__(self, modules: Dict[str, torch.nn.Module], world: int) -> None:
+    def __init__(self, layout: Stage3Layout, modules: Dict[str, torch.nn.Module], rank: int, world: int) -> None:
+        self.z3 = layout.z3
+        self.modules = modules
+        self.rank = rank
         self.capture_rank = {name: i % world for i, name in enumerate(sorted(modules))}
 
+    def _held(self, name: str):
+        """``(rule, weight, group, start, numel, dest, state)`` of this rank's slice of layer
+        ``name`` (as ``ZeroOptimizerState._held``); None when no rule serves it, Muon's (a whole
+        matrix) does, or this rank's slice is empty (a parameter shorter than W chunks)."""
+        module = self.modules.get(name)
+        if module is None:
+            return None
+        weight, z3 = module.weight, self.z3
+        where = z3.grad_position.get(z3.get_param_id(weight))
+        if where is None:
+            return None
+        sub_group, dest, chunk = (int(v) for v in where)
+        start = self.rank * chunk
+        numel = min(int(weight.ds_numel) - start, chunk)
+        group = z3.optimizer.param_groups[z3.sub_group_to_group_id[sub_group]]
+        rule = metrics.rule_serving(group, weight)
+        if numel <= 0 or rule is None or rule.whole_matrix:
+            return None
+        state = z3.optimizer.state.get(z3.fp32_partitioned_groups_flat[sub_group], {})
+        return rule, weight, group, start, numel, dest, state
+
     def update_rule(self, name: str):
-        return None
+        """Adam's moments of this rank's slice of layer ``name`` (``ZeroOptimizerState.update_rule``)."""
+        held = self._held(name)
+        if held is None:
+            return None
+        rule, weight, group, start, numel, dest, state = held
+        return rule.from_state(_narrow_state(state, rule.state_keys, dest, numel), group,
+                               shape=tuple(weight.ds_shape), start=start, numel=numel, device=weight.device)
 
     def second_moment_sums(self, name: str):
-        return None
+        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
+        and how many elements it covers; None without such state here."""
+        held = self._held(name)
+        if held is None or held[0] is not metrics.AdamRule or "exp_avg_sq" not in held[-1]:
+            return None
+        _, weight, _, start, numel, dest, state = held
+        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, tuple(weight.ds_shape))
+        return rows, cols, numel
 
     @staticmethod
     def copy_ranks(param, runs) -> tuple:
@@ -680,7 +744,8 @@ class GiftState:
                          "ranks; remove gift.params")
         modules = find_candidates(cfg, engine.module, gather=None if self.whole_job else _gather_over_job)
         dense, experts = _split_experts(modules) if self.expert_reducers else (modules, {})
-        self.optimizer_state = (Stage3OptimizerState(dense, self.comm.world_size) if isinstance(opt, Stage3Layout)
+        self.optimizer_state = (Stage3OptimizerState(opt, dense, self.comm.rank, self.comm.world_size)
+                                if isinstance(opt, Stage3Layout)
                                 else ZeroOptimizerState(opt, dense, self.comm.rank))
         self.geometry = GeometryManager(cfg, dense, self.comm, main_codec=self.main_codec,
                                         optimizer=self.optimizer_state)

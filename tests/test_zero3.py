@@ -52,11 +52,113 @@ def test_zeropp_hierarchical_partitions_beside_gift_lossless_within_native_sprea
 
 def test_fp8_kfac_trains_under_stage3_and_resumes_exactly(tmp_path):
     base = dict(stage=3, steps=6, bucket=30000, gift=FP8_KFAC_EF)
-    full, _ = resumed_as_uninterrupted(base, str(tmp_path / "ckpt"), 3)
+    adam = dict(base, gift=dict(FP8_KFAC_EF, format="nvfp4", geometry={"kind": "adam_factored", "refresh_interval": 2}))
+    full, _, scaled = resumed_as_uninterrupted(base, str(tmp_path / "ckpt"), 3, [adam])
     assert full["losses"][-1] < full["losses"][0] - 0.3, full["losses"]
     assert full["version"] >= 2 and full["active"]  # whitened (chunks cut rows: whole rows whitened), refreshed
+    # NVFP4 in Adam's geometry: every layer scaled from the partitioned second moment
+    assert scaled["version"] >= 2 and len(scaled["kinds"]) == 15 and set(scaled["kinds"].values()) == {"adam_factored"}
+    assert scaled["losses"][-1] < scaled["losses"][0] - 0.3, scaled["losses"]
     assert len(full["records"]) == 6
     assert all(1.0 < (r["bytes_payload"] + r["bytes_header"]) / r["elements_sent"] < 1.1 for r in full["records"])
+
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize("zero", [OFFLOAD, dict(OFFLOAD, offload_param={"device": "cpu"})],
+                         ids=["optimizer", "optimizer-and-params"])
+def test_lossless_gift_equals_deepspeed_bit_for_bit_offloaded_under_stage3(zero):
+    # the chunks GIFT returns go where DeepSpeed's reduce-scatter's go: its host partition
+    # (accumulated there over the 2 micro-steps), the parameters' partitions on the host
+    base = dict(stage=3, steps=3, ga=2, bucket=12000, zero=zero)
+    native, lossless = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS)])[0]
+    assert lossless["losses"] == native["losses"] and lossless["digests"] == native["digests"]
+    assert len(lossless["records"]) == 3
+
+
+def test_fp8_kfac_and_adam_geometry_offloaded_under_stage3_resume_exactly(tmp_path):
+    # Adam's geometry reads the second moment from the host partition
+    base = dict(stage=3, steps=6, bucket=30000, zero=OFFLOAD, gift=FP8_KFAC_EF)
+    adam = dict(base, gift=dict(FP8_KFAC_EF, geometry={"kind": "adam_factored", "refresh_interval": 2}))
+    full, _, on_device, scaled = resumed_as_uninterrupted(base, str(tmp_path / "ckpt"), 3,
+                                                          [dict(base, zero={}), adam])
+    assert full["losses"][-1] < full["losses"][0] - 0.3, full["losses"]
+    assert full["version"] >= 2 and full["active"]
+    # the same reduction whether the optimizer runs on the host or beside the model: the same bits
+    assert full["losses"] == on_device["losses"] and full["digests"] == on_device["digests"]
+    assert len(scaled["kinds"]) == 15 and set(scaled["kinds"].values()) == {"adam_factored"}
+    assert scaled["losses"][-1] < scaled["losses"][0] - 0.3, scaled["losses"]
+
+
+# Adam's geometry scales every element by a_i b_j and back by the reciprocals: a few fp32 ulps
+# per element on top of the lossless Euclidean path (tests/test_zero.py's bound)
+ADAM_SCALING_RTOL = 1e-6
+ADAM = dict(LOSSLESS, geometry={"kind": "adam_factored", "refresh_interval": 2})
+
+
+def _rel_param_diff(a, b):
+    diff = sum(float((a["params"][k] - b["params"][k]).double().square().sum()) for k in a["params"])
+    return (diff / sum(float(a["params"][k].double().square().sum()) for k in a["params"])) ** 0.5
+
+
+def test_lossless_config_with_adam_geometry_matches_deepspeed_under_stage3():
+    # each rank sums the rows and columns of its chunk of every layer's exp_avg_sq (chunks cut
+    # rows); one all-reduce of (out + in + 1) fp32 numbers per weight at each refresh
+    base = dict(stage=3, steps=5, ga=2, bucket=12000)
+    native, adam = run_ranks(train_many, 2, [base, dict(base, gift=ADAM)])[0]
+    assert [r["geometry_layers"] for r in adam["records"]] == [15] * 5
+    numbers = sum(p.shape[0] + p.shape[1] + 1 for n, p in adam["params"].items() if p.dim() == 2 and "embed" not in n)
+    sums = numbers * 4  # what one of 2 ranks sends in a ring all-reduce
+    assert [r["bytes_geometry"] for r in adam["records"]] == [sums, 0, sums, 0, sums]
+    assert _rel_param_diff(native, adam) <= ADAM_SCALING_RTOL
+    assert adam["losses"] == pytest.approx(native["losses"], rel=1e-6)
+
+
+def _partitioned_state_body(rank, world, spec):
+    """After two steps, GIFT's view of stage 3's partitioned Adam state against the whole state
+    DeepSpeed gathers itself (``safe_get_full_optimizer_state``): the row and column sums over all
+    ranks, and each rank's slice of the moments in the optimizer's metric."""
+    import torch
+
+    from deepspeed.utils import safe_get_full_optimizer_state
+    from deepspeed_gift.core.geometry import row_col_sums
+    from tests.harness import batches, build_engine
+
+    engine = build_engine(spec)
+    for tokens in batches(rank, 2, 2, 32):
+        out = engine(input_ids=tokens, labels=tokens)
+        engine.backward(out.loss)
+        engine.step()
+    state = engine.gift.optimizer_state
+    worst_sums, worst_slice, covered = 0.0, 0.0, {}
+    for name, module in sorted(state.modules.items()):
+        full_v = safe_get_full_optimizer_state(module.weight, "exp_avg_sq").double()
+        full_m = safe_get_full_optimizer_state(module.weight, "exp_avg").double()
+        rows, cols = row_col_sums(full_v.reshape(-1), 0, full_v.shape)
+        got_rows, got_cols, numel = state.second_moment_sums(name)
+        total = torch.cat([got_rows, got_cols, torch.tensor([float(numel)], dtype=torch.float64)])
+        torch.distributed.all_reduce(total)
+        covered[name] = int(total[-1]) == full_v.numel()
+        expected = torch.cat([rows, cols])
+        worst_sums = max(worst_sums, float((total[:-1] - expected).abs().max() / expected.abs().max()))
+        rule = state.update_rule(name)
+        flat_v, flat_m = full_v.reshape(-1), full_m.reshape(-1)
+        part = slice(rule.start, rule.start + rule.exp_avg_sq.numel())
+        assert rule.start == rank * -(-full_v.numel() // world)
+        worst_slice = max(worst_slice, float((rule.exp_avg_sq.double() - flat_v[part]).abs().max()),
+                          float((rule.exp_avg.double() - flat_m[part]).abs().max()))
+    return worst_sums, worst_slice, covered
+
+
+def test_stage3_partitioned_adam_state_is_read_where_deepspeed_keeps_it():
+    # 3 ranks: chunks of ceil(numel / 3) at their offsets in each sub-group's fp32 partition
+    spec = dict(stage=3, bucket=12000, gift=dict(LOSSLESS, geometry={"kind": "identity"}))
+    for worst_sums, worst_slice, covered in run_ranks(_partitioned_state_body, 3, spec):
+        assert len(covered) == 15 and all(covered.values()), covered
+        assert worst_slice == 0.0  # the very elements DeepSpeed holds
+        # float64 sums of the same fp32 values in another order: ~1e-16 relative
+        assert worst_sums < 1e-12, worst_sums
 
 
 def test_what_stage3_with_gift_does_not_serve_fails_at_initialize_naming_the_key():
@@ -66,10 +168,37 @@ def test_what_stage3_with_gift_does_not_serve_fails_at_initialize_naming_the_key
     cases = [
         (dict(gift=fp8, zero={"reduce_scatter": False}), "zero_optimization.reduce_scatter is false"),
         (dict(gift=fp8, zero={"zero_quantized_gradients": True}), "zero_optimization.zero_quantized_gradients"),
-        (dict(gift=dict(fp8, geometry={"kind": "adam_factored"})), "gift.geometry.kind: 'adam_factored'"),
         (dict(gift=dict(fp8, params={})), "gift.params: under ZeRO stage 3"),
-        (dict(gift=fp8, zero={"offload_optimizer": {"device": "cpu"}}), "ZeRO stage 3 with offload_optimizer"),
     ]
     for spec, expected in cases:
         per_rank = run_ranks(initialize_error, 2, dict(stage=3, **spec))
         assert all(expected in message for message in per_rank), (expected, per_rank)
+
+
+@pytest.mark.parametrize("zero,expected", [
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "nvme"}}, "zero_optimization.offload_optimizer.device: 'nvme'"),
+    ({"offload_param": {"device": "nvme", "nvme_path": "nvme"}}, "zero_optimization.offload_param.device: 'nvme'"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer.ratio: 0.5"),
+    ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "offload_optimizer.super_offload: true"),
+], ids=["nvme-optimizer", "nvme-params", "partial", "super-offload"])
+def test_stage3_offloads_gift_does_not_read_are_refused_naming_the_key(zero, expected):
+    """Offloads that keep Adam's state where GIFT does not read it, checked on DeepSpeed's own parsed
+    ``zero_optimization`` (an engine with them needs the aio op, or DeepSpeedCPUAdam's C++ build);
+    the host offload passes the same check (and runs: the tests above)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from deepspeed_gift.zero import _check_stage3_offload
+
+    class Engine:  # the two accessors DeepSpeed's engine gives, over its parsed config
+        def __init__(self, block):
+            self.config = DeepSpeedZeroConfig(stage=3, **block)
+
+        def zero_offload_optimizer(self):
+            return self.config.offload_optimizer
+
+        def zero_offload_param(self):
+            return self.config.offload_param
+
+    with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
+        _check_stage3_offload(Engine(zero))
+    _check_stage3_offload(Engine({"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
