@@ -117,6 +117,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = p.parse_args(argv)
+    args.out_dir = os.path.abspath(args.out_dir)  # pytest runs in the tests' parent, not here
     os.makedirs(args.out_dir, exist_ok=True)
     workdir = os.path.dirname(os.path.normpath(os.path.abspath(args.tests)))
 

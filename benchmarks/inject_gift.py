@@ -17,8 +17,9 @@ One json line per ``deepspeed.initialize`` call goes to ``$GIFT_INJECT_LOG`` (wh
 ``outcome`` is ``attached`` (the engine has GIFT), ``not_attached`` (injected, built, but no
 GIFT state), ``refused`` (a ``ValueError`` starting with ``"gift."``; re-raised, so the test sees
 it), ``error`` (any other exception while building an injected engine; re-raised),
-``skipped_stage`` (stage not in ``GIFT_INJECT_STAGES``) or ``has_block`` (the config already had
-a ``"gift"`` block; built through ``deepspeed_gift.initialize`` as given).
+``skipped_stage`` (stage not in ``GIFT_INJECT_STAGES``), ``skipped_no_optimizer`` (neither an
+optimizer nor an ``"optimizer"`` block: no gradient reduction, which GIFT refuses) or ``has_block``
+(the config already had a ``"gift"`` block; built through ``deepspeed_gift.initialize`` as given).
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ def _wrap_initialize(module) -> None:
         has_block = "gift" in config
         if not has_block and stage not in _stages():
             _record(outcome="skipped_stage", stage=stage, source=source)
+            return native(*args, **kwargs)
+        if not has_block and call.get("optimizer") is None and "optimizer" not in config:
+            # no optimizer: no gradient reduction (stage 3 builds only its parameter partitioner),
+            # which GIFT refuses at initialize; a user would not give such an engine a gift block
+            _record(outcome="skipped_no_optimizer", stage=stage, source=source)
             return native(*args, **kwargs)
         if not has_block:
             config = dict(config)

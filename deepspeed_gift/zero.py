@@ -59,6 +59,9 @@ def _check_engine(engine, cfg: GiftConfig):
     _require(stage in (1, 2, 3), f"gift.enabled: GIFT replaces ZeRO's gradient reduce-scatter; "
              f"zero_optimization.stage is {stage}. Use stage 1, 2 or 3, or set gift.enabled to false")
     opt = engine.optimizer
+    _require(opt is not None and type(opt).__name__ != "DeepSpeedZeRoOffload",
+             f"gift.enabled: this engine has no optimizer (DeepSpeed built {type(opt).__name__}), so no gradient "
+             "reduction for GIFT to replace; pass an optimizer or an \"optimizer\" block, or set gift.enabled to false")
     if stage == 3:
         return _check_stage3(engine, opt, cfg)
     if type(opt).__name__ == "BF16_Optimizer":
@@ -218,7 +221,9 @@ STAGE3_PIECE_TILES = 4
 # What GIFT reads of DeepSpeed's ZeRO stage 3 optimizer: the per-bucket average and scatter it
 # replaces, what that method reads itself, and where each parameter's slice of the optimizer state
 # lies (Adam's geometry and metric).
-STAGE3_INTERNALS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "dp_process_group", "fp16_groups",
+STAGE3_INTERNALS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+                    "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads", "ipg_buckets",
+                    "dp_process_group", "fp16_groups",
                     "reduce_scatter", "all2all_process_group", "postscale_gradients", "gradient_predivide_factor",
                     "gradient_accumulation_dtype", "dtype", "_get_param_partition_group",
                     "_gradient_averaging_world_size", "optimizer", "grad_position", "get_param_id",
@@ -235,8 +240,10 @@ def _check_stage3(engine, opt, cfg: GiftConfig) -> "Stage3Layout":
                          f"{', '.join(missing)}, which GIFT reads under ZeRO stage 3 (built and tested against "
                          "DeepSpeed 0.19.8); install a DeepSpeed in the range setup.py names, or set gift.enabled "
                          "to false")
-    _require(opt.reduce_scatter, "gift.enabled: zero_optimization.reduce_scatter is false: ZeRO-3 then all-reduces "
-             "each bucket, and GIFT replaces its reduce-scatter (allowed with GIFT: true)")
+    _require(opt.reduce_scatter or getattr(opt, "sequence_parallel_size", 1) == 1,
+             "gift.enabled: zero_optimization.reduce_scatter is false under ZeRO stage 3 with sequence parallelism: "
+             "DeepSpeed's all-reduce path then divides by the averaging world over the sequence-parallel size, which "
+             "GIFT does not model (allowed with GIFT: reduce_scatter true)")
     _require(opt.all2all_process_group is None,
              "gift.enabled: zero_optimization.zero_quantized_gradients is true: ZeRO++'s quantized gradients and "
              "GIFT both replace ZeRO-3's gradient reduce-scatter; set zero_quantized_gradients to false")
@@ -1099,6 +1106,27 @@ class GiftState:
             mine = [g.to(z3.gradient_accumulation_dtype) for g in mine]
         return mine
 
+    def avg_scatter_stage3_contiguous(self, native, buffer: torch.Tensor,
+                                      communication_data_type: torch.dtype) -> List[torch.Tensor]:
+        """ZeRO stage 3's ``__avg_scatter_contiguous_grads`` (``reduce_scatter: false``: DeepSpeed
+        divides the bucket's contiguous buffer, all-reduces it and keeps each parameter's chunk):
+        the same chunks reduced as :meth:`avg_scatter_stage3` reduces them, each padded with zeros
+        to the parameter's ``partition_numel`` as DeepSpeed's all-reduce path pads them. The
+        bucket's gradients are views of ``buffer`` in the bucket's order."""
+        if self.k < 0:
+            return native(buffer, communication_data_type)
+        z3 = self.opt.z3
+        params = z3.ipg_buckets[communication_data_type].params
+        mine = self.avg_scatter_stage3(native, params, communication_data_type)
+        padded = []
+        for param, part in zip(params, mine):
+            if part.numel() != param.partition_numel():
+                full = torch.zeros(param.partition_numel(), device=part.device, dtype=z3.gradient_accumulation_dtype)
+                full[:part.numel()] = part
+                part = full
+            padded.append(part)
+        return padded
+
     def _avg_scatter_piece(self, k: int, params, communication_data_type: torch.dtype) -> List[torch.Tensor]:
         """One piece of :meth:`avg_scatter_stage3`: its gradients joined (as ``reduce_scatter_coalesced``
         joins a bucket's), every owner's chunks reduced into place, this rank's chunks returned."""
@@ -1434,6 +1462,13 @@ def attach(engine) -> Optional[GiftState]:
             return state.avg_scatter_stage3(native_scatter, params, communication_data_type)
 
         _replace(state, state.opt.z3, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", avg_scatter_grads)
+        native_contiguous = getattr(state.opt.z3, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads")
+
+        def avg_scatter_contiguous_grads(buffer_to_reduce, communication_data_type):
+            return state.avg_scatter_stage3_contiguous(native_contiguous, buffer_to_reduce, communication_data_type)
+
+        _replace(state, state.opt.z3, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads",
+                 avg_scatter_contiguous_grads)
     else:
         _attach_zero(state)
     _attach_engine(engine, state, cfg)

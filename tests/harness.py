@@ -37,6 +37,8 @@ def ds_config(spec: dict) -> dict:
         "gradient_clipping": spec.get("clip", 0.0),
         "wall_clock_breakdown": False,
     }
+    if spec.get("optimizer") == "none":  # tests: an engine without an optimizer
+        del cfg["optimizer"]
     if spec.get("optimizer") == "muon":  # DeepSpeed's MuonWithAuxAdam; its Adam half is torch's
         cfg["optimizer"] = {"type": "Muon", "params": {"lr": spec.get("lr", 2e-2), "momentum": 0.95,
                                                        "torch_adam": True}}

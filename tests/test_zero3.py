@@ -7,7 +7,7 @@ of every parameter encoded once by every sender, summed in fp32 and divided once
 import pytest
 
 from launch.spawn import run_ranks
-from tests.harness import FP8_KFAC_EF, resumed_as_uninterrupted, train_many
+from tests.harness import FP8_KFAC_EF, initialize_error, resumed_as_uninterrupted, train_many
 from tests.spread import assert_within_native_spread, native_perturbed
 
 LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all", "telemetry": {"every": 1}}
@@ -16,24 +16,33 @@ LOSSLESS = {"format": "fp32", "geometry": {"kind": "identity"}, "layers": "all",
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True}
 
 
-@pytest.mark.parametrize("dtype,ga,overlap,tile", [("fp32", 1, False, None), ("fp32", 2, True, None),
-                                                   ("bf16", 2, False, 512)],
-                         ids=["fp32", "fp32-ga2-overlap", "bf16-ga2-pieces"])
-def test_lossless_gift_equals_deepspeed_bit_for_bit_under_stage3(dtype, ga, overlap, tile):
+@pytest.mark.parametrize("dtype,ga,overlap,tile,scatter", [("fp32", 1, False, None, True), ("fp32", 2, True, None, True),
+                                                           ("bf16", 2, False, 512, True), ("bf16", 2, False, None, False)],
+                         ids=["fp32", "fp32-ga2-overlap", "bf16-ga2-pieces", "bf16-ga2-allreduce"])
+def test_lossless_gift_equals_deepspeed_bit_for_bit_under_stage3(dtype, ga, overlap, tile, scatter):
     # 2 ranks: x/2 + y/2 (DeepSpeed divides before its reduce-scatter) == (x + y)/2, one rounding
     # either way, in fp32 and in bf16; ga=2: stage 3 accumulates the reduced partitions; tile 512:
-    # a bucket goes in pieces of at most 4 tiles (2048 elements: most parameters alone)
-    base = dict(stage=3, steps=3, ga=ga, bucket=12000, overlap=overlap, dtype=dtype)
+    # a bucket goes in pieces of at most 4 tiles (2048 elements: most parameters alone);
+    # reduce_scatter false: DeepSpeed all-reduces the bucket's contiguous buffer and keeps its
+    # chunks, padded to the partition's length (__avg_scatter_contiguous_grads)
+    base = dict(stage=3, steps=3, ga=ga, bucket=12000, overlap=overlap, dtype=dtype,
+                zero={} if scatter else {"reduce_scatter": False})
     gift = LOSSLESS if tile is None else dict(LOSSLESS, tile_elements=tile)
     native, lossless = run_ranks(train_many, 2, [base, dict(base, gift=gift)])[0]
     assert lossless["losses"] == native["losses"] and lossless["digests"] == native["digests"]
     assert len(lossless["records"]) == 3
     assert all(r["bytes_per_elem"] > 4.0 and r["fidelity_rel_err"] == 0.0 for r in lossless["records"])
+    # every micro-step's bucket through GIFT, on either of DeepSpeed's paths: rank 0 sends rank 1's
+    # chunk (numel - ceil(numel / 2)) of every parameter
+    sent = ga * sum(p.numel() - -(-p.numel() // 2) for p in lossless["params"].values())
+    assert [r["elements_sent"] for r in lossless["records"]] == [sent] * 3
 
 
-def test_lossless_gift_is_within_native_spread_at_three_ranks():
-    # W = 3: chunks of ceil(numel / 3), the last one shorter; GIFT sums 3 ranks in rank order
-    base = dict(stage=3, steps=3, bucket=12000, extra=SGD)
+@pytest.mark.parametrize("scatter", [True, False], ids=["reduce-scatter", "all-reduce"])
+def test_lossless_gift_is_within_native_spread_at_three_ranks(scatter):
+    # W = 3: chunks of ceil(numel / 3), the last one shorter (padded on DeepSpeed's all-reduce
+    # path); GIFT sums 3 ranks in rank order
+    base = dict(stage=3, steps=3, bucket=12000, extra=SGD, zero={} if scatter else {"reduce_scatter": False})
     for native, lossless, perturbed in run_ranks(train_many, 3, [base, dict(base, gift=LOSSLESS),
                                                                   native_perturbed(base, 3)]):
         assert_within_native_spread(native, perturbed, lossless)
@@ -162,17 +171,23 @@ def test_stage3_partitioned_adam_state_is_read_where_deepspeed_keeps_it():
 
 
 def test_what_stage3_with_gift_does_not_serve_fails_at_initialize_naming_the_key():
-    from tests.harness import initialize_error
-
     fp8 = {"format": "fp8_e4m3"}
     cases = [
-        (dict(gift=fp8, zero={"reduce_scatter": False}), "zero_optimization.reduce_scatter is false"),
         (dict(gift=fp8, zero={"zero_quantized_gradients": True}), "zero_optimization.zero_quantized_gradients"),
         (dict(gift=dict(fp8, params={})), "gift.params: under ZeRO stage 3"),
     ]
     for spec, expected in cases:
         per_rank = run_ranks(initialize_error, 2, dict(stage=3, **spec))
         assert all(expected in message for message in per_rank), (expected, per_rank)
+
+
+def test_a_stage3_engine_without_an_optimizer_is_refused_at_initialize():
+    # stage 3 then builds only its parameter partitioner (DeepSpeedZeRoOffload; stage 1/2 refuse
+    # to run without an optimizer themselves): no gradient reduction for GIFT to replace, which it
+    # says rather than leave the gift block without effect
+    per_rank = run_ranks(initialize_error, 2, dict(stage=3, optimizer="none", gift={"format": "fp8_e4m3"}))
+    assert all("gift.enabled: this engine has no optimizer (DeepSpeed built DeepSpeedZeRoOffload)" in message
+               for message in per_rank), per_rank
 
 
 @pytest.mark.parametrize("zero,expected", [
