@@ -318,6 +318,15 @@ class Stage3Layout:
         return self.param_id[id(param)]
 
 
+def _trained_by(opt, param) -> bool:
+    """Whether ``param`` is in the optimizer's groups (DeepSpeed's ``get_param_id`` knows it)."""
+    try:
+        opt.get_param_id(param)
+    except KeyError:
+        return False
+    return True
+
+
 class Stage3OptimizerState:
     """GIFT's view of the optimizer under ZeRO stage 3. Every rank holds 1/W of every layer:
     rank r the flat elements [r c, min((r + 1) c, numel)) of each weight (c its
@@ -750,6 +759,8 @@ class GiftState:
                          "gift.params: DeepSpeed's partitions of the parameters do not follow GIFT's data-parallel "
                          "ranks; remove gift.params")
         modules = find_candidates(cfg, engine.module, gather=None if self.whole_job else _gather_over_job)
+        # a layer the optimizer was not handed has no gradient reduction of DeepSpeed's to replace
+        modules = {name: m for name, m in modules.items() if _trained_by(opt, m.weight)}
         dense, experts = _split_experts(modules) if self.expert_reducers else (modules, {})
         self.optimizer_state = (Stage3OptimizerState(opt, dense, self.comm.rank, self.comm.world_size)
                                 if isinstance(opt, Stage3Layout)
