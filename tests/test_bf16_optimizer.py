@@ -74,3 +74,32 @@ def test_what_bf16_optimizer_cannot_serve_fails_at_initialize_naming_the_key():
     for spec, expected in cases:
         per_rank = run_ranks(initialize_error, 2, dict(BF16_FP32_ACCUM, **spec))
         assert all(expected in message for message in per_rank), (expected, per_rank)
+
+
+def _full_grads_body(rank, world, specs):
+    """After the boundary micro-step's backward (before the step), DeepSpeed's own reader of a
+    parameter's whole reduced gradient (``safe_get_full_grad``) for every parameter, per spec."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from tests.harness import batches, build_engine
+
+    out = []
+    for spec in specs:
+        engine = build_engine(spec)
+        for i, tokens in enumerate(batches(rank, 2, 2, 32)):
+            engine.set_gradient_accumulation_boundary(i == 1)
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        out.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+        engine.destroy()
+    return out
+
+
+def test_deepspeeds_full_gradient_reader_gives_the_reduced_gradient():
+    # GIFT leaves the reduced gradient in each owner's partition of the fp32 buffer (the rest of the
+    # buffer holds this rank's own sum); DeepSpeed reads a whole gradient from the owners' fragments
+    # (tensor_fragment.get_full_hp_grad), so it gets native's reduced gradient, bit for bit at 2 ranks
+    base = dict(BF16_FP32_ACCUM, ga=2, bucket=12000)
+    native, lossless = run_ranks(_full_grads_body, 2, [base, dict(base, gift=LOSSLESS)])[0]
+    assert native.keys() == lossless.keys()
+    assert all(bool((native[n] == lossless[n]).all()) for n in native), \
+        [n for n in native if not bool((native[n] == lossless[n]).all())]
