@@ -217,17 +217,17 @@ def _fresh_inductor():
         torch._logging.set_logs(inductor_metrics=False)
 
 
-def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
-    """One operation of one format, one tile: kernels and bytes per element."""
-    # eager: the meta device, no data, an accelerator's code path and tile
-    numel, device = (GPU_TILE, "meta") if kernels == "eager" else (CPU_TILE, "cpu")
+def operation(kernels: str, fmt: str, options: dict, op: str, senders: int, numel: int, device: str,
+              rounding: str = "nearest", staged: bool = False):
+    """One codec operation of one format on a tile of ``numel`` elements, ready to run: the
+    counted benchmark here and the timed one on a GPU (``benchmarks/gpu_check.py``) run the same
+    code. Returns ``(run, codec)``; ``run()`` does the operation once. ``staged``: error
+    feedback's section copies are made here, three (the counted runs), not in ``run``."""
     codec = _codec(fmt, options, kernels, rounding)
-    compiled_kernels = compiled_bytes = 0
     x, rows = _inputs(numel, device, senders, codec)
     payload = codec.bytes_to_payload(rows, (numel,), check_header=False)
     out = torch.empty(numel, device=device)
     old = StoredResidual.encode(x * 0.01, feedback.residual_codec(kernels))
-    staged = [x.clone() for _ in range(3)] if op == "feedback" else []
 
     def run():
         if op == "encode":
@@ -235,12 +235,32 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
         elif op == "decode_sum":
             codec.decode_sum(payload, out)
         elif op == "feedback":  # error feedback: the old residual in, encode, the new one kept
-            values = staged.pop()  # the reducer stages a section with feedback whole (not counted)
+            # the reducer stages a section with feedback whole (a copy; the counted run hands
+            # a copy made beforehand, the timed one subtracts a copy's time)
+            values = x.clone() if run.staged is None else run.staged.pop()
             # what the reducer does for a section it sends (ErrorFeedback.send), its residual
             # codec in the same mode: one fused kernel a tile where compiled
             store = feedback.residual_codec(kernels)
             _, residual = store.encode_with_residual(values, old._payload(), codec)
             StoredResidual.kept(residual, numel, store)
+
+    run.staged = [x.clone() for _ in range(3)] if op == "feedback" and staged else None
+    return run, codec
+
+
+def floor_bytes(codec: formats.Codec, op: str, senders: int, numel: int) -> float:
+    """What ``op`` must move at least, per element (the module docstring's floors)."""
+    payload = payload_bytes_per_element(codec, numel)
+    residual = payload_bytes_per_element(feedback.RESIDUAL_CODEC, numel)
+    return {"encode": 4 + payload, "decode_sum": senders * payload + 4, "feedback": 4 + payload + 2 * residual}[op]
+
+
+def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
+    """One operation of one format, one tile: kernels and bytes per element."""
+    # eager: the meta device, no data, an accelerator's code path and tile
+    numel, device = (GPU_TILE, "meta") if kernels == "eager" else (CPU_TILE, "cpu")
+    compiled_kernels = compiled_bytes = 0
+    run, codec = operation(kernels, fmt, options, op, senders, numel, device, rounding, staged=True)
 
     counter = TrafficCounter()
     if kernels == "compiled":
@@ -260,9 +280,7 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
         run()  # warm: lazily made tables and headers
         with counter:
             run()
-    payload = payload_bytes_per_element(codec, numel)
-    residual = payload_bytes_per_element(feedback.RESIDUAL_CODEC, numel)
-    floor = {"encode": 4 + payload, "decode_sum": senders * payload + 4, "feedback": 4 + payload + 2 * residual}[op]
+    floor = floor_bytes(codec, op, senders, numel)
     two_pass = floor + 4 if op != "decode_sum" and _per_tensor_scale(codec) else floor
     moved = (counter.read + counter.written + compiled_bytes) / numel
     return {"kernels": counter.kernels + compiled_kernels, "compiled_kernels": compiled_kernels,

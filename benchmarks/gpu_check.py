@@ -42,6 +42,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Optional
 
 import torch
 
@@ -76,18 +77,22 @@ def timed(fn, device, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def check_parity(device, numel: int) -> list:
+def check_parity(device, numel: int, mode: str = "by_device") -> list:
+    """``mode``: the device codec's ``gift.kernels`` (``by_device``: compiled on CUDA, eager on a
+    CPU; ``compiled`` checks inductor's C++ kernels on a CPU against the eager ones, e.g. built with
+    TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast, as Triton contracts by default)."""
     rows = []
     x_cpu = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, numel)
     for name in formats.FORMAT_NAMES:
-        cpu_codec, dev_codec = formats.get_format(name), formats.get_format(name)
+        cpu_codec, dev_codec = formats.get_format(name, kernels="eager"), formats.get_format(name, kernels=mode)
         ref = cpu_codec.encode_to_bytes(x_cpu)
         got = dev_codec.encode_to_bytes(x_cpu.to(device))
         decoded = dev_codec.decode_from_bytes(got, (numel,)).cpu()
         row = {"format": name, "nbytes": cpu_codec.nbytes(numel), "bytes_equal": torch.equal(ref, got.cpu()),
                "count_equal": got.numel() == ref.numel() == cpu_codec.nbytes(numel),
                "decode_equal": torch.equal(decoded, cpu_codec.decode_from_bytes(ref, (numel,)))}
-        row["batch_decode_equal"] = _batch_decode_equal(cpu_codec, x_cpu, device)
+        row["batch_decode_equal"], row["batch_decode_differ"] = _batch_decode_equal(dev_codec, cpu_codec, x_cpu,
+                                                                                    device)
         # the device codec above runs gift.kernels' default: compiled on CUDA; eager beside it
         eager = formats.get_format(name, kernels="eager")
         row["eager_bytes_equal"] = torch.equal(ref, eager.encode_to_bytes(x_cpu.to(device)).cpu())
@@ -99,35 +104,38 @@ def check_parity(device, numel: int) -> list:
             # counter-based random bits: the device's compiled and eager encodes draw what the
             # CPU's eager chain draws from the same seed, so the bytes are the CPU's
             x, sr_ref = x_cpu.to(device), sr_cpu.encode_to_bytes(x_cpu)
-            for mode, key in (("by_device", "stochastic_equal"), ("eager", "stochastic_eager_equal")):
-                codec = formats.get_format(name, rounding="stochastic", seed=7, kernels=mode)
+            for kernels, key in ((mode, "stochastic_equal"), ("eager", "stochastic_eager_equal")):
+                codec = formats.get_format(name, rounding="stochastic", seed=7, kernels=kernels)
                 row[key] = torch.equal(sr_ref, codec.encode_to_bytes(x).cpu())
-        row["feedback_equal"] = _feedback_equal(name, device)
+        row["feedback_differ"] = _feedback_differ(name, device, mode)
+        row["feedback_equal"] = not any(row["feedback_differ"].values())
         rows.append(row)
     return rows
 
 
-def _feedback_equal(name: str, device, numel: int = 128 * 33) -> bool:
+def _feedback_differ(name: str, device, mode: str, numel: int = 128 * 33) -> dict:
     """Error feedback's step for a payload a rank sends (``Int8Codec.encode_with_residual``: one
     compiled kernel a tile on CUDA for the block-scaled fp8 and integer formats) on ``device``
-    gives the CPU's eager payload and new residual, byte for byte, nearest and stochastic."""
+    against the CPU's eager payload and new residual: the bytes that differ, per rounding and
+    part (all 0: the same bytes)."""
     from deepspeed_gift.exchange import feedback
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, numel)
-    store_cpu, store = feedback.residual_codec("eager"), feedback.residual_codec("by_device")
+    store_cpu, store = feedback.residual_codec("eager"), feedback.residual_codec(mode)
     old = store_cpu.encode(torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 1e-3)
     old_dev = store.bytes_to_payload(old.wire.to(device), (numel,), check_header=False)
-    same = True
+    differ = {}
     for rounding in ("nearest", "stochastic"):
         try:
             sent_cpu = formats.get_format(name, rounding=rounding, seed=7, kernels="eager")
         except ValueError:  # fp32 is exact: it takes no rounding
             continue
-        sent = formats.get_format(name, rounding=rounding, seed=7)
+        sent = formats.get_format(name, rounding=rounding, seed=7, kernels=mode)
         want = store_cpu.encode_with_residual(x.clone(), old, sent_cpu)
         got = store.encode_with_residual(x.to(device), old_dev, sent)
-        same = same and all(torch.equal(a.wire, b.wire.cpu()) for a, b in zip(want, got))
-    return same
+        for part, a, b in zip(("payload", "residual"), want, got):
+            differ[f"{rounding} {part}"] = int((a.wire != b.wire.cpu()).sum())
+    return differ
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,21 +143,28 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
 
 
-def _batch_decode_equal(codec, x_cpu: torch.Tensor, device, senders: int = 5) -> bool:
+def _batch_decode_equal(codec, cpu_codec, x_cpu: torch.Tensor, device, senders: int = 5):
     """The owner's batched decode (``Codec.bytes_to_payload`` of a 2-D buffer) on ``device``:
-    every row equals that payload decoded alone there, and the whole equals the CPU's."""
+    every row equals that payload decoded alone there, and the whole equals the CPU's eager
+    batch. Returns (equal, the elements that differ: batch against alone, against the CPU)."""
     numel = x_cpu.numel()
-    wires = [codec.encode_to_bytes(x_cpu * (s + 1)) for s in range(senders)]
+    wires = [cpu_codec.encode_to_bytes(x_cpu * (s + 1)) for s in range(senders)]
     stride = 16 + wires[0].numel() + 3  # a control header before, a misaligned stride
     recv = torch.zeros(senders * stride + 5, dtype=torch.uint8)
     rows = recv[5:].view(senders, stride)[:, 16:16 + wires[0].numel()]
     for row, wire in zip(rows, wires):
         row.copy_(wire)
-    on_cpu = codec.decode(codec.bytes_to_payload(rows, (numel,)))
+    on_cpu = cpu_codec.decode(cpu_codec.bytes_to_payload(rows, (numel,)))
     dev_rows = recv.to(device)[5:].view(senders, stride)[:, 16:16 + wires[0].numel()]
     batch = codec.decode(codec.bytes_to_payload(dev_rows, (numel,)))
     alone = torch.stack([codec.decode(codec.bytes_to_payload(w.to(device), (numel,))) for w in wires])
-    return _same_values(batch, alone) and _same_values(batch.cpu(), on_cpu)
+
+    def differ(a, b):
+        return int((~((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan()))).sum())
+
+    counts = {"batch_vs_alone": differ(batch, alone), "batch_vs_cpu": differ(batch.cpu(), on_cpu),
+              "alone_vs_cpu": differ(alone.cpu(), on_cpu)}
+    return not any(counts.values()), counts
 
 
 def codec_speed(device, sizes, repeats: int) -> list:
@@ -175,6 +190,55 @@ def codec_speed(device, sizes, repeats: int) -> list:
             rows.append({"codec": label, "kernels": kernels, "numel": numel, "encode_gbs": 4 * numel / enc_s / 1e9,
                          "decode_gbs": 4 * numel / dec_s / 1e9, "copy_gbs": 4 * numel / copy_s / 1e9,
                          "encode_vs_copy": enc_s / copy_s, "peak_extra_bytes_per_elem": peak})
+    return rows
+
+
+def cuda_kernels(fn) -> Optional[int]:
+    """Device kernels (and memsets/copies) one call of ``fn`` launches, read off torch's
+    profiler; None where the profiler cannot see the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 (a profiler that cannot start is a missing figure, not a failure)
+        return None
+
+
+def traffic_timed(device, senders: int, repeats: int, numel: Optional[int] = None, on_row=None) -> list:
+    """``benchmarks/codec_traffic.py``'s operations on the device at a GPU tile, timed: seconds,
+    the kernels launched, and the time against the byte floor moved at a device copy's rate
+    (a copy reads and writes 4 B an element: floor bytes / copy's bytes per second)."""
+    from benchmarks import codec_traffic as ct
+
+    numel = numel or ct.GPU_TILE
+    x = torch.randn(numel, device=device)
+    copy_s = timed(lambda: x.clone(), device, repeats)
+    copy_bps = 8 * numel / copy_s
+    rows = []
+    ops = [("encode", "encode", 1, "nearest"), (f"decode_sum S={senders}", "decode_sum", senders, "nearest"),
+           ("encode stochastic", "encode", 1, "stochastic"), ("encode+feedback", "feedback", 1, "nearest")]
+    modes = ("eager", "compiled") if device.type == "cuda" else ("eager",)
+    for (label, fmt, options), (op_label, op, s, rounding), mode in itertools.product(ct.CASES, ops, modes):
+        row = {"case": label, "op": op_label, "mode": mode, "numel": numel}
+        try:
+            run, codec = ct.operation(mode, fmt, options, op, s, numel, device.type, rounding)
+            run()  # compiles, warms
+            seconds = timed(run, device, repeats)
+            if op == "feedback":  # the reducer's staging copy is not the codec's
+                seconds = max(seconds - copy_s, 0.0)
+            floor = ct.floor_bytes(codec, op, s, numel)
+            row.update(seconds=seconds, us=seconds * 1e6, input_gbs=4 * numel / seconds / 1e9,
+                       floor_bytes_per_elem=floor, x_floor_time=seconds / (floor * numel / copy_bps),
+                       kernels=cuda_kernels(run) if device.type == "cuda" else None)
+        except Exception as exc:  # noqa: BLE001 (one case's failure is reported, the others still run)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        row["copy_us"] = copy_s * 1e6
+        rows.append(row)
+        if on_row is not None:  # a run stopped at its time limit keeps the rows it finished
+            on_row(rows)
     return rows
 
 
@@ -325,10 +389,124 @@ def processes_check(device, steps: int) -> dict:
     return result
 
 
+def _step_body(rank, world, specs, warm, timed_steps):
+    """Each spec's engine on the device, its optimizer steps timed between device syncs."""
+    from tests.harness import batches, build_engine
+
+    out = []
+    for spec in specs:
+        engine = build_engine(spec)
+        seconds = []
+        for i, tokens in enumerate(batches(rank, warm + timed_steps, spec["micro"], spec["seq"])):
+            tokens = tokens.to(engine.device)
+            torch.cuda.synchronize() if engine.device.type == "cuda" else None
+            t0 = time.perf_counter()
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            torch.cuda.synchronize() if engine.device.type == "cuda" else None
+            if i >= warm:
+                seconds.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None
+        out.append({"mean_s": sum(seconds) / len(seconds), "median_s": sorted(seconds)[len(seconds) // 2],
+                    "steps": len(seconds), "last_loss": float(loss), "peak_gib": peak})
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def step_work(device, preset: str, seq: int, micro: int, warm: int, steps: int, rounds: int = 2) -> dict:
+    """GIFT's own step work at the device's rates, world 1 (no wire: the codec, statistics and
+    judgement only): the shipped ``gift_fp8_zero2.json`` (kfac, layers measured) against
+    ``euclid_fp8_e4m3_block_zero2.json`` and native bf16, each ZeRO-2 engine built and timed
+    in turn, ``rounds`` times interleaved."""
+    from launch.spawn import run_ranks
+
+    def block(name):
+        with open(os.path.join(ROOT, "ds_configs", name)) as f:
+            cfg = json.load(f)
+        return cfg["gift"]
+
+    base = dict(stage=2, dtype="bf16", preset=preset, seq=seq, micro=micro, bucket=50_000_000, overlap=True,
+                clip=1.0, lr=3e-4)
+    names = ("native bf16", "euclidean fp8", "gift fp8")
+    specs = [base, dict(base, gift=block("euclid_fp8_e4m3_block_zero2.json")),
+             dict(base, gift=block("gift_fp8_zero2.json"))] * rounds
+    runs = run_ranks(_step_body, 1, specs, warm, steps, timeout=900)[0]
+    out = {"preset": preset, "seq": seq, "micro": micro, "steps": steps, "rounds": rounds, "runs": {}}
+    for i, r in enumerate(runs):
+        out["runs"].setdefault(names[i % 3], []).append(r)
+    mean = {k: sum(r["mean_s"] for r in v) / len(v) for k, v in out["runs"].items()}
+    out["mean_s"] = mean
+    out["gift_over_euclidean"] = mean["gift fp8"] / mean["euclidean fp8"]
+    out["euclidean_over_native"] = mean["euclidean fp8"] / mean["native bf16"]
+    return out
+
+
+def print_tables(out: dict) -> None:
+    print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
+    if "parity" in out:
+        print("| format | bytes | same bytes | eager same bytes | same count | same decode | batch decode | "
+              "stochastic = CPU | stochastic eager = CPU | error feedback = CPU |")
+        print("|---|---:|---|---|---|---|---|---|---|---|")
+        for r in out["parity"]:
+            print(f"| {r['format']} | {r['nbytes']} | {r['bytes_equal']} | {r['eager_bytes_equal']} | "
+                  f"{r['count_equal']} | {r['decode_equal']} | {r['batch_decode_equal']} | "
+                  f"{r.get('stochastic_equal', '-')} | {r.get('stochastic_eager_equal', '-')} | "
+                  f"{r['feedback_equal']} |")
+        for r in out["parity"]:
+            wrong = {k: v for k, v in {**r["batch_decode_differ"], **r["feedback_differ"]}.items() if v}
+            if wrong:
+                print(f"  {r['format']}: elements or bytes that differ: {wrong}")
+    if "traffic" in out:
+        print("| case | operation | kernels mode | us a tile | device kernels | x floor (time at copy rate) |")
+        print("|---|---|---|---:|---:|---:|")
+        for r in out["traffic"]:
+            if "error" in r:
+                print(f"| {r['case']} | {r['op']} | {r['mode']} | error: {r['error'][:120]} | | |")
+                continue
+            print(f"| {r['case']} | {r['op']} | {r['mode']} | {r['us']:.1f} | {r['kernels']} | "
+                  f"{r['x_floor_time']:.2f} |")
+    if "codec" in out:
+        print("| codec | kernels | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | "
+              "peak extra B/elem |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in out["codec"]:
+            peak = "-" if r["peak_extra_bytes_per_elem"] is None else f"{r['peak_extra_bytes_per_elem']:.2f}"
+            print(f"| {r['codec']} | {r['kernels']} | {r['numel']} | {r['encode_gbs']:.1f} | {r['decode_gbs']:.1f} | "
+                  f"{r['copy_gbs']:.1f} | {r['encode_vs_copy']:.2f} | {peak} |")
+    if "whitener" in out:
+        print("| whitener | dim | apply + inverse s | round-trip rel err |")
+        print("|---|---:|---:|---:|")
+        for r in out["whitener"]:
+            print(f"| {r['case']} | {r['dim']} | {r['apply_invert_s']:.4f} | {r['round_trip_rel_err']:.2e} |")
+    if "reducer" in out:
+        print("| reducer W | elements | host conversions per bucket | sync-debug warnings | max rel err |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in out["reducer"]:
+            warned = r["sync_debug_warnings"] if r["sync_debug_warnings"] is not None else "-"
+            print(f"| {r['world']} | {r['numel']} | {r['host_conversions_per_bucket']:.2f} | {warned} | "
+                  f"{r['max_rel_err']:.4f} |")
+    for key in ("engine", "processes", "step_work"):
+        if key in out:
+            print(f"{key}:", json.dumps({k: v for k, v in out[key].items() if k not in ("world1_fp8_losses", "runs")}))
+    for key, err in out.get("errors", {}).items():
+        print(f"{key}: FAILED {err[-600:]}")
+
+
+# most wanted first: a run stopped at its time limit keeps the sections it finished
+SECTIONS = ("parity", "codec", "step_work", "traffic", "engine", "reducer", "whitener", "processes")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (the suite's CPU run)")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--kernels", default="by_device", choices=("by_device", "compiled"),
+                        help="the parity section's device codecs (compiled: inductor's kernels on a CPU too)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -336,39 +514,38 @@ def main(argv=None) -> dict:
         torch.cuda.set_device(device)
     quick = args.quick
     out = {"device": str(device), "torch": torch.__version__,
-           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    out["parity"] = check_parity(device, 4096 + 17)
-    out["codec"] = codec_speed(device, [1 << 20] if quick else [64 << 20, 512 << 20], 2 if quick else 5)
-    out["whitener"] = whitener_check(device, 512 if quick else 4096, 2 if quick else 10)
-    out["reducer"] = reducer_check(device, [4, 8], 256 * 64 if quick else 256 * 4096, 3)
-    out["engine"] = engine_check(device, 3)
-    out["processes"] = processes_check(device, 3)
-    print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
-    print("| format | bytes | same bytes | eager same bytes | same count | same decode | batch decode | "
-          "stochastic = CPU | stochastic eager = CPU | error feedback = CPU |")
-    print("|---|---:|---|---|---|---|---|---|---|---|")
-    for r in out["parity"]:
-        print(f"| {r['format']} | {r['nbytes']} | {r['bytes_equal']} | {r['eager_bytes_equal']} | {r['count_equal']} | "
-              f"{r['decode_equal']} | {r['batch_decode_equal']} | {r.get('stochastic_equal', '-')} | "
-              f"{r.get('stochastic_eager_equal', '-')} | {r['feedback_equal']} |")
-    print("| codec | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | peak extra B/elem |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in out["codec"]:
-        peak = "-" if r["peak_extra_bytes_per_elem"] is None else f"{r['peak_extra_bytes_per_elem']:.2f}"
-        print(f"| {r['codec']} | {r['numel']} | {r['encode_gbs']:.1f} | {r['decode_gbs']:.1f} | {r['copy_gbs']:.1f} | "
-              f"{r['encode_vs_copy']:.1f} | {peak} |")
-    print("| whitener | dim | apply + inverse s | round-trip rel err |")
-    print("|---|---:|---:|---:|")
-    for r in out["whitener"]:
-        print(f"| {r['case']} | {r['dim']} | {r['apply_invert_s']:.4f} | {r['round_trip_rel_err']:.2e} |")
-    print("| reducer W | elements | host conversions per bucket | sync-debug warnings | max rel err |")
-    print("|---:|---:|---:|---:|---:|")
-    for r in out["reducer"]:
-        print(f"| {r['world']} | {r['numel']} | {r['host_conversions_per_bucket']:.2f} | "
-              f"{r['sync_debug_warnings'] if r['sync_debug_warnings'] is not None else '-'} | {r['max_rel_err']:.4f} |")
-    print("engine:", json.dumps({k: v for k, v in out["engine"].items() if k != "world1_fp8_losses"}))
-    print("processes:", json.dumps(out["processes"]))
+           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "errors": {}}
+    work = {
+        "parity": lambda: check_parity(device, 4096 + 17, args.kernels),
+        "traffic": lambda: traffic_timed(device, 7, 3 if quick else 20, 1 << 16 if quick else None,
+                                         on_row=lambda rows: (out.__setitem__("traffic", rows),
+                                                              write_json(args.json, out))),
+        "codec": lambda: codec_speed(device, [1 << 20] if quick else [64 << 20, 512 << 20], 2 if quick else 5),
+        "whitener": lambda: whitener_check(device, 512 if quick else 4096, 2 if quick else 10),
+        "reducer": lambda: reducer_check(device, [4, 8], 256 * 64 if quick else 256 * 4096, 3),
+        "engine": lambda: engine_check(device, 3),
+        "step_work": lambda: step_work(device, "tiny" if quick else "300m", 64 if quick else 2048,
+                                       2 if quick else 4, 1 if quick else 3, 2 if quick else 20, 1 if quick else 2),
+        "processes": lambda: processes_check(device, 3),
+    }
+    # each section on its own: one that fails is reported and the others still run; the JSON is
+    # written after each (a run stopped at its time limit keeps what it finished)
+    for name in args.sections:
+        t0 = time.perf_counter()
+        try:
+            out[name] = work[name]()
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            out["errors"][name] = "".join(traceback.format_exception(exc))[-3000:]
+        out.setdefault("section_s", {})[name] = time.perf_counter() - t0
+        print(f"[gpu_check] {name} done in {out['section_s'][name]:.1f} s", flush=True)
+        write_json(args.json, out)
+    from deepspeed_gift.core import kernels as fused
+
+    out["inductor_options_missing"] = fused._MISSING_LOGGED
     write_json(args.json, out)
+    print_tables(out)
     return out
 
 

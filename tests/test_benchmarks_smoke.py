@@ -248,6 +248,12 @@ def test_gpu_check_cpu_part(tmp_path):
     assert processes["w2_two_level_lossless_equals_native"] and processes["w2_param_gather_lossless_equals_native"]
     assert processes["w2_overlap_comm_lossless_equals_native"] and processes["w4_relay_fp8_trains"]
     assert processes["w4_relay_lossless_within_spread"] and processes["w4_relay_buckets"] > 0, processes
+    assert not out["errors"], out["errors"]
+    # the counted operations timed (codec_traffic's cases x encode, decode-and-sum, stochastic,
+    # feedback); eager on a CPU, the device's kernels counted by the profiler only on CUDA
+    assert len(out["traffic"]) == 24 and all("error" not in r and r["x_floor_time"] > 1 for r in out["traffic"])
+    step = out["step_work"]
+    assert set(step["mean_s"]) == {"native bf16", "euclidean fp8", "gift fp8"} and step["gift_over_euclidean"] > 0
 
 
 def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):

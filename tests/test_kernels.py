@@ -225,6 +225,23 @@ def test_kernels_key_is_validated_and_never_auto():
     assert kernels.uses_compiled("compiled", torch.device("cpu"))
 
 
+def test_compiled_kernels_keep_eagers_roundings_on_triton():
+    """The options every compiled codec kernel is built with turn off what makes Triton's code
+    round otherwise than eager: fp contraction (a multiply-add as one rounding: on an H200 it
+    moved error feedback's residual and fp32 payload bytes), approximate division and flushed
+    subnormals. Read off inductor's own Triton meta, which this CPU build generates too."""
+    from torch._inductor import config
+    from torch._inductor.codegen.triton import TritonKernel
+
+    options = kernels.known_options(kernels._COMPILE_OPTIONS)
+    assert options == kernels._COMPILE_OPTIONS  # this torch knows them all
+    with config.patch(options):
+        meta = TritonKernel.triton_meta_common()
+        assert config.eager_numerics.division_rounding
+    assert meta["enable_fp_fusion"] is False and meta["disable_ftz"] is True
+    assert kernels.known_options({"no_such_option": 1, "max_fusion_size": 8}) == {"max_fusion_size": 8}
+
+
 def test_e2m1_nearest_is_the_encoders_rounding():
     """NVFP4's candidate error rounds by E2M1's steps (round half even of value / step); the
     encoder rounds by codes and tables. The same value for every finite input: each midpoint

@@ -42,8 +42,14 @@ KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
 # subnormals; the codecs' scales need the correctly rounded quotient eager computes. Its fusion
 # stops at 64 nodes by default: NVFP4's tile (three candidates over 16 columns) is a few hundred,
 # which that cap cut into five kernels, each reading the tile again.
+# Triton also contracts a product and a sum into one fused multiply-add (one rounding where eager
+# rounds twice): error feedback's ``x + q * s`` and the owner's ``sum + q * s`` then move last
+# bits (seen on an H200, 2026-12-04: every format's feedback step but bf16's differed from the
+# CPU's; a CPU build with -ffp-contract=fast shows the same formats differ). Inductor turns
+# Triton's fp fusion off under ``emulate_precision_casts``, which also keeps eager's bf16 roundings
+# between fused operations; its C++ builds keep -ffp-contract=off by default.
 _COMPILE_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
-                    "max_fusion_size": 4096}
+                    "emulate_precision_casts": True, "max_fusion_size": 4096}
 
 
 def check_kernels(mode: str, key: str = "kernels") -> str:
@@ -83,8 +89,36 @@ def compiled(fn: Callable, **constants) -> Callable:
     # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
     # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
     # never changes and stays a constant the C++/Triton code vectorizes over
-    options = {**_COMPILE_OPTIONS, **getattr(fn, "compile_options", {})}
+    options = known_options({**_COMPILE_OPTIONS, **getattr(fn, "compile_options", {})})
     return torch.compile(own, dynamic=None, fullgraph=True, options=options)
+
+
+def known_options(options: dict) -> dict:
+    """The inductor options this torch knows (an unknown one fails the compile); the others are
+    logged once, by name: the numerics options came in torch 2.11 (2.10 named one otherwise),
+    and without them a compiled codec may round its scales otherwise than eager
+    (``benchmarks/gpu_check.py``'s parity rows tell)."""
+    import torch._inductor.config as config
+
+    def has(name: str) -> bool:
+        obj = config
+        for part in name.split("."):
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+
+    missing = sorted(k for k in options if not has(k))
+    if missing and not _MISSING_LOGGED:
+        _MISSING_LOGGED.append(missing)
+        import logging
+
+        logging.getLogger(__name__).warning("this torch's inductor lacks the options %s: compiled codecs run "
+                                            "without them", missing)
+    return {k: v for k, v in options.items() if k not in missing}
+
+
+_MISSING_LOGGED: list = []
 
 
 # ----------------------------------------------------------------------------- shared pieces
