@@ -41,7 +41,8 @@ measured here unless ``--codec-json``) times a copy on the target (8 bytes per e
 plus add of all N (one more copy's worth per element). With ``--codec-traffic`` the GPU codec
 time comes from counted traffic instead (``benchmarks/codec_traffic.py``: bytes per element over
 the copy bandwidth, plus ``--launch-us`` per kernel per tile), the compiled kernels' in the
-tables, the CPU ratio and the eager count printed beside it. ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
+tables, the CPU ratio and the eager count printed beside it; ``--codec-gpu`` takes the times
+measured on a GPU (``benchmarks/gpu_check.py``'s traffic rows) over both. ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
 and factors are fp32): the input statistics (2 tokens n^2 flops per distinct layer input
 every ``collect_interval`` steps), whitening of what a rank sends and the inverse of what
 it owns (8 and 4 m n r flops, for selected layers), and every rank's Nystrom
@@ -389,6 +390,23 @@ def traffic_ratios(args, mode: str) -> Dict[str, dict]:
     return out
 
 
+def measured_gpu_ratios(path: str, senders: int = 7, mode: str = "compiled") -> Dict[str, dict]:
+    """encode and decode time of each format as multiples of one fp32 copy, measured on a GPU:
+    ``benchmarks/gpu_check.py --json``'s ``traffic`` rows (one 2^24-element tile a call, the
+    device's own copy of the tile timed in the same run). Decode is the owner's decode-and-sum
+    of ``senders`` per payload element, as in :func:`traffic_ratios`. Formats the run did not
+    reach are left out (a config that needs one fails naming it)."""
+    data = json.loads(Path(path).read_text())
+    rows = {(r["case"], r["op"], r["mode"]): r for r in data.get("traffic", []) if "error" not in r}
+    out = {}
+    for fmt, case in TRAFFIC_CASES.items():
+        enc, dec = rows.get((case, "encode", mode)), rows.get((case, f"decode_sum S={senders}", mode))
+        if enc is None or dec is None:
+            continue
+        out[fmt] = {"encode": enc["us"] / enc["copy_us"], "decode": dec["us"] / senders / dec["copy_us"]}
+    return out
+
+
 # label, gradient path ("native" all-reduce, "native_rs", GIFT "flat" or "two_level"),
 # format, whiten all layers (else: measured selects none, statistics only), geometry on,
 # statistics on at most --stats-tokens tokens per forward (geometry.stats_tokens), else on every
@@ -550,6 +568,8 @@ def main(argv=None) -> dict:
     p.add_argument("--codec-traffic", help="benchmarks/codec_traffic.py --json output: the GPU codec time from "
                                            "counted bytes and kernels (compiled) replaces the CPU-measured ratio "
                                            "in the tables; both are printed side by side")
+    p.add_argument("--codec-gpu", help="benchmarks/gpu_check.py --json output from a GPU: the codec time measured "
+                                       "there (its traffic rows, compiled), before the counted one")
     p.add_argument("--traffic-senders", type=int, default=7, choices=(3, 7, 31),
                    help="senders of the decode-and-sum row taken from --codec-traffic")
     p.add_argument("--launch-us", type=float, default=5.0, help="launch latency per kernel, microseconds")
@@ -614,11 +634,18 @@ def main(argv=None) -> dict:
         setattr(args, name, value)
     ratios = codec_ratios(args)
     result["codec_vs_copy"] = ratios
+    counted: Dict[str, Dict[str, dict]] = {}
     if args.codec_traffic:
         counted = {mode: traffic_ratios(args, mode) for mode in ("eager", "compiled")}
         result["codec_vs_copy_counted"] = counted
+    if args.codec_gpu:
+        counted["measured"] = measured_gpu_ratios(args.codec_gpu, args.traffic_senders)
+        result["codec_vs_copy_measured_gpu"] = counted["measured"]
+    if counted:
         print_codec_sources(ratios, counted)
-        ratios = dict(ratios, **counted["compiled"])
+        # the best evidence there is: measured on a GPU, else counted, else the CPU ratio
+        for source in ("compiled", "measured"):
+            ratios = dict(ratios, **counted.get(source, {}))
     scale = scale_table(args, ratios)
     result["scale"] = scale
     print_scale(args, scale)
@@ -653,11 +680,12 @@ def print_calibration(cal: dict, fit: dict) -> None:
 def print_codec_sources(cpu: Dict[str, dict], counted: Dict[str, Dict[str, dict]]) -> None:
     """The codec's encode + decode per element as multiples of a GPU copy, by where it comes from."""
     print("codec encode + decode, x a copy on the target GPU: (a) the CPU-measured ratio carried over, "
-          "(b) counted traffic, eager, (c) counted traffic, compiled (used below)\n")
-    print("| format | (a) CPU ratio | (b) eager, counted | (c) compiled, counted |")
-    print("|---|---:|---:|---:|")
+          "(b) counted traffic, eager, (c) counted traffic, compiled, (d) compiled, measured on a GPU "
+          "(--codec-gpu; used below where given, else (c))\n")
+    print("| format | (a) CPU ratio | (b) eager, counted | (c) compiled, counted | (d) compiled, measured |")
+    print("|---|---:|---:|---:|---:|")
     for fmt in TRAFFIC_CASES:
-        cells = [cpu.get(fmt), counted["eager"][fmt], counted["compiled"][fmt]]
+        cells = [cpu.get(fmt)] + [counted.get(k, {}).get(fmt) for k in ("eager", "compiled", "measured")]
         print(f"| {fmt} | " + " | ".join("-" if c is None else f"{c['encode'] + c['decode']:.2f}" for c in cells) + " |")
     print()
 
