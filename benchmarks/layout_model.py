@@ -473,6 +473,29 @@ def traffic_rates(path: str, args) -> Rates:
                  decode_b=slope, whiten_rank=args.whiten_rank, fp32_flops=args.fp32_tflops * 1e12 * args.fp32_eff)
 
 
+def measured_rates(path: str, args) -> Rates:
+    """``Rates`` with the codec's time measured on a GPU (``benchmarks/gpu_check.py --json``'s
+    traffic rows, fp8_e4m3/128 in ``--kernels`` mode, one 2^24-element tile a call): each time
+    taken as the bytes that would move in it at this model's copy rate (so the measurement holds
+    whatever ``--hbm-tbs``), launches included (no kernel count added). The decode-and-sum was
+    timed at one sender count S0 (7): its time is taken as proportional to S (S0 = 7 is W = 64
+    in nodes of 8; other W extrapolate)."""
+    data = json.loads(open(path).read())
+    rows = {r["op"]: r for r in data.get("traffic", [])
+            if r["case"] == "fp8_e4m3/128" and r["mode"] == args.kernels and "error" not in r}
+    decode_op = next((op for op in rows if op.startswith("decode_sum")), None)
+    if "encode" not in rows or decode_op is None:
+        raise SystemExit(f"{path}: no fp8_e4m3/128 {args.kernels} encode and decode_sum rows in its traffic section")
+    hbm = args.hbm_tbs * 1e12 * args.hbm_eff
+    enc, dec = rows["encode"], rows[decode_op]
+    senders = int(decode_op.split("=")[1])
+    as_bytes = lambda r: r["us"] * 1e-6 / r["numel"] * hbm  # noqa: E731 (bytes per element at the model's rate)
+    return Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
+                 a2a_s=args.a2a_us * 1e-6, hbm_bps=hbm, launch_s=0.0, encode_bpe=as_bytes(enc), encode_kernels=0,
+                 decode_a=0.0, decode_b=as_bytes(dec) / senders, whiten_rank=args.whiten_rank,
+                 fp32_flops=args.fp32_tflops * 1e12 * args.fp32_eff)
+
+
 def main(argv=None) -> List[dict]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
@@ -486,6 +509,8 @@ def main(argv=None) -> List[dict]:
                         help="latency per all-to-all of GIFT's, microseconds (0: bandwidth only)")
     c = parser.add_argument_group("GIFT's compute on the GPU (counted only with --codec-traffic)")
     c.add_argument("--codec-traffic", help="benchmarks/codec_traffic.py --json output: the codec's bytes and kernels")
+    c.add_argument("--codec-gpu", help="benchmarks/gpu_check.py --json output from a GPU: the codec's time measured "
+                                       "there instead of counted")
     c.add_argument("--kernels", choices=("compiled", "eager"), default="compiled", help="which mode's counts")
     c.add_argument("--hbm-tbs", type=float, default=3.35, help="GPU memory bandwidth, TB/s (H100 SXM; H200 4.8)")
     c.add_argument("--hbm-eff", type=float, default=0.8, help="of --hbm-tbs reached by a copy")
@@ -497,7 +522,9 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)
-    if args.codec_traffic:
+    if args.codec_gpu:
+        rates = measured_rates(args.codec_gpu, args)
+    elif args.codec_traffic:
         rates = traffic_rates(args.codec_traffic, args)
     else:
         rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
@@ -524,7 +551,11 @@ def main(argv=None) -> List[dict]:
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {r['buckets']} | {r['owners_min']}-{r['owners_max']} | "
               f"{r['bf16_nic_gb']:.2f} | {' | '.join(cells)} |")
     counted = "GIFT's compute not counted"
-    if args.codec_traffic:
+    if args.codec_gpu:
+        counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} codec times measured on a GPU "
+                   f"({args.codec_gpu}), whitening rank {args.whiten_rank} at {args.fp32_tflops:g} TFLOPS x "
+                   f"{args.fp32_eff:g}")
+    elif args.codec_traffic:
         counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} traffic at {args.hbm_tbs:g} TB/s x "
                    f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
                    f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}")

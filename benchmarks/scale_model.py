@@ -42,7 +42,8 @@ plus add of all N (one more copy's worth per element). With ``--codec-traffic`` 
 time comes from counted traffic instead (``benchmarks/codec_traffic.py``: bytes per element over
 the copy bandwidth, plus ``--launch-us`` per kernel per tile), the compiled kernels' in the
 tables, the CPU ratio and the eager count printed beside it; ``--codec-gpu`` takes the times
-measured on a GPU (``benchmarks/gpu_check.py``'s traffic rows) over both. ``T_gift`` is what geometry adds, at fp32 matrix speed (GIFT's statistics
+measured on a GPU (``benchmarks/gpu_check.py``'s traffic rows) over both. ``T_gift`` is what
+geometry adds, at fp32 matrix speed (GIFT's statistics
 and factors are fp32): the input statistics (2 tokens n^2 flops per distinct layer input
 every ``collect_interval`` steps), whitening of what a rank sends and the inverse of what
 it owns (8 and 4 m n r flops, for selected layers), and every rank's Nystrom
