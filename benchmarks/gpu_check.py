@@ -43,7 +43,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -194,18 +194,21 @@ def codec_speed(device, sizes, repeats: int) -> list:
     return rows
 
 
-def cuda_kernels(fn) -> Optional[int]:
-    """Device kernels (and memsets/copies) one call of ``fn`` launches, read off torch's
-    profiler; None where the profiler cannot see the device."""
+def cuda_kernels(fn) -> Tuple[Optional[int], Optional[float]]:
+    """Device kernels (memsets and copies included) one call of ``fn`` launches, and their summed
+    time on the device in microseconds, read off torch's profiler; (None, None) where the
+    profiler cannot see the device. Device time well under the call's wall time means the host
+    sets the pace (launches, Python, guards), not the kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(events), sum(e.time_range.elapsed_us() for e in events)
     except Exception:  # noqa: BLE001 (a profiler that cannot start is a missing figure, not a failure)
-        return None
+        return None, None
 
 
 def traffic_timed(device, senders: int, repeats: int, numel: Optional[int] = None, on_row=None) -> list:
@@ -228,12 +231,15 @@ def traffic_timed(device, senders: int, repeats: int, numel: Optional[int] = Non
             run, codec = ct.operation(mode, fmt, options, op, s, numel, device.type, rounding)
             run()  # compiles, warms
             seconds = timed(run, device, repeats)
-            if op == "feedback":  # the reducer's staging copy is not the codec's
+            kernels, device_us = cuda_kernels(run) if device.type == "cuda" else (None, None)
+            if op == "feedback":  # the reducer's staging copy (one kernel) is not the codec's
                 seconds = max(seconds - copy_s, 0.0)
+                kernels = None if kernels is None else kernels - 1
+                device_us = None if device_us is None else max(device_us - copy_s * 1e6, 0.0)
             floor = ct.floor_bytes(codec, op, s, numel)
             row.update(seconds=seconds, us=seconds * 1e6, input_gbs=4 * numel / seconds / 1e9,
                        floor_bytes_per_elem=floor, x_floor_time=seconds / (floor * numel / copy_bps),
-                       kernels=cuda_kernels(run) if device.type == "cuda" else None)
+                       kernels=kernels, device_us=device_us)
         except Exception as exc:  # noqa: BLE001 (one case's failure is reported, the others still run)
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         row["copy_us"] = copy_s * 1e6
@@ -440,7 +446,8 @@ def step_work(device, preset: str, seq: int, micro: int, warm: int, steps: int, 
     names = ("native bf16", "euclidean fp8", "gift fp8")
     three = [base, dict(base, gift=block("euclid_fp8_e4m3_block_zero2.json")),
              dict(base, gift=block("gift_fp8_zero2.json"))]
-    # each round in another order (0 1 2, 1 2 0, 2 0 1, ...): no config always first or last
+    # each round in another order (0 1 2, 1 2 0, 2 0 1): over 3 rounds each config runs once in
+    # each place (the first H200 run, in one fixed order, could not tell order from config)
     order = [(i + r) % 3 for r in range(rounds) for i in range(3)]
     runs = run_ranks(_step_body, 1, [three[i] for i in order], warm, steps, timeout=900)[0]
     out = {"preset": preset, "seq": seq, "micro": micro, "steps": steps, "rounds": rounds, "order": order,
@@ -470,13 +477,15 @@ def print_tables(out: dict) -> None:
             if wrong:
                 print(f"  {r['format']}: elements or bytes that differ: {wrong}")
     if "traffic" in out:
-        print("| case | operation | kernels mode | us a tile | device kernels | x floor (time at copy rate) |")
-        print("|---|---|---|---:|---:|---:|")
+        print("| case | operation | kernels mode | us a tile | device kernels | their device us | "
+              "x floor (time at copy rate) |")
+        print("|---|---|---|---:|---:|---:|---:|")
         for r in out["traffic"]:
             if "error" in r:
-                print(f"| {r['case']} | {r['op']} | {r['mode']} | error: {r['error'][:120]} | | |")
+                print(f"| {r['case']} | {r['op']} | {r['mode']} | error: {r['error'][:120]} | | | |")
                 continue
-            print(f"| {r['case']} | {r['op']} | {r['mode']} | {r['us']:.1f} | {r['kernels']} | "
+            device_us = "-" if r.get("device_us") is None else f"{r['device_us']:.1f}"
+            print(f"| {r['case']} | {r['op']} | {r['mode']} | {r['us']:.1f} | {r['kernels']} | {device_us} | "
                   f"{r['x_floor_time']:.2f} |")
     if "codec" in out:
         print("| codec | kernels | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | "
@@ -506,6 +515,24 @@ def print_tables(out: dict) -> None:
 
 
 # most wanted first: a run stopped at its time limit keeps the sections it finished
+def provenance() -> dict:
+    """What produced the results: the repository's commit and whether its tree had changes
+    (where git is there), the inductor options the compiled codecs ask for, and those this
+    torch lacks (dropped; known once a codec has compiled)."""
+    import subprocess
+
+    from deepspeed_gift.core import kernels as fused
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    return {"commit": git("rev-parse", "HEAD"), "changed_files": git("status", "--porcelain", "--untracked-files=no"),
+            "compile_options": dict(fused._COMPILE_OPTIONS), "options_missing": list(fused._MISSING_LOGGED)}
+
+
 SECTIONS = ("parity", "codec", "step_work", "traffic", "engine", "reducer", "whitener", "processes")
 
 
@@ -520,10 +547,13 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # set_device refuses a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     quick = args.quick
     out = {"device": str(device), "torch": torch.__version__,
-           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "errors": {}}
+           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "errors": {},
+           "provenance": provenance()}
     work = {
         "parity": lambda: check_parity(device, 4096 + 17, args.kernels),
         "traffic": lambda: traffic_timed(device, 7, 3 if quick else 20, 1 << 16 if quick else None,
@@ -550,9 +580,7 @@ def main(argv=None) -> dict:
         out.setdefault("section_s", {})[name] = time.perf_counter() - t0
         print(f"[gpu_check] {name} done in {out['section_s'][name]:.1f} s", flush=True)
         write_json(args.json, out)
-    from deepspeed_gift.core import kernels as fused
-
-    out["inductor_options_missing"] = fused._MISSING_LOGGED
+    out["provenance"] = provenance()  # the options a compile dropped are known by now
     write_json(args.json, out)
     print_tables(out)
     return out

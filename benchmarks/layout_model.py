@@ -507,7 +507,7 @@ def main(argv=None) -> List[dict]:
                         help="latency per step of DeepSpeed's ring all-reduce, microseconds (0: bandwidth only)")
     parser.add_argument("--a2a-us", type=float, default=0.0,
                         help="latency per all-to-all of GIFT's, microseconds (0: bandwidth only)")
-    c = parser.add_argument_group("GIFT's compute on the GPU (counted only with --codec-traffic)")
+    c = parser.add_argument_group("GIFT's compute on the GPU (counted only with --codec-traffic or --codec-gpu)")
     c.add_argument("--codec-traffic", help="benchmarks/codec_traffic.py --json output: the codec's bytes and kernels")
     c.add_argument("--codec-gpu", help="benchmarks/gpu_check.py --json output from a GPU: the codec's time measured "
                                        "there instead of counted")

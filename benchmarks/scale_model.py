@@ -395,14 +395,18 @@ def measured_gpu_ratios(path: str, senders: int = 7, mode: str = "compiled") -> 
     """encode and decode time of each format as multiples of one fp32 copy, measured on a GPU:
     ``benchmarks/gpu_check.py --json``'s ``traffic`` rows (one 2^24-element tile a call, the
     device's own copy of the tile timed in the same run). Decode is the owner's decode-and-sum
-    of ``senders`` per payload element, as in :func:`traffic_ratios`. Formats the run did not
-    reach are left out (a config that needs one fails naming it)."""
+    of ``senders`` per payload element, as in :func:`traffic_ratios`. A format the run did not
+    reach is left out, unless a config of the tables needs it: then it fails naming it."""
     data = json.loads(Path(path).read_text())
     rows = {(r["case"], r["op"], r["mode"]): r for r in data.get("traffic", []) if "error" not in r}
+    needed = {c[2] for c in CONFIGS} | {c[6] for c in CONFIGS if c[6]}
     out = {}
     for fmt, case in TRAFFIC_CASES.items():
         enc, dec = rows.get((case, "encode", mode)), rows.get((case, f"decode_sum S={senders}", mode))
         if enc is None or dec is None:
+            if fmt in needed:
+                raise SystemExit(f"--codec-gpu {path}: no {case} {mode} encode and decode_sum S={senders} rows "
+                                 f"(the run's traffic operations: {sorted({r['op'] for r in data.get('traffic', [])})})")
             continue
         out[fmt] = {"encode": enc["us"] / enc["copy_us"], "decode": dec["us"] / senders / dec["copy_us"]}
     return out

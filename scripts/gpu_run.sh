@@ -13,6 +13,7 @@
 set -o pipefail
 out=${1:?OUT_DIR}
 shift
+mkdir -p "$out" || exit 1
 site=/tmp/gift-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
 cp -r .gpu/site/deepspeed "$site/" || exit 1

@@ -251,9 +251,23 @@ def test_gpu_check_cpu_part(tmp_path):
     assert not out["errors"], out["errors"]
     # the counted operations timed (codec_traffic's cases x encode, decode-and-sum, stochastic,
     # feedback); eager on a CPU, the device's kernels counted by the profiler only on CUDA
-    assert len(out["traffic"]) == 24 and all("error" not in r and r["x_floor_time"] > 1 for r in out["traffic"])
-    step = out["step_work"]
-    assert set(step["mean_s"]) == {"native bf16", "euclidean fp8", "gift fp8"} and step["gift_over_euclidean"] > 0
+    from benchmarks import codec_traffic
+
+    assert [(r["case"], r["op"]) for r in out["traffic"]] == [
+        (case, op) for case, _, _ in codec_traffic.CASES
+        for op in ("encode", "decode_sum S=7", "encode stochastic", "encode+feedback")]
+    for r in out["traffic"]:  # timed, the floor codec_traffic's own, no device kernels seen on a CPU
+        assert "error" not in r and r["seconds"] > 0 and r["kernels"] is None, r
+        fmt, options = next((f, o) for c, f, o in codec_traffic.CASES if c == r["case"])
+        op = {"encode": "encode", "encode stochastic": "encode", "encode+feedback": "feedback"}.get(r["op"], "decode_sum")
+        senders = 7 if op == "decode_sum" else 1
+        assert r["floor_bytes_per_elem"] == codec_traffic.floor_bytes(
+            codec_traffic._codec(fmt, options, "eager"), op, senders, r["numel"])
+    step = out["step_work"]  # each config built, trained and timed in its own engine
+    assert sorted(step["runs"]) == ["euclidean fp8", "gift fp8", "native bf16"]
+    for runs in step["runs"].values():
+        assert [r["steps"] for r in runs] == [2] and all(0 < r["last_loss"] < 10 for r in runs), runs
+    assert out["provenance"]["compile_options"]["emulate_precision_casts"] is True
 
 
 def test_ef_study_measures_the_residual_and_adams_second_moment(tmp_path):

@@ -235,9 +235,9 @@ def test_compiled_kernels_keep_eagers_roundings_on_triton():
 
     options = kernels.known_options(kernels._COMPILE_OPTIONS)
     assert options == kernels._COMPILE_OPTIONS  # this torch knows them all
+    assert TritonKernel.triton_meta_common()["enable_fp_fusion"] is True  # inductor's default: contraction on
     with config.patch(options):
         meta = TritonKernel.triton_meta_common()
-        assert config.eager_numerics.division_rounding
     assert meta["enable_fp_fusion"] is False and meta["disable_ftz"] is True
     assert kernels.known_options({"no_such_option": 1, "max_fusion_size": 8}) == {"max_fusion_size": 8}
 
