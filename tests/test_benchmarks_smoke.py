@@ -331,3 +331,26 @@ def test_codec_traffic_counts_kernels_and_bytes_against_the_floor():
     floor = 3 * (1 + 4 / 128) + 4
     assert fused["floor"] == pytest.approx(floor)
     assert floor <= fused["bytes_per_element"] <= floor + 4 + 1e-6
+
+
+def test_models_take_the_codec_time_measured_on_a_gpu():
+    """``--codec-gpu``: the scale and layout models charge a codec operation the time the GPU run
+    measured (docs/measured: one H200 tile), whatever copy rate the model assumes."""
+    import argparse
+
+    from benchmarks import layout_model
+
+    path = os.path.join(ROOT, "docs", "measured", "gpu_check_h200_20261204.json")
+    rows = {(r["case"], r["op"], r["mode"]): r for r in json.load(open(path))["traffic"]}
+    enc, dec = rows[("fp8_e4m3/128", "encode", "compiled")], rows[("fp8_e4m3/128", "decode_sum S=7", "compiled")]
+    ratios = scale_model.measured_gpu_ratios(path)
+    assert abs(ratios["fp8_e4m3"]["encode"] - enc["us"] / enc["copy_us"]) < 1e-12
+    assert abs(ratios["fp8_e4m3"]["decode"] - dec["us"] / 7 / dec["copy_us"]) < 1e-12
+    for hbm in (3.35, 4.8):
+        args = argparse.Namespace(kernels="compiled", hbm_tbs=hbm, hbm_eff=0.8, nic_gbit=400.0, nvlink_gbyte=450.0,
+                                  alpha_us=0.0, a2a_us=0.0, whiten_rank=32, fp32_tflops=67.0, fp32_eff=0.7)
+        rates = layout_model.measured_rates(path, args)
+        tile = enc["numel"]
+        assert abs(rates.encode(tile, whiten=False) - enc["us"] * 1e-6) < 1e-12
+        assert abs(rates.decode(tile, 7, inverse=False) - dec["us"] * 1e-6) < 1e-12
+        assert abs(rates.decode(tile, 14, inverse=False) - 2 * dec["us"] * 1e-6) < 1e-12  # taken as linear in S
