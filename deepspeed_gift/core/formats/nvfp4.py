@@ -123,7 +123,9 @@ def e2m1_of_codes(codes: Tensor) -> Tensor:
     e = torch.floor(m * 0.5)
     mag = torch.where(m < 2.0, m * 0.5, (1.0 + (m - 2.0 * e) * 0.5)
                       * torch.where(e < 2.0, 1.0, torch.where(e < 3.0, 2.0, 4.0)))
-    return torch.where(negative, -mag, mag)
+    # the sign by copysign, not -mag: Triton computes -x as 0 - x, which makes code 8 (-0.0) +0.0
+    # (the H200 run's batched decode differed from the fused one by the sign of such zeros)
+    return torch.copysign(mag, torch.where(negative, -1.0, 1.0))
 
 
 def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
