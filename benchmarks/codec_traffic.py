@@ -218,11 +218,12 @@ def _fresh_inductor():
 
 
 def operation(kernels: str, fmt: str, options: dict, op: str, senders: int, numel: int, device: str,
-              rounding: str = "nearest", staged: bool = False):
+              rounding: str = "nearest", staged: int = 0):
     """One codec operation of one format on a tile of ``numel`` elements, ready to run: the
     counted benchmark here and the timed one on a GPU (``benchmarks/gpu_check.py``) run the same
     code. Returns ``(run, codec)``; ``run()`` does the operation once. ``staged``: error
-    feedback's section copies are made here, three (the counted runs), not in ``run``."""
+    feedback's section copies (the reducer stages a section whole) made here, this many, one a
+    call, so that ``run`` neither counts nor times them."""
     codec = _codec(fmt, options, kernels, rounding)
     x, rows = _inputs(numel, device, senders, codec)
     payload = codec.bytes_to_payload(rows, (numel,), check_header=False)
@@ -235,16 +236,14 @@ def operation(kernels: str, fmt: str, options: dict, op: str, senders: int, nume
         elif op == "decode_sum":
             codec.decode_sum(payload, out)
         elif op == "feedback":  # error feedback: the old residual in, encode, the new one kept
-            # the reducer stages a section with feedback whole (a copy; the counted run hands
-            # a copy made beforehand, the timed one subtracts a copy's time)
-            values = x.clone() if run.staged is None else run.staged.pop()
+            values = run.staged.pop()
             # what the reducer does for a section it sends (ErrorFeedback.send), its residual
             # codec in the same mode: one fused kernel a tile where compiled
             store = feedback.residual_codec(kernels)
             _, residual = store.encode_with_residual(values, old._payload(), codec)
             StoredResidual.kept(residual, numel, store)
 
-    run.staged = [x.clone() for _ in range(3)] if op == "feedback" and staged else None
+    run.staged = [x.clone() for _ in range(staged)] if op == "feedback" else None
     return run, codec
 
 
@@ -260,7 +259,7 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
     # eager: the meta device, no data, an accelerator's code path and tile
     numel, device = (GPU_TILE, "meta") if kernels == "eager" else (CPU_TILE, "cpu")
     compiled_kernels = compiled_bytes = 0
-    run, codec = operation(kernels, fmt, options, op, senders, numel, device, rounding, staged=True)
+    run, codec = operation(kernels, fmt, options, op, senders, numel, device, rounding, staged=3)
 
     counter = TrafficCounter()
     if kernels == "compiled":

@@ -230,14 +230,13 @@ def traffic_timed(device, senders: int, repeats: int, numel: Optional[int] = Non
     for (label, fmt, options), (op_label, op, s, rounding), mode in itertools.product(ct.CASES, ops, modes):
         row = {"case": label, "op": op_label, "mode": mode, "numel": numel}
         try:
-            run, codec = ct.operation(mode, fmt, options, op, s, numel, device.type, rounding)
+            # error feedback's staging copies made beforehand, one a call: warm-up, timed()'s
+            # own warm-up, the repeats and the profiled call
+            run, codec = ct.operation(mode, fmt, options, op, s, numel, device.type, rounding,
+                                      staged=repeats + 3)
             run()  # compiles, warms
             seconds = timed(run, device, repeats)
             kernels, device_us = cuda_kernels(run) if device.type == "cuda" else (None, None)
-            if op == "feedback":  # the reducer's staging copy (one kernel) is not the codec's
-                seconds = max(seconds - copy_s, 0.0)
-                kernels = None if kernels is None else kernels - 1
-                device_us = None if device_us is None else max(device_us - copy_s * 1e6, 0.0)
             floor = ct.floor_bytes(codec, op, s, numel)
             row.update(seconds=seconds, us=seconds * 1e6, input_gbs=4 * numel / seconds / 1e9,
                        floor_bytes_per_elem=floor, x_floor_time=seconds / (floor * numel / copy_bps),
