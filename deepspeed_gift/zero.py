@@ -33,7 +33,7 @@ from . import checkpoint
 from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
 from .core.geometry import row_col_sums
 from .core.rng import CounterRng
-from .lifecycle import GeometryManager, find_candidates
+from .lifecycle import GeometryManager, find_candidates, geometry_kinds
 from .core import metrics
 from .exchange.param_gather import ReplicaGather
 from .exchange.encode import copy_codec_for
@@ -259,7 +259,7 @@ def _check_stage3(engine, opt, cfg: GiftConfig) -> "Stage3Layout":
     _require(type(opt.optimizer).__name__ != "MuonWithAuxAdam",
              "gift.enabled: DeepSpeed's Muon under ZeRO stage 3 orthogonalizes full gradients inside its "
              "reduction, which GIFT does not model; use stage 1 or 2 with Muon")
-    _check_stage3_offload(engine)
+    _check_stage3_offload(engine, reads_optimizer_state=bool(geometry_kinds(cfg.geometry.kind)))
     if cfg.error_feedback:
         logger.warning("gift: error feedback under ZeRO stage 3 keeps an int8 residual of what this rank sends, "
                        "(W-1)/W of every parameter (about 1 B a parameter on every rank, against stage 3's own "
@@ -273,12 +273,14 @@ def _offload_device(offload) -> str:
     return str(getattr(device, "value", device) or "none")
 
 
-def _check_stage3_offload(engine) -> None:
+def _check_stage3_offload(engine, reads_optimizer_state: bool = True) -> None:
     """Stage 3's offload to the host serves GIFT unchanged: the gradient chunks GIFT returns go
     where DeepSpeed's own reduce-scatter's would (its host partition and pinned buffers), and the
     parameters' partitions live on the host between their gathers. What keeps optimizer state
-    where GIFT does not read it is refused: NVMe (swapped out between steps), a partial offload
-    (part of the state in a second optimizer on the device) and SuperOffload (an optimizer of its own)."""
+    where GIFT does not read it is refused: NVMe (swapped out between steps), SuperOffload (an
+    optimizer of its own) and, where GIFT reads Adam's state (``reads_optimizer_state``: any
+    geometry but identity judges layers or scales by it), a partial offload (part of the state in a
+    second optimizer on the device); a Euclidean block reads none, and reduces as with a whole offload."""
     optimizer, param = engine.zero_offload_optimizer(), engine.zero_offload_param()
     for key, offload in (("offload_optimizer", optimizer), ("offload_param", param)):
         device = _offload_device(offload)
@@ -287,8 +289,10 @@ def _check_stage3_offload(engine) -> None:
                  "NVMe is not where GIFT reads Adam's moments and not tested with it (allowed: 'cpu' or 'none')")
     if _offload_device(optimizer) == "cpu":
         ratio = float(getattr(optimizer, "ratio", 1.0))
-        _require(ratio == 1.0, f"zero_optimization.offload_optimizer.ratio: {ratio} under ZeRO stage 3 with GIFT: a "
-                 "partial offload keeps part of Adam's state in a second optimizer GIFT does not read (allowed: 1.0)")
+        _require(ratio == 1.0 or not reads_optimizer_state,
+                 f"zero_optimization.offload_optimizer.ratio: {ratio} under ZeRO stage 3 with GIFT's geometry: a "
+                 "partial offload keeps part of Adam's state in a second optimizer GIFT does not read (allowed: 1.0, "
+                 "or any ratio with gift.geometry.kind 'identity')")
         _require(not getattr(optimizer, "super_offload", False),
                  "zero_optimization.offload_optimizer.super_offload: true under ZeRO stage 3 with GIFT: SuperOffload's "
                  "optimizer is not served by GIFT (allowed: false)")

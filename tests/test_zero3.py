@@ -95,6 +95,21 @@ def test_lossless_gift_equals_deepspeed_bit_for_bit_offloaded_under_stage3(zero)
     assert len(lossless["records"]) == 3
 
 
+@pytest.mark.slow
+def test_lossless_gift_equals_deepspeed_bit_for_bit_with_a_partial_offload_under_stage3():
+    # ZeRO-Offload++ (offload_optimizer.ratio 0.5): half the sub-groups stepped on the host by
+    # DeepSpeedCPUAdam (its C++ op builds on first use, ~100 s: slow), the rest by a second
+    # optimizer on the device. A Euclidean block reads neither's state and is served; GIFT's
+    # geometry reads Adam's and is refused (test_stage3_offloads_gift_does_not_read_are_refused_...)
+    # sub-groups of 20000 elements: several, the first half stepped by the accelerator's optimizer
+    zero = {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "sub_group_size": 20000}
+    base = dict(stage=3, steps=3, ga=2, bucket=12000, zero=zero, extra={"optimizer": {"type": "Adam",
+                                                                                   "params": {"lr": 3e-3}}})
+    native, lossless = run_ranks(train_many, 2, [base, dict(base, gift=LOSSLESS)], timeout=900)[0]
+    assert lossless["losses"] == native["losses"] and lossless["digests"] == native["digests"]
+    assert len(lossless["records"]) == 3
+
+
 def test_fp8_kfac_and_adam_geometry_offloaded_under_stage3_resume_exactly(tmp_path):
     # Adam's geometry reads the second moment from the host partition
     base = dict(stage=3, steps=6, bucket=30000, zero=OFFLOAD, gift=FP8_KFAC_EF)
@@ -226,3 +241,5 @@ def test_stage3_offloads_gift_does_not_read_are_refused_naming_the_key(zero, exp
     with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
         _check_stage3_offload(Engine(zero))
     _check_stage3_offload(Engine({"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
+    if "ratio" in str(zero):  # a Euclidean block reads no optimizer state: a partial offload serves it
+        _check_stage3_offload(Engine(zero), reads_optimizer_state=False)
