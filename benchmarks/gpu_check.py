@@ -462,52 +462,51 @@ def step_work(device, preset: str, seq: int, micro: int, warm: int, steps: int, 
     return out
 
 
+def _table(columns: str, rows) -> None:
+    """A markdown table: ``columns`` the header cells split by "|" (a leading "<" left-aligns one,
+    the others align right), ``rows`` lists of cells."""
+    names = [c.strip() for c in columns.split("|")]
+    print("| " + " | ".join(n.lstrip("<") for n in names) + " |")
+    print("|" + "|".join("---" if n.startswith("<") else "---:" for n in names) + "|")
+    for cells in rows:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def _or_dash(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def print_tables(out: dict) -> None:
     print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
     if "parity" in out:
-        print("| format | bytes | same bytes | eager same bytes | same count | same decode | batch decode | "
-              "stochastic = CPU | stochastic eager = CPU | error feedback = CPU |")
-        print("|---|---:|---|---|---|---|---|---|---|---|")
-        for r in out["parity"]:
-            print(f"| {r['format']} | {r['nbytes']} | {r['bytes_equal']} | {r['eager_bytes_equal']} | "
-                  f"{r['count_equal']} | {r['decode_equal']} | {r['batch_decode_equal']} | "
-                  f"{r.get('stochastic_equal', '-')} | {r.get('stochastic_eager_equal', '-')} | "
-                  f"{r['feedback_equal']} |")
+        _table("<format | bytes | <same bytes | <eager same bytes | <same count | <same decode | <batch decode | "
+               "<stochastic = CPU | <stochastic eager = CPU | <error feedback = CPU",
+               [[r["format"], r["nbytes"], r["bytes_equal"], r["eager_bytes_equal"], r["count_equal"],
+                 r["decode_equal"], r["batch_decode_equal"], r.get("stochastic_equal", "-"),
+                 r.get("stochastic_eager_equal", "-"), r["feedback_equal"]] for r in out["parity"]])
         for r in out["parity"]:
             wrong = {k: v for k, v in {**r["batch_decode_differ"], **r["feedback_differ"]}.items() if v}
             if wrong:
                 print(f"  {r['format']}: elements or bytes that differ: {wrong}")
     if "traffic" in out:
-        print("| case | operation | kernels mode | us a tile | device kernels | their device us | "
-              "x floor (time at copy rate) |")
-        print("|---|---|---|---:|---:|---:|---:|")
-        for r in out["traffic"]:
-            if "error" in r:
-                print(f"| {r['case']} | {r['op']} | {r['mode']} | error: {r['error'][:120]} | | | |")
-                continue
-            device_us = "-" if r.get("device_us") is None else f"{r['device_us']:.1f}"
-            print(f"| {r['case']} | {r['op']} | {r['mode']} | {r['us']:.1f} | {r['kernels']} | {device_us} | "
-                  f"{r['x_floor_time']:.2f} |")
+        _table("<case | <operation | <kernels mode | us a tile | device kernels | their device us | "
+               "x floor (time at copy rate)",
+               [[r["case"], r["op"], r["mode"], f"error: {r['error'][:120]}", "", "", ""] if "error" in r else
+                [r["case"], r["op"], r["mode"], f"{r['us']:.1f}", r["kernels"], _or_dash(r.get("device_us"), ".1f"),
+                 f"{r['x_floor_time']:.2f}"] for r in out["traffic"]])
     if "codec" in out:
-        print("| codec | kernels | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | "
-              "peak extra B/elem |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for r in out["codec"]:
-            peak = "-" if r["peak_extra_bytes_per_elem"] is None else f"{r['peak_extra_bytes_per_elem']:.2f}"
-            print(f"| {r['codec']} | {r['kernels']} | {r['numel']} | {r['encode_gbs']:.1f} | {r['decode_gbs']:.1f} | "
-                  f"{r['copy_gbs']:.1f} | {r['encode_vs_copy']:.2f} | {peak} |")
+        _table("<codec | <kernels | elements | encode GB/s | decode GB/s | copy GB/s | encode/copy | peak extra B/elem",
+               [[r["codec"], r["kernels"], r["numel"], f"{r['encode_gbs']:.1f}", f"{r['decode_gbs']:.1f}",
+                 f"{r['copy_gbs']:.1f}", f"{r['encode_vs_copy']:.2f}", _or_dash(r["peak_extra_bytes_per_elem"], ".2f")]
+                for r in out["codec"]])
     if "whitener" in out:
-        print("| whitener | dim | apply + inverse s | round-trip rel err |")
-        print("|---|---:|---:|---:|")
-        for r in out["whitener"]:
-            print(f"| {r['case']} | {r['dim']} | {r['apply_invert_s']:.4f} | {r['round_trip_rel_err']:.2e} |")
+        _table("<whitener | dim | apply + inverse s | round-trip rel err",
+               [[r["case"], r["dim"], f"{r['apply_invert_s']:.4f}", f"{r['round_trip_rel_err']:.2e}"]
+                for r in out["whitener"]])
     if "reducer" in out:
-        print("| reducer W | elements | host conversions per bucket | sync-debug warnings | max rel err |")
-        print("|---:|---:|---:|---:|---:|")
-        for r in out["reducer"]:
-            warned = r["sync_debug_warnings"] if r["sync_debug_warnings"] is not None else "-"
-            print(f"| {r['world']} | {r['numel']} | {r['host_conversions_per_bucket']:.2f} | {warned} | "
-                  f"{r['max_rel_err']:.4f} |")
+        _table("reducer W | elements | host conversions per bucket | sync-debug warnings | max rel err",
+               [[r["world"], r["numel"], f"{r['host_conversions_per_bucket']:.2f}",
+                 _or_dash(r["sync_debug_warnings"], "d"), f"{r['max_rel_err']:.4f}"] for r in out["reducer"]])
     for key in ("engine", "processes", "step_work"):
         if key in out:
             print(f"{key}:", json.dumps({k: v for k, v in out[key].items() if k not in ("world1_fp8_losses", "runs")}))
@@ -515,7 +514,6 @@ def print_tables(out: dict) -> None:
         print(f"{key}: FAILED {err[-600:]}")
 
 
-# most wanted first: a run stopped at its time limit keeps the sections it finished
 def provenance() -> dict:
     """What produced the results: the repository's commit and whether its tree had changes
     (where git is there), the inductor options the compiled codecs ask for, and those this
@@ -534,6 +532,7 @@ def provenance() -> dict:
             "compile_options": dict(fused._COMPILE_OPTIONS), "options_missing": list(fused._MISSING_LOGGED)}
 
 
+# most wanted first: a run stopped at its time limit keeps the sections it finished
 SECTIONS = ("parity", "codec", "step_work", "traffic", "engine", "reducer", "whitener", "processes")
 
 
