@@ -44,11 +44,14 @@ the copy bandwidth, plus ``--launch-us`` per kernel per tile), the compiled kern
 tables, the CPU ratio and the eager count printed beside it; ``--codec-gpu`` takes the times
 measured on a GPU (``benchmarks/gpu_check.py``'s traffic rows) over both. ``T_gift`` is what
 geometry adds, at fp32 matrix speed (GIFT's statistics
-and factors are fp32): the input statistics (2 tokens n^2 flops per distinct layer input
-every ``collect_interval`` steps), whitening of what a rank sends and the inverse of what
-it owns (8 and 4 m n r flops, for selected layers), and every rank's Nystrom
-sketch of each statistic every ``refresh_interval`` steps. Compute is 6 flops per weight
-and token plus attention (12 L d seq per token).
+and factors are fp32): the input statistics every ``collect_interval`` steps, per distinct
+layer input of width n, as the plugin keeps them: a sketch ``x^T (x Omega)`` of w = rank + 8
+columns and the diagonal (4 tokens n w + 2 tokens n flops), or the whole ``x^T x`` (2 tokens
+n^2) for a layer no wider than its sketch; whitening of what a rank sends and the inverse of
+what it owns (8 and 4 m n r flops, for selected layers); and every ``refresh_interval`` steps
+the Nystrom fits (8 n w^2 each, spread over the ranks) and every rank's next test matrices (a
+float64 QR of n x w each, 4 n w^2 flops on the host at ``--host-gflops``). Compute is 6 flops
+per weight and token plus attention (12 L d seq per token).
 
 Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
 against the bytes the hosts really sent (into the busiest host, where the run counted it;
@@ -78,6 +81,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import layout_model  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
+from deepspeed_gift.refresh import SKETCH_OVERSAMPLE  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "alltoall", "two_level")
@@ -437,6 +441,33 @@ CONFIGS = [
 NATIVE = ("bf16", False, False, False, None)  # what a native path's entry holds after its path
 
 
+def sketch_width(d: int, rank: int) -> int:
+    """Columns of a statistic's sketch (``KfacRefresh.sketch_width``), or 0 where the plugin keeps
+    the whole ``x^T x`` (a layer no wider than its sketch and diagonal: ``_dense_exchange``)."""
+    w = min(d, rank + SKETCH_OVERSAMPLE)
+    return 0 if d * d <= d * (w + 1) else w
+
+
+def statistic_flops(tokens: int, d: int, rank: int) -> float:
+    """One collection of one input statistic, as ``statistics.moment_of`` computes it: the
+    sketch ``x^T (x Omega)`` and the diagonal of a wide one, or the whole ``x^T x``."""
+    w = sketch_width(d, rank)
+    return 4 * tokens * d * w + 2 * tokens * d if w else 2 * tokens * d * d
+
+
+def fit_flops(d: int, rank: int) -> float:
+    """The fitter's Nystrom fit of one sketched statistic (a few d x w products and
+    factorizations; ``geometry.fit_low_rank_diag`` on a whole one: d^2 r)."""
+    w = sketch_width(d, rank)
+    return 8 * d * w * w if w else 2 * d * d * rank
+
+
+def test_matrix_flops(d: int, rank: int) -> float:
+    """A statistic's next test matrix, on every rank: a QR of d x w in float64 on the host."""
+    w = sketch_width(d, rank)
+    return 4 * d * w * w if w else 0.0
+
+
 def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled: bool, param_fmt, args,
                shapes: dict, ratios: Dict[str, dict], nic_gbit: float) -> dict:
     """Step time of one config at cluster scale (seconds), by term."""
@@ -470,15 +501,17 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
         if geometry:
             forwards = max(1, tokens // (args.micro_batch * args.seq))
             counted = min(tokens, args.stats_tokens * forwards) if subsampled else tokens
-            stats = sum(2 * counted * d * d for d in shapes["inputs"]) / args.collect_interval
-            # refresh: every rank sketches each statistic, A @ Omega with r + 8 columns (Nystrom);
-            # the fitters' small factorizations are left out
-            refit = sum(2 * d * d * (args.rank + 8) for d in shapes["inputs"]) / args.refresh_interval
+            stats = sum(statistic_flops(counted, d, args.rank) for d in shapes["inputs"]) / args.collect_interval
+            # refresh: the fitters' Nystrom fits of the sketches (spread over the ranks) and every
+            # rank's next test matrix of each statistic, a QR made on the host in float64
+            fits = sum(fit_flops(d, args.rank) for d in shapes["inputs"]) / w
+            host = sum(test_matrix_flops(d, args.rank) for d in shapes["inputs"]) / (args.host_gflops * 1e9)
+            refit = fits / args.refresh_interval
             # structured whitener: apply is 4 (rows x n x r) GEMMs on what a rank sends, the
             # inverse 2 on what it owns
             whiten = sum(m * k * args.rank for m, k in shapes["linears"]) * (8 * sent / n + 4 / w) \
                 if all_layers else 0.0
-            gift = (stats + refit + whiten) / fp32
+            gift = (stats + refit + whiten) / fp32 + host / args.refresh_interval
     if param_fmt is None:
         t_param = collective_seconds("allgather", 2 * n, net)
     else:  # the owner encodes N/W; every rank decodes all N and adds them to its replicas
@@ -614,6 +647,8 @@ def main(argv=None) -> dict:
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (forwards per step: "
                                                               "tokens per GPU / (micro batch x seq))")
     g.add_argument("--refresh-interval", type=int, default=50, help="GIFT geometry.refresh_interval")
+    g.add_argument("--host-gflops", type=float, default=20.0,
+                   help="float64 QR rate of a host core (each refresh's test matrices)")
     p.add_argument("--json", help="write calibration and predictions here")
     args = p.parse_args(argv)
     if args.world % min(args.gpus_per_node, args.world):

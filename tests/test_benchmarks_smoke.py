@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,6 +94,34 @@ def test_calibration_recovers_a_known_link():
     slow_nvfp4["median_step_s"] *= 1.5
     row = next(r for r in fit()["rows"] if r["config"] == "euclid_nvfp4_zero2" and r["bandwidth_bps"] == 1e8)
     assert abs(row["error_pct"] - 100 * (1 / 1.5 - 1)) < 1e-6
+
+
+@pytest.mark.parametrize("width", [24, 40, 41, 200])
+def test_scale_model_counts_the_statistics_the_plugin_computes(width):
+    """The model's flops of one statistic's collection are those torch counts in the plugin's own
+    ``moment_of``, with the test matrix ``KfacRefresh`` makes (sketched past rank + 9 columns,
+    whole below); the diagonal's 2 T n is elementwise, which torch's counter leaves out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from deepspeed_gift.config import GeometryConfig
+    from deepspeed_gift.refresh import KfacRefresh
+    from deepspeed_gift.statistics import moment_of
+
+    class OneRank:
+        rank, world_size = 0, 1
+
+        def all_reduce_sum(self, t, kind=None):
+            return t
+
+    rank, tokens = 32, 300
+    refresh = KfacRefresh(GeometryConfig(rank=rank), 0, OneRank(), ["x"], {})
+    rows = torch.randn(tokens, width)
+    omega = refresh.test_matrix("x", rows)
+    assert (omega is None) == (scale_model.sketch_width(width, rank) == 0)
+    with FlopCounterMode(display=False) as counter:
+        moment_of(rows, omega)
+    diagonal = 2 * tokens * width if omega is not None else 0
+    assert counter.get_total_flops() + diagonal == scale_model.statistic_flops(tokens, width, rank)
 
 
 def test_scale_model_prints_the_paper_setting(tmp_path):
