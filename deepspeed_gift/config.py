@@ -90,8 +90,9 @@ class GeometryConfig(_GiftModel):
     """Steps between re-fits of the factors."""
 
     collect_interval: int = Field(10, ge=1)
-    """Input statistics are collected on every ``collect_interval``-th step (and on the
-    step before each refresh); collecting costs O(tokens * in * (rank + 8)) per layer."""
+    """Input statistics are collected on every ``collect_interval``-th step (and on each
+    refresh step; while ``selection.idle_backoff`` spaces the judgements, only shortly before
+    them); collecting costs O(tokens * in * (rank + 8)) per layer."""
 
     stats_tokens: Optional[int] = Field(None, ge=1)
     """At most this many tokens per layer and forward enter the input statistics (evenly strided
@@ -129,6 +130,16 @@ class SelectionConfig(_GiftModel):
     Nesterov momentum blend; Adam/AdamW: ``m_hat / (sqrt(v_hat) + eps)``, with the real
     optimizer state; plain L2 for other optimizers); ``l2``: the gradient's plain relative
     error; ``whitened``: its error in the whitener's norm ``||E S|| / ||G S||``."""
+
+    idle_backoff: int = Field(8, ge=1)
+    """While the judgements select no layer, judge less often: after a refresh that selects
+    none, the next judgement comes twice as many steps later as the last did, at most
+    ``idle_backoff`` x ``geometry.refresh_interval`` steps later; one that selects a layer
+    brings back every ``refresh_interval`` steps. Between two judgements ``refresh_interval``
+    or more apart the factors are refitted ``refresh_interval`` steps before the judgement (so
+    it judges transforms as old as it would use them) and the input statistics are collected
+    only in the ``2 x refresh_interval`` steps before it: a run in which no layer gains pays
+    1/4 to 1/8 of the judgement, refits and statistics. ``1``: judge every refresh."""
 
 
 class TelemetryConfig(_GiftModel):

@@ -20,6 +20,12 @@ Lifecycle, with ``k = global_step - start_step``:
   ``second_moment_sums``), one all-reduce of ``out + in + 1`` numbers per weight gives every
   rank the same sums, and each builds the same :class:`geometry.FactoredScaling`.
 
+A refresh also judges every layer (``layers: "measured"``, or telemetry's profile). While
+measured selection chooses no layer, ``selection.idle_backoff`` spaces the judged refreshes out
+(twice the gap after each idle one, up to ``idle_backoff`` x ``refresh_interval``): the factors
+are then refitted alone ``refresh_interval`` steps before each judgement, and the statistics
+collected only in the ``2 x refresh_interval`` steps before it.
+
 ``geometry.kind`` may list several kinds (with ``layers: "measured"``): every refresh judges each
 layer in each of them and the layer takes the one that lowers the error most in
 ``selection.metric`` (or stays Euclidean).
@@ -131,6 +137,12 @@ class GeometryManager:
         self.names: List[str] = sorted(self.modules)
         self.version = 0
         self.step = -1  # k of the step being run (set by begin_step)
+        # When refreshes judge: every refresh_interval steps (next_judge None: at the multiples
+        # of it) until a judgement selects no layer; then selection.idle_backoff spaces them
+        # (``_schedule_after``), with a refit alone refresh_interval steps before each
+        self.gap = self.gcfg.refresh_interval
+        self.next_judge: Optional[int] = None
+        self.next_refit: Optional[int] = None
         self.transforms: Dict[str, Dict[str, object]] = {kind: {} for kind in self.kinds}  # kind -> layer -> map
         self.active: Dict[str, str] = {}  # layer in the geometry branch -> the kind it uses
         # The optimizer's side: which rank captures a layer's gradient for the profile (one that
@@ -188,11 +200,37 @@ class GeometryManager:
 
     def collecting(self) -> bool:
         k = self.step
-        return (K.KFAC_INPUT in self.kinds and k >= 0
-                and (k % self.gcfg.collect_interval == 0 or k % self.gcfg.refresh_interval == 0))
+        window = self.next_judge is None or k >= self.next_judge - 2 * self.gcfg.refresh_interval
+        return (K.KFAC_INPUT in self.kinds and k >= 0 and window
+                and (k % self.gcfg.collect_interval == 0 or self.refresh_due(k)))
+
+    def judging(self, k: int) -> bool:
+        """Step ``k`` refreshes and judges the layers (``selection.idle_backoff``)."""
+        if not self.kinds or k < 0:
+            return False
+        if self.next_judge is None:
+            return k % self.gcfg.refresh_interval == 0
+        return k >= self.next_judge
 
     def refresh_due(self, k: int) -> bool:
-        return k >= 0 and k % self.gcfg.refresh_interval == 0 and bool(self.kinds)
+        """Step ``k`` refits the factors: a judged refresh, or the refit alone before one."""
+        return self.judging(k) or (bool(self.kinds) and self.next_refit is not None and k >= self.next_refit)
+
+    def _schedule_after(self, k: int, judged: bool) -> None:
+        """After the refresh of step ``k``: the next judgement ``refresh_interval`` steps on, or,
+        when measured selection judged layers and chose none, twice the last gap on (at most
+        ``idle_backoff`` x ``refresh_interval``), its transforms refitted ``refresh_interval``
+        steps before it (the first refresh, with no transform yet to judge, is no judgement).
+        Every rank of the group holds the same selection, so the same steps."""
+        interval = self.gcfg.refresh_interval
+        idle = self.cfg.layers == Layers.MEASURED and judged and not self.active
+        self.gap = min(2 * self.gap, self.cfg.selection.idle_backoff * interval) if idle else interval
+        self.gap = max(self.gap, interval)
+        self.next_judge = k + self.gap
+        self.next_refit = self.next_judge - interval if self.gap > interval else None
+        if idle and self.gap > interval and self.comm.rank == 0:
+            logger.info("gift: no layer selected at step %d; the next judgement at step %d (refit at %d, "
+                        "statistics from %d)", k, self.next_judge, self.next_refit, self.next_judge - 2 * interval)
 
     # ---- profile capture (called from the reduction on refresh steps) ----------------
     def profiling(self) -> bool:
@@ -202,7 +240,7 @@ class GeometryManager:
         return bool(self.kinds) and (self.cfg.layers == Layers.MEASURED or (telemetry.fidelity and telemetry.every > 0))
 
     def wants_capture(self, name: str) -> bool:
-        return (self.profiling() and self.refresh_due(self.step)
+        return (self.profiling() and self.judging(self.step)
                 and self.capture_rank.get(name, self.owner_of.get(name)) == self.comm.rank)
 
     def capture(self, name: str, grad2d: torch.Tensor) -> None:
@@ -232,17 +270,23 @@ class GeometryManager:
             self.kfac.fold(self.moments.take())
         if not self.refresh_due(k):
             return
+        judging = self.judging(k)
         if K.KFAC_INPUT in self.kinds:
             self._rebuild_whiteners(self.kfac.refit(self.version), self.version + 1)
         if K.ADAM_FACTORED in self.kinds:
             refit_adam_scalings(self.names, self.modules, self.optimizer, self.comm,
                                 self.transforms[K.ADAM_FACTORED], version=self.version + 1)
-        if self.profiling():
+        judged = {}
+        if judging and self.profiling():
             judged = self.selection.judge()
             if self.cfg.layers == Layers.MEASURED:
                 self.active = self.selection.select(judged, self.version + 1)
             if judged:
                 self.profile = summarize_profile(judged, self.active, self.cfg.selection.metric)
+        if judging:
+            self._schedule_after(k, bool(judged))
+        else:
+            self.next_refit = None
         self.version += 1
 
     def _rebuild_whiteners(self, keys, version: int) -> None:
@@ -270,6 +314,7 @@ class GeometryManager:
             "stats_key": dict(self.moments.key_of),
             **self.kfac.state_dict(),
             "scalings": {k: (s.row.cpu(), s.col.cpu()) for k, s in sorted(scalings.items())},
+            "schedule": {"gap": self.gap, "next_judge": self.next_judge, "next_refit": self.next_refit},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -286,6 +331,10 @@ class GeometryManager:
                              f"{self.gcfg.kind!r} now")
         self.version = int(state["version"])
         self.active = dict(active)
+        # checkpoints before selection.idle_backoff judged at the multiples of refresh_interval
+        schedule = state.get("schedule", {})
+        self.gap = int(schedule.get("gap", self.gcfg.refresh_interval))
+        self.next_judge, self.next_refit = schedule.get("next_judge"), schedule.get("next_refit")
         self.gains.clear()
         self.gains.update(state["gains"])
         self.moments.restore_keys(state["stats_key"])

@@ -134,7 +134,8 @@ def _split_experts(modules: Dict[str, torch.nn.Module]) -> tuple:
 
 class _AllGeometry:
     """The dense and the expert groups' geometries as one, for telemetry's record of a step: the
-    refresh count (they refresh on the same steps), the kinds, and every layer's transform."""
+    refresh count (the dense geometry's: an expert group whose layers stay Euclidean may space its
+    judgements out, selection.idle_backoff), the kinds, and every layer's transform."""
 
     def __init__(self, managers) -> None:
         self.version = managers[0].version
