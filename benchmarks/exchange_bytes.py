@@ -157,7 +157,9 @@ def configs(stage: int) -> list:
     return [*natives, *rounds,
             ("GIFT fp8 direct", dict(FP8, route="direct", **buckets), {}),
             ("GIFT fp8 relay", dict(FP8, route="relay", **buckets), {}),
-            ("GIFT fp8 by_layout", dict(FP8, route="by_layout", **buckets), {})]
+            ("GIFT fp8 by_layout", dict(FP8, route="by_layout", **buckets), {}),
+            # stage 3's other shipped block (ds_configs/gift_nvfp4_zero3.json): 0.56 B an element
+            *([("GIFT nvfp4 by_layout", dict(FP8, format="nvfp4", route="by_layout"), {})] if stage == 3 else [])]
 
 
 def _rank_body(rank, world, specs):

@@ -50,8 +50,9 @@ columns and the diagonal (4 tokens n w + 2 tokens n flops), or the whole ``x^T x
 n^2) for a layer no wider than its sketch; whitening of what a rank sends and the inverse of
 what it owns (8 and 4 m n r flops, for selected layers); and every ``refresh_interval`` steps
 the Nystrom fits (8 n w^2 each, spread over the ranks) and every rank's next test matrices (a
-float64 QR of n x w each, 4 n w^2 flops on the host at ``--host-gflops``). Compute is 6 flops
-per weight and token plus attention (12 L d seq per token).
+float64 QR of n x w each, 4 n w^2 flops on the host at ``--host-gflops``); where no layer is
+selected, statistics and refits 2 / ``--idle-backoff`` as often (``selection.idle_backoff``'s
+steady state). Compute is 6 flops per weight and token plus attention (12 L d seq per token).
 
 Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
 against the bytes the hosts really sent (into the busiest host, where the run counted it;
@@ -81,6 +82,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import layout_model  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
+from deepspeed_gift.config import SelectionConfig  # noqa: E402
 from deepspeed_gift.refresh import SKETCH_OVERSAMPLE  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
@@ -511,7 +513,10 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             # inverse 2 on what it owns
             whiten = sum(m * k * args.rank for m, k in shapes["linears"]) * (8 * sent / n + 4 / w) \
                 if all_layers else 0.0
-            gift = (stats + refit + whiten) / fp32 + host / args.refresh_interval
+            # no layer selected: a long run's judgements spaced idle_backoff x refresh_interval apart,
+            # with two refits and two intervals of statistics in each (selection.idle_backoff)
+            idle = 1.0 if all_layers else min(1.0, 2.0 / args.idle_backoff)
+            gift = (idle * (stats + refit) + whiten) / fp32 + idle * host / args.refresh_interval
     if param_fmt is None:
         t_param = collective_seconds("allgather", 2 * n, net)
     else:  # the owner encodes N/W; every rank decodes all N and adds them to its replicas
@@ -647,6 +652,8 @@ def main(argv=None) -> dict:
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (forwards per step: "
                                                               "tokens per GPU / (micro batch x seq))")
     g.add_argument("--refresh-interval", type=int, default=50, help="GIFT geometry.refresh_interval")
+    g.add_argument("--idle-backoff", type=int, default=SelectionConfig.model_fields["idle_backoff"].default,
+                   help="GIFT selection.idle_backoff (the rows where no layer is selected, a long run's steady state)")
     g.add_argument("--host-gflops", type=float, default=20.0,
                    help="float64 QR rate of a host core (each refresh's test matrices)")
     p.add_argument("--json", help="write calibration and predictions here")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import time
 from typing import Protocol, Dict, List, Optional
 
 import torch
@@ -143,6 +144,7 @@ class GeometryManager:
         self.gap = self.gcfg.refresh_interval
         self.next_judge: Optional[int] = None
         self.next_refit: Optional[int] = None
+        self.seconds = 0.0  # host time in captures, refits and judgements since take_seconds
         self.transforms: Dict[str, Dict[str, object]] = {kind: {} for kind in self.kinds}  # kind -> layer -> map
         self.active: Dict[str, str] = {}  # layer in the geometry branch -> the kind it uses
         # The optimizer's side: which rank captures a layer's gradient for the profile (one that
@@ -247,6 +249,11 @@ class GeometryManager:
         """Judge this step's local gradient of ``name`` now, with the optimizer's rule and its
         state now (the step about to run overwrites it) and the transforms in use (the refit at
         the end of the step replaces them): nothing of the gradient is kept."""
+        t0 = time.perf_counter()
+        self._capture(name, grad2d)
+        self.seconds += time.perf_counter() - t0
+
+    def _capture(self, name: str, grad2d: torch.Tensor) -> None:
         rows = grad2d.shape[0]
         # The optimizer's update (Muon's orthogonalization, Adam's state over a ZeRO slice) is
         # defined on the whole matrix; plain and whitened errors are row-wise, a sample will do
@@ -266,6 +273,14 @@ class GeometryManager:
     def end_step(self, k: int) -> None:
         """End of step k: fold its statistics; on a refresh step refit, share, judge and select,
         and the version goes up (a transform built now carries the new version)."""
+        if not self.moments.sums and not self.refresh_due(k):
+            self.moments.take()  # nothing collected, nothing due: nothing to fold or fit (nor to time)
+            return
+        t0 = time.perf_counter()
+        self._end_step(k)
+        self.seconds += time.perf_counter() - t0
+
+    def _end_step(self, k: int) -> None:
         if K.KFAC_INPUT in self.kinds:
             self.kfac.fold(self.moments.take())
         if not self.refresh_due(k):
@@ -360,6 +375,12 @@ class GeometryManager:
         """The summary of the latest profile, once (telemetry's record of the step takes it)."""
         profile, self.profile = self.profile, None
         return profile
+
+    def take_seconds(self) -> float:
+        """Host seconds in this geometry's own work since the last call: the statistics hooks'
+        sums, the profile's captures, the refits and the judgements."""
+        seconds, self.seconds, self.moments.seconds = self.seconds + self.moments.seconds, 0.0, 0.0
+        return seconds
 
     def take_geometry_bytes(self) -> int:
         """Bytes this rank sent for statistics and factors since the last call."""

@@ -9,6 +9,7 @@ wide statistic is kept as a sketch: ``x^T (x Omega)`` (in x w) and the exact dia
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Union
 
@@ -64,6 +65,7 @@ class InputMoments:
         self._last = None  # (tensor, key) of the most recent hooked input
         self._pending: Dict[str, int] = {}  # training forwards under no_grad not yet recomputed, per module
         self._handles: list = []
+        self.seconds = 0.0  # host time in the hooks' sums since the last take_seconds
 
     def attach(self) -> None:
         if not self._handles:
@@ -104,6 +106,7 @@ class InputMoments:
                 self.key_of.setdefault(name, self._last[1])
             key = self.key_of.setdefault(name, name)
             if key == name:
+                t0 = time.perf_counter()
                 # fp32 whatever the run computes in: autocast would make these products bf16 (and
                 # accumulate them there), a TF32 setting would round them to 10 mantissa bits
                 with torch.no_grad(), torch.autocast(x.device.type, enabled=False), full_fp32_matmuls():
@@ -113,6 +116,7 @@ class InputMoments:
                 prev = self.sums.get(key)
                 self.sums[key] = moment if prev is None else prev.add_(moment)
                 self.counts[key] = self.counts.get(key, 0) + flat.shape[0]
+                self.seconds += time.perf_counter() - t0
             self._last = (x, key)
             return None
 

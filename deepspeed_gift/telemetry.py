@@ -30,6 +30,7 @@ TELEMETRY_KEYS: Dict[str, str] = {
     "bytes_internode": "payload + headers this rank sent to ranks of other nodes",
     "geometry_version": "refreshes so far",
     "geometry_layers": "layers whose transform is in use",
+    "geometry_s": "seconds in the geometry's own work this step: input statistics, refits, judgement (CPU runs: on an accelerator the hooks return before their kernels run)",
     "transform_s": "seconds in transforms and their inverse (timed steps)",
     "codec_s": "seconds encoding, decoding and summing (timed steps)",
     "comm_s": "seconds in the exchange's collectives (timed steps)",
@@ -69,7 +70,8 @@ TELEMETRY_KEYS: Dict[str, str] = {
 
 def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geometry,
                 run_totals: Dict[str, float], replica_itemsize: Optional[int], error_feedback_bytes: Optional[int],
-                profile: Optional[dict], expert_profiles: Optional[Dict[str, dict]] = None) -> dict:
+                profile: Optional[dict], expert_profiles: Optional[Dict[str, dict]] = None,
+                geometry_s: Optional[float] = None) -> dict:
     """The record of step ``k`` from its summed counters; ``run_totals`` (bytes and elements since
     the start) is updated here."""
     sent, elements, geometry_bytes = t.bytes_sent, t.elements_sent, t.bytes_geometry
@@ -96,6 +98,8 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
     }
     if t.timed:  # seconds only where they time the work (see StepStats.timed)
         record.update(transform_s=t.transform_s, codec_s=t.codec_s, comm_s=t.comm_s)
+    if geometry_s is not None:
+        record["geometry_s"] = geometry_s
     if hierarchy == Hierarchy.TWO_LEVEL:
         record["bytes_node"] = t.bytes_node
         record["balanced_buckets"] = t.balanced_buckets

@@ -703,6 +703,7 @@ class GiftState:
         self.global_rank, self.dp_ranks, self.whole_job = _job_coordinates(opt.dp_process_group)
         _fingerprint_check(self.comm, cfg, self.whole_job)
         device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
+        self.device = device
         self.main_codec = _main_codec(cfg)
         self.high_codec = (formats.get_format(cfg.others, kernels=cfg.kernels) if cfg.others in ("bf16", "fp32")
                            else None)
@@ -1270,6 +1271,8 @@ class GiftState:
         if t is None:
             return
         t.bytes_geometry += sum(g.take_geometry_bytes() for g in self.geometries)
+        # host seconds time the geometry's work only where its tensors are the host's
+        geometry_s = sum(g.take_seconds() for g in self.geometries)
         profiles = {group: g.take_profile() for group, g in self.expert_geometry.items()}
         record = step_record(k, t, start_step=self.cfg.start_step, hierarchy=self.hierarchy,
                              geometry=_AllGeometry(self.geometries) if self.expert_geometry else self.geometry,
@@ -1277,7 +1280,8 @@ class GiftState:
                              replica_itemsize=self.replica_dtype.itemsize if self.replica_dtype is not None else None,
                              error_feedback_bytes=self.residual_nbytes() if self.cfg.error_feedback else None,
                              profile=self.geometry.take_profile(),
-                             expert_profiles={group: p for group, p in profiles.items() if p is not None})
+                             expert_profiles={group: p for group, p in profiles.items() if p is not None},
+                             geometry_s=geometry_s if self.device.type == "cpu" else None)
         self.telemetry.write(record, self.engine)
 
     @property

@@ -27,7 +27,8 @@ def _schedule_body(rank, world, spec):
         engine.step()
         versions.append(g.version)
     judged = [r["step"] for r in engine.gift.records if "profile_update" in r]
-    return collected, versions, judged, sorted(g.active)
+    seconds = [r["geometry_s"] for r in engine.gift.records]
+    return collected, versions, judged, sorted(g.active), seconds
 
 
 def _refits(versions):
@@ -39,12 +40,17 @@ def test_judgements_back_off_while_nothing_is_selected():
     # RI = 2, cap 4 x 2 = 8. Step 0 has no transform to judge yet; judged at 2 (none: gap -> 4),
     # 6 (-> 8), 14 (-> 8); a refit alone one interval before each spaced judgement (4, 12, 20);
     # statistics in the 4 steps before each
-    (collected, versions, judged, active), other = run_ranks(_schedule_body, 2, dict(stage=2, steps=STEPS, gift=IDLE))
+    (collected, versions, judged, active, seconds), other = run_ranks(_schedule_body, 2,
+                                                                     dict(stage=2, steps=STEPS, gift=IDLE))
     assert active == [] and other[3] == []
     assert judged == [2, 6, 14]
     assert _refits(versions) == [0, 2, 4, 6, 12, 14, 20]
     assert [k for k, on in enumerate(collected) if on] == list(range(0, 7)) + list(range(10, 15)) + [18, 19, 20, 21]
     assert other[:3] == (collected, versions, judged)[:3]  # both ranks on the same steps
+    # telemetry's geometry_s: time on every step with statistics, a refit or a judgement, none between
+    busy = set(k for k, on in enumerate(collected) if on) | set(_refits(versions))
+    assert [k for k, s in enumerate(seconds) if s > 0] == sorted(busy)
+    assert all(s == 0.0 for k, s in enumerate(seconds) if k not in busy)
 
 
 def test_a_layer_selected_keeps_every_refresh_and_backoff_1_is_the_old_schedule():
@@ -53,11 +59,11 @@ def test_a_layer_selected_keeps_every_refresh_and_backoff_1_is_the_old_schedule(
                  selection={"min_gain": 0.0, "idle_backoff": 4})
     plain = dict(IDLE, selection={"min_gain": 0.99, "idle_backoff": 1})
     results = run_ranks(_schedule_body, 2, dict(stage=2, steps=9, gift=picky))
-    collected, versions, judged, active = results[0]
+    collected, versions, judged, active, _ = results[0]
     assert active
     every = list(range(0, 9, 2))
     assert judged == every[1:] and _refits(versions) == every and all(collected)
-    collected, versions, judged, active = run_ranks(_schedule_body, 2, dict(stage=2, steps=9, gift=plain))[0]
+    collected, versions, judged, active, _ = run_ranks(_schedule_body, 2, dict(stage=2, steps=9, gift=plain))[0]
     assert active == [] and judged == every[1:] and _refits(versions) == every
     assert all(collected)
 
