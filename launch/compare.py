@@ -442,6 +442,8 @@ def _pair_line(g: dict, e: dict) -> str:
         geo += (f" (auto profile, 1 - err_geometry/err_euclidean per layer: best {max(gains.values()):+.2f}, "
                 f"median {statistics.median(gains.values()):+.2f})")
     parts += [geo, f"step time {_f(g.get('median_step_s'), '.3f')} vs {_f(e.get('median_step_s'), '.3f')} s"]
+    if g.get("geometry_share") is not None:
+        parts.append(f"GIFT's geometry work {100 * g['geometry_share']:.1f}% of its step time")
     line = f"- {wire_name(g['gift'])} vs {wire_name(e['gift'])}: " + ", ".join(parts)
     if g["status"] != "ok" or e["status"] != "ok":
         line += f" [{g['status']} / {e['status']}]"

@@ -273,7 +273,7 @@ def gift_step_telemetry(engine, step_index: int) -> dict:
                 "wire": "native"}
     out = {k: rec[k] for k in ("bytes_per_elem", "bytes_per_elem_run", "fidelity_rel_err", "geometry_layers",
                                "geometry_version", "underflow_rate", "saturated", "comm_s", "codec_s",
-                               "transform_s", "hierarchy", "bytes_node", "node_s", "bytes_internode",
+                               "transform_s", "geometry_s", "hierarchy", "bytes_node", "node_s", "bytes_internode",
                                "params_bytes_per_elem", "bytes_per_elem_total", "params_gap_rel", "params_s",
                                "params_bytes_internode", "params_exact", *PROFILE_KEYS)
            if rec.get(k) is not None}
@@ -365,6 +365,8 @@ def summarize(train_records: list, eval_records: list, tail: int = 10, skip: int
     last = train_records[-tail:]
     times = [r["step_time_s"] for r in train_records[skip:]] or [r["step_time_s"] for r in train_records]
     cpu = [r["cpu_time_s"] for r in train_records[skip:] if "cpu_time_s" in r]
+    # GIFT's geometry work (statistics, refits, judgement) as a share of the steps' wall time
+    geometry = [(r["geometry_s"], r["step_time_s"]) for r in train_records[skip:] if "geometry_s" in r]
     fid = [r["fidelity_rel_err"] for r in train_records if "fidelity_rel_err" in r]
     out = {
         "steps": train_records[-1]["step"] if train_records else 0,
@@ -385,6 +387,8 @@ def summarize(train_records: list, eval_records: list, tail: int = 10, skip: int
         out["bytes_per_elem_total"] = statistics.fmean(totals) if totals else None
         gaps = [r["params_gap_rel"] for r in train_records if "params_gap_rel" in r]
         out["params_gap_rel_max"] = max(gaps) if gaps else None
+    if geometry:
+        out["geometry_share"] = sum(g for g, _ in geometry) / sum(t for _, t in geometry)
     out.update(summarize_profile(train_records))
     if eval_records:
         out["final_val_loss"] = eval_records[-1]["val_loss"]
