@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -332,7 +332,52 @@ def _trained_by(opt, param) -> bool:
     return True
 
 
-class Stage3OptimizerState:
+class _HeldState(NamedTuple):
+    """What a rank holds of one layer's optimizer state: the rule of ``metrics.UPDATE_RULES``
+    that serves its param group, the weight and its group, the first element covered in the
+    flattened weight, how many, their offset in the fp32 partition, the partition's state, and
+    the weight's full shape."""
+    rule: object
+    weight: torch.nn.Parameter
+    group: dict
+    start: int
+    numel: int
+    dest: int
+    state: dict
+    shape: tuple
+
+
+class _OptimizerStateView:
+    """The optimizer's metric read from what a rank holds (``_held``, per ZeRO stage): one
+    reading serves ZeRO-1/2's partitions and stage 3's slices alike."""
+
+    def _held(self, name: str) -> Optional[_HeldState]:
+        raise NotImplementedError
+
+    def update_rule(self, name: str):
+        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
+        this rank (called during the reduction: the state before the step being run, which the
+        step then overwrites): Muon's momentum of the whole matrix, which every owner of a slice
+        holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT does not
+        model (its errors are then judged in plain L2)."""
+        held = self._held(name)
+        if held is None:
+            return None
+        return held.rule.from_state(_narrow_state(held.state, held.rule.state_keys, held.dest, held.numel),
+                                    held.group, shape=held.shape, start=held.start, numel=held.numel,
+                                    device=held.weight.device)
+
+    def second_moment_sums(self, name: str):
+        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
+        and how many elements it covers (``adam_factored``); None without such state here."""
+        held = self._held(name)
+        if held is None or held.rule is not metrics.AdamRule or "exp_avg_sq" not in held.state:
+            return None
+        rows, cols = row_col_sums(held.state["exp_avg_sq"].narrow(0, held.dest, held.numel), held.start, held.shape)
+        return rows, cols, held.numel
+
+
+class Stage3OptimizerState(_OptimizerStateView):
     """GIFT's view of the optimizer under ZeRO stage 3. Every rank holds 1/W of every layer:
     rank r the flat elements [r c, min((r + 1) c, numel)) of each weight (c its
     ``partition_numel``), at DeepSpeed's ``grad_position`` offset in its sub-group's fp32
@@ -348,10 +393,10 @@ class Stage3OptimizerState:
         self.rank = rank
         self.capture_rank = {name: i % world for i, name in enumerate(sorted(modules))}
 
-    def _held(self, name: str):
-        """``(rule, weight, group, start, numel, dest, state)`` of this rank's slice of layer
-        ``name`` (as ``ZeroOptimizerState._held``); None when no rule serves it, Muon's (a whole
-        matrix) does, or this rank's slice is empty (a parameter shorter than W chunks)."""
+    def _held(self, name: str) -> Optional[_HeldState]:
+        """This rank's slice of layer ``name`` (as ``ZeroOptimizerState._held``); None when no
+        rule serves it, Muon's (a whole matrix) does, or this rank's slice is empty (a parameter
+        shorter than W chunks)."""
         module = self.modules.get(name)
         if module is None:
             return None
@@ -367,26 +412,7 @@ class Stage3OptimizerState:
         if numel <= 0 or rule is None or rule.whole_matrix:
             return None
         state = z3.optimizer.state.get(z3.fp32_partitioned_groups_flat[sub_group], {})
-        return rule, weight, group, start, numel, dest, state
-
-    def update_rule(self, name: str):
-        """Adam's moments of this rank's slice of layer ``name`` (``ZeroOptimizerState.update_rule``)."""
-        held = self._held(name)
-        if held is None:
-            return None
-        rule, weight, group, start, numel, dest, state = held
-        return rule.from_state(_narrow_state(state, rule.state_keys, dest, numel), group,
-                               shape=tuple(weight.ds_shape), start=start, numel=numel, device=weight.device)
-
-    def second_moment_sums(self, name: str):
-        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
-        and how many elements it covers; None without such state here."""
-        held = self._held(name)
-        if held is None or held[0] is not metrics.AdamRule or "exp_avg_sq" not in held[-1]:
-            return None
-        _, weight, _, start, numel, dest, state = held
-        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, tuple(weight.ds_shape))
-        return rows, cols, numel
+        return _HeldState(rule, weight, group, start, numel, dest, state, tuple(weight.ds_shape))
 
     @staticmethod
     def copy_ranks(param, runs) -> tuple:
@@ -848,7 +874,8 @@ class GiftState:
 
     def on_optimizer_step(self, k: int) -> None:
         if self.copy_params and k >= 0 and k % self.cfg.geometry.refresh_interval == 0:
-            check_copies(self.copy_params, self._header_reducer().param_names)  # on refresh steps
+            # every refresh_interval steps, whatever idle_backoff does to the refreshes
+            check_copies(self.copy_params, self._header_reducer().param_names)
         for geometry in self.geometries:  # the dense one first, then each expert group's (collectives in one order)
             geometry.end_step(k)
         self._flush_telemetry(k)
@@ -1096,9 +1123,12 @@ class GiftState:
         bucket goes in pieces of whole parameters of at most ``STAGE3_PIECE_TILES`` tiles, each an
         exchange of its own: what is encoded and received at once stays bounded whatever
         ``reduce_bucket_size`` is (DeepSpeed's default bucket is 5e8 elements)."""
-        k = self.k
-        if k < 0:
+        if self.k < 0:
             return native(params, communication_data_type)
+        return self._avg_scatter(self.k, params, communication_data_type)
+
+    def _avg_scatter(self, k: int, params, communication_data_type: torch.dtype) -> List[torch.Tensor]:
+        """:meth:`avg_scatter_stage3` once GIFT reduces (both of stage 3's paths)."""
         import torch.distributed as dist
 
         z3 = self.opt.z3
@@ -1134,7 +1164,7 @@ class GiftState:
             return native(buffer, communication_data_type)
         z3 = self.opt.z3
         params = z3.ipg_buckets[communication_data_type].params
-        mine = self.avg_scatter_stage3(native, params, communication_data_type)
+        mine = self._avg_scatter(self.k, params, communication_data_type)
         padded = []
         for param, part in zip(params, mine):
             if part.numel() != param.partition_numel():
@@ -1289,7 +1319,7 @@ class GiftState:
         return self.telemetry.records
 
 
-class ZeroOptimizerState:
+class ZeroOptimizerState(_OptimizerStateView):
     """What GIFT reads of the ZeRO optimizer's partitions and state for the candidate layers:
     which rank holds most of a layer (it judges the layer's profile), each layer's update rule
     with a copy of its real state (the optimizer's metric), the row and column sums of Adam's
@@ -1331,12 +1361,9 @@ class ZeroOptimizerState:
         return (self._muon_class is not None and isinstance(self.opt.optimizer, self._muon_class)
                 and getattr(param, "use_muon", False))
 
-    def _held(self, name: str):
-        """What this rank holds of layer ``name``'s optimizer state: ``(rule, param, group, start,
-        numel, dest, state)``: the rule of ``metrics.UPDATE_RULES`` that serves its param group,
-        the first element it covers in the flattened weight, how many, its offset in the fp32
-        partition, and the partition's state. None: no rule serves the layer, or this rank holds
-        none of the state the rule needs."""
+    def _held(self, name: str) -> Optional[_HeldState]:
+        """What this rank holds of layer ``name``'s optimizer state; None: no rule serves the
+        layer, or this rank holds none of the state the rule needs."""
         where = self._layer_params.get(name)
         if where is None:
             return None
@@ -1349,20 +1376,7 @@ class ZeroOptimizerState:
         if held is None:
             return None
         state = self.opt.optimizer.state.get(self.opt.single_partition_of_fp32_groups[g], {})
-        return (rule, param, group, *held, state)
-
-    def update_rule(self, name: str):
-        """The update rule of the optimizer for layer ``name``, with a copy of its real state on
-        this rank (called during the reduction: the state before the step being run, which the
-        step then overwrites): Muon's momentum of the whole matrix, which every owner of a slice
-        holds; Adam's moments of this rank's slice. None: an optimizer whose update GIFT does not
-        model (its errors are then judged in plain L2)."""
-        held = self._held(name)
-        if held is None:
-            return None
-        rule, param, group, start, numel, dest, state = held
-        return rule.from_state(_narrow_state(state, rule.state_keys, dest, numel), group, shape=param.shape,
-                               start=start, numel=numel, device=param.device)
+        return _HeldState(rule, param, group, *held, state, tuple(param.shape))
 
     def _whole_matrix(self, param, g: int):
         """``(0, numel, offset)`` of ``param`` whole in this rank's fp32 partition, where
@@ -1386,16 +1400,6 @@ class ZeroOptimizerState:
         start = int(opt.grad_start_offset[g][me][param_id])
         dest = int(opt.grad_partition_insertion_offset[g][me][param_id])
         return start, min(param.numel() - start, int(opt.partition_size[g]) - dest), dest
-
-    def second_moment_sums(self, name: str):
-        """This rank's part of the row and column sums of Adam's ``exp_avg_sq`` of layer ``name``
-        and how many elements it covers (``adam_factored``); None without such state here."""
-        held = self._held(name)
-        if held is None or held[0] is not metrics.AdamRule or "exp_avg_sq" not in held[-1]:
-            return None
-        _, param, _, start, numel, dest, state = held
-        rows, cols = row_col_sums(state["exp_avg_sq"].narrow(0, dest, numel), start, param.shape)
-        return rows, cols, numel
 
     def copy_ranks(self, param, runs) -> tuple:
         """The ranks that must receive ``param`` whole: DeepSpeed's Muon orthogonalizes the full
