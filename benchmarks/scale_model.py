@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import layout_model  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
 from deepspeed_gift.config import SelectionConfig  # noqa: E402
-from deepspeed_gift.refresh import SKETCH_OVERSAMPLE  # noqa: E402
+from deepspeed_gift.refresh import sketch_columns  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "alltoall", "two_level")
@@ -443,11 +443,7 @@ CONFIGS = [
 NATIVE = ("bf16", False, False, False, None)  # what a native path's entry holds after its path
 
 
-def sketch_width(d: int, rank: int) -> int:
-    """Columns of a statistic's sketch (``KfacRefresh.sketch_width``), or 0 where the plugin keeps
-    the whole ``x^T x`` (a layer no wider than its sketch and diagonal: ``_dense_exchange``)."""
-    w = min(d, rank + SKETCH_OVERSAMPLE)
-    return 0 if d * d <= d * (w + 1) else w
+sketch_width = sketch_columns  # the plugin's own rule: 0 where it keeps the whole x^T x
 
 
 def statistic_flops(tokens: int, d: int, rank: int) -> float:

@@ -87,7 +87,8 @@ class GeometryConfig(_GiftModel):
     same conditioning whatever the scale of the layer's inputs."""
 
     refresh_interval: int = Field(50, ge=1)
-    """Steps between re-fits of the factors."""
+    """Steps between re-fits of the factors (while ``selection.idle_backoff`` spaces the
+    judgements, one refit before each of them instead)."""
 
     collect_interval: int = Field(10, ge=1)
     """Input statistics are collected on every ``collect_interval``-th step (and on each
@@ -99,11 +100,14 @@ class GeometryConfig(_GiftModel):
     over the batch); ``null``: every token. Collecting costs O(tokens * in * (rank + 8)) per layer."""
 
     stats_decay: float = Field(0.95, ge=0.0, lt=1.0)
-    """EMA decay of the input second moment ``E[x x^T]``."""
+    """EMA decay of the input second moment ``E[x x^T]``, once per collection the schedule
+    makes (a collection after ``selection.idle_backoff``'s gap decays the average once for each
+    one skipped as well)."""
 
     factor_decay: float = Field(0.95, ge=0.0, lt=1.0)
     """Smoothing across refreshes: the fit sees ``factor_decay * A_hat_prev +
-    (1 - factor_decay) * A_stats``."""
+    (1 - factor_decay) * A_stats`` (``factor_decay ** n`` after ``n`` refresh intervals without
+    a refit, under ``selection.idle_backoff``)."""
 
     solver: Literal[SOLVERS] = "structured"
     """``structured``: O(out*in*r) whitening with exact inverse; ``cholesky``: the
@@ -135,11 +139,15 @@ class SelectionConfig(_GiftModel):
     """While the judgements select no layer, judge less often: after a refresh that selects
     none, the next judgement comes twice as many steps later as the last did, at most
     ``idle_backoff`` x ``geometry.refresh_interval`` steps later; one that selects a layer
-    brings back every ``refresh_interval`` steps. Between two judgements ``refresh_interval``
-    or more apart the factors are refitted ``refresh_interval`` steps before the judgement (so
-    it judges transforms as old as it would use them) and the input statistics are collected
-    only in the ``2 x refresh_interval`` steps before it: a run in which no layer gains pays
-    1/4 to 1/8 of the judgement, refits and statistics. ``1``: judge every refresh."""
+    brings back every ``refresh_interval`` steps. Between two judgements more than
+    ``refresh_interval`` apart the factors are refitted ``refresh_interval`` steps before the
+    judgement (so it judges transforms refitted as recently as it would use them, from
+    statistics aged by the steps that passed) and the input statistics are collected only in
+    the ``2 x refresh_interval`` steps before it. Once the gap has grown to its cap, a run in
+    which no layer gains pays ``1 / idle_backoff`` of the judgements and ``2 / idle_backoff`` of
+    the refits and statistics (with the default 8: 1/8 and 1/4). A checkpoint resumed with
+    another ``refresh_interval`` or ``idle_backoff`` judges at the multiples of
+    ``refresh_interval`` from there. ``1``: judge every refresh."""
 
 
 class TelemetryConfig(_GiftModel):

@@ -5,12 +5,13 @@ Works on ``nn.Module`` names and a ``Comm``; knows nothing of DeepSpeed's optimi
 
 Lifecycle, with ``k = global_step - start_step``:
 
-* forward of step k: if ``k % collect_interval == 0`` or ``k % refresh_interval == 0``,
+* forward of step k: if ``k % collect_interval == 0`` or step k refreshes (below),
   pre-hooks on candidate ``nn.Linear`` modules add ``x^T x`` of their input to a per-step
   sum (modules that read the same input tensor, like q/k/v, share one statistic);
 * end of step k: the step's statistic enters a local EMA (the average of local EMAs over
   ranks is the EMA of averaged statistics, so nothing is exchanged here);
-* end of a refresh step (``k % refresh_interval == 0``): each statistic is averaged at the
+* end of a refresh step (``k % refresh_interval == 0``, or ``selection.idle_backoff``'s
+  schedule below): each statistic is averaged at the
   rank assigned to fit it - in full for narrow layers, as a one-round Nystrom sketch
   (O(in * (rank + oversample)) bytes instead of O(in^2)) for wide ones - that rank fits
   it, the factors are shared so every rank holds bit-identical whiteners,
@@ -24,7 +25,9 @@ A refresh also judges every layer (``layers: "measured"``, or telemetry's profil
 measured selection chooses no layer, ``selection.idle_backoff`` spaces the judged refreshes out
 (twice the gap after each idle one, up to ``idle_backoff`` x ``refresh_interval``): the factors
 are then refitted alone ``refresh_interval`` steps before each judgement, and the statistics
-collected only in the ``2 x refresh_interval`` steps before it.
+collected only in the ``2 x refresh_interval`` steps before it. The first collection and the
+refit after such a gap age what came before by the steps that passed (``stats_decay`` once per
+collection skipped, ``factor_decay`` once per refresh interval), as if nothing had been skipped.
 
 ``geometry.kind`` may list several kinds (with ``layers: "measured"``): every refresh judges each
 layer in each of them and the layer takes the one that lowers the error most in
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import time
 from typing import Protocol, Dict, List, Optional
 
@@ -144,6 +148,10 @@ class GeometryManager:
         self.gap = self.gcfg.refresh_interval
         self.next_judge: Optional[int] = None
         self.next_refit: Optional[int] = None
+        # the last steps that folded statistics and refitted: a spaced schedule's first
+        # collection and refit after a gap age what came before by the steps that passed
+        self.last_fold: Optional[int] = None
+        self.last_refit: Optional[int] = None
         self.seconds = 0.0  # host time in captures, refits and judgements since take_seconds
         self.transforms: Dict[str, Dict[str, object]] = {kind: {} for kind in self.kinds}  # kind -> layer -> map
         self.active: Dict[str, str] = {}  # layer in the geometry branch -> the kind it uses
@@ -218,6 +226,19 @@ class GeometryManager:
         """Step ``k`` refits the factors: a judged refresh, or the refit alone before one."""
         return self.judging(k) or (bool(self.kinds) and self.next_refit is not None and k >= self.next_refit)
 
+    def _collections_since(self, last: Optional[int], k: int) -> int:
+        """The collections the unspaced schedule makes in steps (last, k] (at the multiples of
+        ``collect_interval`` or of ``refresh_interval``): 1 where every one was made, more
+        after a gap of ``idle_backoff``'s."""
+        if last is None:
+            return 1
+        c, r = self.gcfg.collect_interval, self.gcfg.refresh_interval
+        both = c * r // math.gcd(c, r)
+
+        def made(x: int) -> int:
+            return x // c + x // r - x // both
+        return max(1, made(k) - made(last))
+
     def _schedule_after(self, k: int, judged: bool) -> None:
         """After the refresh of step ``k``: the next judgement ``refresh_interval`` steps on, or,
         when measured selection judged layers and chose none, twice the last gap on (at most
@@ -282,12 +303,18 @@ class GeometryManager:
 
     def _end_step(self, k: int) -> None:
         if K.KFAC_INPUT in self.kinds:
-            self.kfac.fold(self.moments.take())
+            means = self.moments.take()
+            if means:
+                self.kfac.fold(means, self._collections_since(self.last_fold, k))
+                self.last_fold = k
         if not self.refresh_due(k):
             return
         judging = self.judging(k)
         if K.KFAC_INPUT in self.kinds:
-            self._rebuild_whiteners(self.kfac.refit(self.version), self.version + 1)
+            interval = self.gcfg.refresh_interval
+            periods = 1 if self.last_refit is None else max(1, k // interval - self.last_refit // interval)
+            self._rebuild_whiteners(self.kfac.refit(self.version, periods), self.version + 1)
+        self.last_refit = k
         if K.ADAM_FACTORED in self.kinds:
             refit_adam_scalings(self.names, self.modules, self.optimizer, self.comm,
                                 self.transforms[K.ADAM_FACTORED], version=self.version + 1)
@@ -329,7 +356,10 @@ class GeometryManager:
             "stats_key": dict(self.moments.key_of),
             **self.kfac.state_dict(),
             "scalings": {k: (s.row.cpu(), s.col.cpu()) for k, s in sorted(scalings.items())},
-            "schedule": {"gap": self.gap, "next_judge": self.next_judge, "next_refit": self.next_refit},
+            "schedule": {"gap": self.gap, "next_judge": self.next_judge, "next_refit": self.next_refit,
+                         "last_fold": self.last_fold, "last_refit": self.last_refit,
+                         "refresh_interval": self.gcfg.refresh_interval,
+                         "idle_backoff": self.cfg.selection.idle_backoff},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -346,10 +376,7 @@ class GeometryManager:
                              f"{self.gcfg.kind!r} now")
         self.version = int(state["version"])
         self.active = dict(active)
-        # checkpoints before selection.idle_backoff judged at the multiples of refresh_interval
-        schedule = state.get("schedule", {})
-        self.gap = int(schedule.get("gap", self.gcfg.refresh_interval))
-        self.next_judge, self.next_refit = schedule.get("next_judge"), schedule.get("next_refit")
+        self._load_schedule(state.get("schedule", {}))
         self.gains.clear()
         self.gains.update(state["gains"])
         self.moments.restore_keys(state["stats_key"])
@@ -375,6 +402,26 @@ class GeometryManager:
         """The summary of the latest profile, once (telemetry's record of the step takes it)."""
         profile, self.profile = self.profile, None
         return profile
+
+    def _load_schedule(self, schedule: dict) -> None:
+        """The saved schedule, where this run's ``refresh_interval`` and ``idle_backoff`` could have
+        made it; else (checkpoints from before ``selection.idle_backoff`` too) judgements at the
+        multiples of ``refresh_interval`` from here on."""
+        interval, backoff = self.gcfg.refresh_interval, self.cfg.selection.idle_backoff
+        gap = int(schedule.get("gap", interval))
+        same = (schedule.get("refresh_interval", interval) == interval
+                and schedule.get("idle_backoff", backoff) == backoff and gap % interval == 0
+                and interval <= gap <= backoff * interval)
+        if schedule and not same:
+            logger.info("gift: the checkpoint's refresh schedule (every %s steps, backoff %s, gap %d) is not "
+                        "this config's (every %d, backoff %d): judging at the multiples of %d from here",
+                        schedule.get("refresh_interval", "?"), schedule.get("idle_backoff", "?"), gap,
+                        interval, backoff, interval)
+        if not same:
+            schedule = {}
+        self.gap = int(schedule.get("gap", interval))
+        self.next_judge, self.next_refit = schedule.get("next_judge"), schedule.get("next_refit")
+        self.last_fold, self.last_refit = schedule.get("last_fold"), schedule.get("last_refit")
 
     def take_seconds(self) -> float:
         """Host seconds in this geometry's own work since the last call: the statistics hooks'

@@ -45,6 +45,13 @@ def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int
     return owner
 
 
+def sketch_columns(dim: int, rank: int) -> int:
+    """Columns of the sketch of a statistic of width ``dim`` at factor rank ``rank``, or 0 where
+    the whole ``A`` is kept: a layer whose ``A`` is no larger than its sketch and diagonal."""
+    width = min(dim, rank + SKETCH_OVERSAMPLE)
+    return 0 if dim * dim <= dim * (width + 1) else width
+
+
 class SketchEMA:
     """This rank's EMA of one statistic as the fit reads it: ``Y = A @ omega`` (in x w) and
     ``diag(A)`` exactly, or, for a layer narrow enough that the sketch would not be smaller
@@ -66,15 +73,19 @@ class SketchEMA:
         return self.omega is None
 
     @torch.no_grad()
-    def update(self, mean) -> None:
+    def update(self, mean, periods: int = 1) -> None:
+        """Blend this collection's ``mean`` in; ``periods``: the collections it stands for (those
+        a spaced schedule skipped since the last, plus itself), so the old average ages by the
+        steps that passed, not by the collections made."""
         Y, diag = (mean, None) if self.dense else (mean.Y, mean.diag)
+        decay = self.decay ** periods
         if self.Y is None:
             self.Y = Y.float().clone()
             self.diag = None if diag is None else diag.float().clone()
         else:
-            self.Y.mul_(self.decay).add_(Y, alpha=1.0 - self.decay)
+            self.Y.mul_(decay).add_(Y, alpha=1.0 - decay)
             if diag is not None:
-                self.diag.mul_(self.decay).add_(diag, alpha=1.0 - self.decay)
+                self.diag.mul_(decay).add_(diag, alpha=1.0 - decay)
         self.count += 1
 
     def contribution(self) -> torch.Tensor:
@@ -144,8 +155,7 @@ class KfacRefresh:
         return min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
 
     def _dense_exchange(self, dim: int) -> bool:
-        """A layer whose whole ``A`` is no larger than its sketch and diagonal is kept whole."""
-        return dim * dim <= dim * (self.sketch_width(dim) + 1)
+        return sketch_columns(dim, self.gcfg.rank) == 0
 
     def test_matrix(self, key: str, rows: torch.Tensor) -> Optional[torch.Tensor]:
         """The test matrix of statistic ``key`` (its hook's fp32 input ``rows``), made the first
@@ -169,16 +179,16 @@ class KfacRefresh:
         self.omegas[key] = omega
         return omega
 
-    def fold(self, means: Dict[str, object]) -> None:
+    def fold(self, means: Dict[str, object], periods: int = 1) -> None:
         """This step's mean ``x x^T`` (or its sketch) per statistic into its local EMA (the
         average of local EMAs over ranks is the EMA of averaged statistics, so nothing is
-        exchanged here)."""
+        exchanged here); ``periods`` as :meth:`SketchEMA.update`."""
         for key, mean in means.items():
             ema = self.stats.get(key)
             if ema is None:
                 dim = mean.shape[0] if isinstance(mean, torch.Tensor) else mean.diag.shape[0]
                 ema = self.stats[key] = SketchEMA(dim, self.omegas.get(key), self.gcfg.stats_decay)
-            ema.update(mean)
+            ema.update(mean, periods)
 
     def nbytes(self) -> int:
         """Bytes of everything this holds (statistics, test matrices, factors)."""
@@ -217,9 +227,11 @@ class KfacRefresh:
             ema.diag = None if omega is None else torch.diagonal(A).clone()
             self.omegas[k] = omega
 
-    def refit(self, version: int) -> Dict[str, geo.LowRankDiag]:
+    def refit(self, version: int, periods: int = 1) -> Dict[str, geo.LowRankDiag]:
         """Average the statistics at each layer's fitter, fit there, share the factors, and move
-        every statistic onto the test matrix of the next refit.
+        every statistic onto the test matrix of the next refit. ``periods``: the refresh
+        intervals since the last refit (more than one where a spaced schedule skipped refits),
+        so the previous factors weigh ``factor_decay ** periods``.
 
         Each rank sends every statistic only to the rank that fits it (not an all-reduce:
         half the bytes of a ring): a narrow layer its full ``A``; a wide one its sketch
@@ -252,7 +264,7 @@ class KfacRefresh:
             n = self._contrib_numel(k)
             flat = total[pos:pos + n]
             pos += n
-            lrd = self._fit_one(k, flat, self.stats[k].omega)
+            lrd = self._fit_one(k, flat, self.stats[k].omega, self.gcfg.factor_decay ** periods)
             if lrd is not None:
                 fitted[k] = geo.LowRankDiag(U=lrd.U.to(GEOMETRY_WIRE_DTYPE).float(), lam=lrd.lam, d=lrd.d)
         shared = self._share(fitted, keys)
@@ -285,13 +297,13 @@ class KfacRefresh:
             cols[:, :prev.rank] = prev.U.double().cpu()
         return torch.linalg.qr(cols).Q.float().to(device)
 
-    def _fit_one(self, key: str, flat: torch.Tensor, omega: Optional[torch.Tensor]) -> Optional[geo.LowRankDiag]:
+    def _fit_one(self, key: str, flat: torch.Tensor, omega: Optional[torch.Tensor],
+                 fd: float) -> Optional[geo.LowRankDiag]:
         dim = self.stats[key].dim
         if not bool(torch.isfinite(flat).all()):
             logger.warning("gift: non-finite input statistics for layer '%s'; keeping its previous whitener", key)
             return None
         prev = self.lowrank.get(key)
-        fd = self.gcfg.factor_decay
         if omega is None:
             A = flat.view(dim, dim)
             if prev is not None:
