@@ -74,8 +74,11 @@ it): for every ``nn.Linear`` weight, the exact fp64 mean of the W per-rank gradi
   reduces a ZeRO-3 partition (every rank owns 1/W of every layer: ``route_fidelity``'s ``balanced``
   layout, each layer's rows cut in W runs), the owner's own contribution exact: one node, the flat
   ``GiftReducer`` route ``direct``; several nodes, ``TwoLevelReducer`` (node stage exact, then one
-  quantized copy per node among the nodes, inner route ``direct``). Coordinates: Euclidean and kfac
-  (``route_fidelity``'s whitener, ``--kfac``).
+  quantized copy per node among the nodes, inner route ``direct``). Coordinates (``--coordinates``):
+  Euclidean, kfac (``route_fidelity``'s whitener, ``--kfac``) and hadamard (the plugin's
+  ``geometry.kind: hadamard``: each layer's seeded random-sign Hadamard rotation, built as
+  ``lifecycle.GeometryManager`` builds it for ``--seed``; orthonormal, so plain L2 errors are the
+  rotated coordinates' own).
 
 Errors, layers combined as ``sqrt(sum err^2 / sum ref^2)``: ``rel L2``; ``whitened`` (``||E S|| /
 ||G S||``, S the kfac whitener: route_fidelity's ruler); ``Adam upd``: the error of AdamW's next
@@ -105,6 +108,7 @@ if ROOT not in sys.path:
 from benchmarks import fidelity as fid  # noqa: E402
 from benchmarks import route_fidelity as rf  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
+from deepspeed_gift.core import geometry as geo  # noqa: E402
 from deepspeed_gift.core import metrics as fm  # noqa: E402
 
 FP16_MAX = 65504.0
@@ -276,6 +280,21 @@ def aggregate(per_layer: Dict[str, Dict[str, Tuple[float, float]]], names: Seque
             for m in METRICS}
 
 
+COORDINATES = ("euclidean", "kfac", "hadamard")
+
+
+def coordinates_of(geom: str, cap, seed: int) -> Optional[Dict[str, object]]:
+    """Each layer's transform in coordinates ``geom`` (None: Euclidean): the captured kfac
+    whitener, or the plugin's own data-independent rotation (``geo.FIXED_KINDS``, the seed
+    ``lifecycle.GeometryManager`` gives layer i of the sorted names)."""
+    if geom == "euclidean":
+        return None
+    if geom == "kfac":
+        return cap.whiteners
+    build = geo.FIXED_KINDS[geo.GeometryKind(geom)]
+    return {n: build(cap.shapes[n][1], seed * 1_000_003 + i) for i, n in enumerate(sorted(cap.names))}
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description="GIFT against DeepSpeed's qgZ INT4 (a CPU reference) on real gradients",
                                 epilog="Any other option goes to benchmarks/route_fidelity.py's parser (--micro, "
@@ -283,11 +302,12 @@ def parse_args(argv):
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 32])
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--formats", nargs="+", default=["nvfp4", "fp8_e4m3"])
+    p.add_argument("--coordinates", nargs="+", choices=COORDINATES, default=["euclidean", "kfac"])
     p.add_argument("--json", default=None)
     mine, rest = p.parse_known_args(argv)
     args = rf.parse_args(["--worlds", *map(str, mine.worlds), "--ranks-per-node", str(mine.ranks_per_node),
                           "--formats", *mine.formats, "--layout-models", *rest])
-    args.json = mine.json
+    args.json, args.coordinates = mine.json, list(dict.fromkeys(mine.coordinates))
     for w in args.worlds:
         if w % args.ranks_per_node:
             raise SystemExit(f"W = {w} is not a whole number of nodes of {args.ranks_per_node}")
@@ -341,9 +361,9 @@ def _run(args, argv) -> dict:
         print(f"  W={w}: qgZ INT4 rel_l2 {row['qgz_int4']['rel_l2']:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
         spec = gift_spec(w, G)
         for f in fmts:
-            for geom in ("euclidean", "kfac"):
+            for geom in args.coordinates:
                 t0 = time.perf_counter()
-                whiteners = cap.whiteners if geom == "kfac" else None
+                whiteners = coordinates_of(geom, cap, args.seed)
                 reduced, stats = rf.reduce_model(grads, cap.shapes, names, spec, codecs[f], relay[f], whiteners, w,
                                                  G if spec.two_level else 1, args.owners)
                 per_layer = {n: layer_errors(reduced[n], exact[n], cap.whiteners[n], rules[n].adam) for n in names}
@@ -361,7 +381,7 @@ def _run(args, argv) -> dict:
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
         results[str(w)] = row
 
-    print_tables(results, worlds, G, fmts)
+    print_tables(results, worlds, G, fmts, args.coordinates)
     wall = time.perf_counter() - t_start
     print(f"\nwall time {wall:.1f} s (model + capture {cap.seconds:.1f} s, {torch.get_num_threads()} threads)")
     out = {
@@ -375,7 +395,8 @@ def _run(args, argv) -> dict:
     return out
 
 
-def print_tables(results: dict, worlds: Sequence[int], G: int, fmts: Sequence[str]) -> None:
+def print_tables(results: dict, worlds: Sequence[int], G: int, fmts: Sequence[str],
+                 coordinates: Sequence[str] = COORDINATES) -> None:
     print("\nErrors against the exact fp64 mean of the same W gradients, layers combined as sqrt(sum err^2 / "
           "sum ref^2); whitened: ||E S|| / ||G S|| with the kfac whitener S; Adam upd: AdamW's next direction from "
           "its real state. B/elem: wire bytes per element carried on an inter-node (intra-node) hop.")
@@ -390,15 +411,20 @@ def print_tables(results: dict, worlds: Sequence[int], G: int, fmts: Sequence[st
             print(f"| {w} ({w // G} x {G}) | {r['label']} | {route} | {r['bytes_inter']:.4f} | {r['bytes_intra']:.4f} "
                   f"| {r['rel_l2']:.4f} | {r['whitened']:.4f} | {r['adam_upd']:.4f} | {r['rel_l2'] / q['rel_l2']:.3f} "
                   f"| {r['adam_upd'] / q['adam_upd']:.3f} |")
-    print("\nGIFT kfac / GIFT Euclidean (same format and W; < 1: the geometry helps)")
-    print("| W | format | rel L2 | whitened | Adam upd |")
-    print("|---|---|---|---|---|")
-    for w in worlds:
-        row = results[str(w)]
-        for f in fmts:
-            k, e = row[f"gift_{f}_kfac"], row[f"gift_{f}_euclidean"]
-            print(f"| {w} | {f} | {k['rel_l2'] / e['rel_l2']:.3f} | {k['whitened'] / e['whitened']:.3f} "
-                  f"| {k['adam_upd'] / e['adam_upd']:.3f} |")
+    if "euclidean" not in coordinates:
+        return
+    for geom in coordinates:
+        if geom == "euclidean":
+            continue
+        print(f"\nGIFT {geom} / GIFT Euclidean (same format and W; < 1: the coordinates help)")
+        print("| W | format | rel L2 | whitened | Adam upd |")
+        print("|---|---|---|---|---|")
+        for w in worlds:
+            row = results[str(w)]
+            for f in fmts:
+                k, e = row[f"gift_{f}_{geom}"], row[f"gift_{f}_euclidean"]
+                print(f"| {w} | {f} | {k['rel_l2'] / e['rel_l2']:.3f} | {k['whitened'] / e['whitened']:.3f} "
+                      f"| {k['adam_upd'] / e['adam_upd']:.3f} |")
     partial = [w for w in worlds if "ds_layout_only" in results[str(w)]["qgz_int4"]]
     for w in partial:
         row = results[str(w)]

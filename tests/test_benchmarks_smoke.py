@@ -388,3 +388,19 @@ def test_models_take_the_codec_time_measured_on_a_gpu():
         assert abs(rates.encode(tile, whiten=False) - enc["us"] * 1e-6) < 1e-12
         assert abs(rates.decode(tile, 7, inverse=False) - dec["us"] * 1e-6) < 1e-12
         assert abs(rates.decode(tile, 14, inverse=False) - 2 * dec["us"] * 1e-6) < 1e-12  # taken as linear in S
+
+
+def test_step_pair_alternates_the_order_and_reads_each_runs_steps(tmp_path):
+    # two rounds of two tiny configs: A first, then B first; the ratios are the runs' own means
+    from benchmarks import step_pair
+
+    a, b = "ds_configs/bf16_baseline_zero2.json", "ds_configs/euclid_fp8_e5m2_tensor_zero2.json"
+    out = step_pair.main(["--configs", a, b, "--rounds", "2", "--skip", "1", "--out-dir", str(tmp_path),
+                          "--preset", "tiny", "--steps", "4", "--eval-every", "4", "--eval-batches", "1"])
+    firsts = [json.load(open(tmp_path / f"round{i}" / "results.json"))["results"][0]["config"] for i in (1, 2)]
+    assert firsts == [a, b]
+    A, B = "bf16_baseline_zero2", "euclid_fp8_e5m2_tensor_zero2"
+    for r, q in zip(out["rounds"], out["ratios"]["per_round"]):
+        assert r[A]["steps"] == r[B]["steps"] == 3
+        assert q["wall"] == r[B]["mean_s"] / r[A]["mean_s"] > 0
+    assert out["rounds"][0][B]["geometry_s"] == 0.0  # identity geometry does no geometry work

@@ -154,3 +154,20 @@ def test_comparison_tiny(tmp_path):
         # INT4 with a scale per row-sized group (tiny: 32-64 elements) is far coarser than fp8
         assert row["gift_fp8_e4m3_euclidean"]["rel_l2"] < row["qgz_int4"]["rel_l2"]
         assert 0.5 < row["qgz_int4"]["bytes_inter"] < 0.6
+
+
+def test_gift_in_the_plugins_hadamard_coordinates(tmp_path):
+    # --coordinates hadamard reduces in the rotation the plugin builds for geometry.kind hadamard:
+    # its errors are GIFT's own (finite, of the codec's size) and not Euclidean's bits
+    out = tmp_path / "qgz.json"
+    cmd = [sys.executable, "benchmarks/qgz_fidelity.py", "--preset", "tiny", "--worlds", "4", "--ranks-per-node", "2",
+           "--micro", "1", "--seq", "32", "--train-steps", "2", "--refresh-interval", "1", "--formats", "nvfp4",
+           "--coordinates", "euclidean", "hadamard", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GIFT hadamard / GIFT Euclidean" in proc.stdout
+    row = json.loads(out.read_text())["results"]["4"]
+    assert set(row) == {"qgz_int4", "gift_nvfp4_euclidean", "gift_nvfp4_hadamard"}
+    rot, plain = row["gift_nvfp4_hadamard"], row["gift_nvfp4_euclidean"]
+    assert 0 < rot["rel_l2"] < 2 and math.isfinite(rot["adam_upd"])
+    assert rot["rel_l2"] != plain["rel_l2"]
