@@ -52,7 +52,9 @@ what it owns (8 and 4 m n r flops, for selected layers); and every ``refresh_int
 the Nystrom fits (8 n w^2 each, spread over the ranks) and every rank's next test matrices (a
 float64 QR of n x w each, 4 n w^2 flops on the host at ``--host-gflops``); where no layer is
 selected, statistics and refits 2 / ``--idle-backoff`` as often (``selection.idle_backoff``'s
-steady state). Compute is 6 flops per weight and token plus attention (12 L d seq per token).
+steady state); and each judged refresh's judgement of every layer (``judgement_counts``: its
+counted bytes at HBM speed and flops at fp32 speed per element, spread over the ranks), every
+``refresh_interval`` steps with layers selected, every ``--idle-backoff`` x that without. Compute is 6 flops per weight and token plus attention (12 L d seq per token).
 
 Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
 against the bytes the hosts really sent (into the busiest host, where the run counted it;
@@ -68,6 +70,7 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -75,7 +78,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -466,6 +471,38 @@ def test_matrix_flops(d: int, rank: int) -> float:
     return 4 * d * w * w if w else 0.0
 
 
+@functools.lru_cache(maxsize=None)
+def judgement_counts(fmt: str, rank: int, rows: int = 256, cols: int = 688) -> Tuple[float, float]:
+    """Bytes and fp32 flops per element of one layer's judgement (``metrics.judge_geometries``,
+    as a judged refresh runs it on the rank holding the layer's Adam state: the Euclidean and the
+    whitened round trip, the whitened norms and AdamW's three directions), counted here on a
+    ``rows`` x ``cols`` layer (every term is per element; the whitener's matmuls per element
+    and rank) with the dispatch counter of ``benchmarks/codec_traffic.py`` (every ATen kernel's
+    reads and writes) and torch's ``FlopCounterMode``. The codec runs eager here, more bytes
+    than the compiled one a GPU runs: an upper bound."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.codec_traffic import TrafficCounter
+    from deepspeed_gift.core import geometry as geo, metrics
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * cols, cols, generator=g)
+    whitener = geo.fit_whitener(x.T @ x / x.shape[0], rank=rank, damping=1e-3)
+    G = torch.randn(rows, cols, generator=g)
+    rule = metrics.AdamRule(exp_avg=torch.randn(rows * cols, generator=g) * 1e-2,
+                            exp_avg_sq=torch.rand(rows * cols, generator=g) * 1e-4, step=50, betas=(0.9, 0.95))
+    codec = get_format(fmt)
+
+    def judge():
+        metrics.judge_geometries(G, codec, {"kfac": whitener}, rule=rule)
+
+    judge()  # warm: lazily made tables
+    traffic, flops = TrafficCounter(), FlopCounterMode(display=False)
+    with traffic, flops:
+        judge()
+    return (traffic.read + traffic.written) / G.numel(), flops.get_total_flops() / G.numel()
+
+
 def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled: bool, param_fmt, args,
                shapes: dict, ratios: Dict[str, dict], nic_gbit: float) -> dict:
     """Step time of one config at cluster scale (seconds), by term."""
@@ -512,7 +549,13 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             # no layer selected: a long run's judgements spaced idle_backoff x refresh_interval apart,
             # with two refits and two intervals of statistics in each (selection.idle_backoff)
             idle = 1.0 if all_layers else min(1.0, 2.0 / args.idle_backoff)
-            gift = (idle * (stats + refit) + whiten) / fp32 + idle * host / args.refresh_interval
+            # the judgement: every layer once a judged refresh, on the rank holding its state
+            # (spread over the ranks); every idle_backoff-th refresh where none is selected
+            judged_bytes, judged_flops = judgement_counts(fmt, args.rank)
+            lin = sum(m * k for m, k in shapes["linears"]) / w
+            judge = lin * (judged_bytes / (args.hbm_tbs * 1e12 * args.hbm_eff) + judged_flops / fp32) \
+                / (args.refresh_interval * (1 if all_layers else args.idle_backoff))
+            gift = (idle * (stats + refit) + whiten) / fp32 + idle * host / args.refresh_interval + judge
     if param_fmt is None:
         t_param = collective_seconds("allgather", 2 * n, net)
     else:  # the owner encodes N/W; every rank decodes all N and adds them to its replicas

@@ -167,7 +167,12 @@ def test_scale_model_on_a_two_level_network(tmp_path):
     n_w = sum(n * 40 for n in shapes["inputs"])
     device = (4 * 16384 * n_w + 2 * 16384 * sum(shapes["inputs"])) / 10 + 8 * 40 * n_w / 64 / 50
     host = 4 * 40 * n_w / 20e9 / 50
-    expected = 2 / 8 * (device / (67e12 * 0.7) + host)
+    # and the judgement of every layer's elements (spread over the ranks) every 8 x 50 steps, at
+    # its counted bytes (HBM 3.35 TB/s x 0.8) and flops
+    judged_bytes, judged_flops = scale_model.judgement_counts("fp8_e4m3", 32)
+    lin = sum(m * k for m, k in shapes["linears"]) / 64
+    judge = lin * (judged_bytes / (3.35e12 * 0.8) + judged_flops / (67e12 * 0.7)) / (50 * 8)
+    expected = 2 / 8 * (device / (67e12 * 0.7) + host) + judge
     assert abs(eight["GIFT fp8_e4m3, auto (no layer selected)"][0]["gift"] - expected) < 1e-12
     # gift.params: the all-gather carries fp8 changes (1 + 4/128 B, not 2), two-level: the NIC carries
     # (W-G)/W / G of them where the ring carries (W-1)/W / G (1.03/2 x 56/63 = 0.46), plus the NVLink
@@ -404,3 +409,13 @@ def test_step_pair_alternates_the_order_and_reads_each_runs_steps(tmp_path):
         assert r[A]["steps"] == r[B]["steps"] == 3
         assert q["wall"] == r[B]["mean_s"] / r[A]["mean_s"] > 0
     assert out["rounds"][0][B]["geometry_s"] == 0.0  # identity geometry does no geometry work
+
+
+def test_the_judgements_count_is_per_element():
+    # the scale model multiplies the counted judgement by the layers' elements: a layer twice as
+    # tall moves and computes the same per element (only its few scalars and headers differ), and
+    # the whitener's matmuls grow with the rank
+    small, tall = scale_model.judgement_counts("fp8_e4m3", 32, rows=128), scale_model.judgement_counts("fp8_e4m3", 32)
+    assert abs(small[0] / tall[0] - 1) < 0.02 and abs(small[1] / tall[1] - 1) < 0.02
+    wide = scale_model.judgement_counts("fp8_e4m3", 64)
+    assert wide[1] > 1.5 * tall[1] and abs(wide[0] / tall[0] - 1) < 0.2
