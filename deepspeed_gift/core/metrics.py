@@ -267,7 +267,7 @@ def _judge_sums(G: Tensor, codec, whiteners: Dict[str, object], rule, *, optimiz
     out = {}
     for key, w in whiteners.items():
         ref_white = w.apply(G)
-        geo_approx = roundtrip(G, codec, w)
+        geo_approx = w.invert(codec.decode(codec.encode(ref_white)))  # roundtrip(G, codec, w), G whitened once
         out[key] = ({**euclid, "whitened": _squares(w.apply(plain), ref_white)},
                     {**common(geo_approx), "whitened": _squares(w.apply(geo_approx), ref_white)})
     return out
