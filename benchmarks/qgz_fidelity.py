@@ -411,9 +411,7 @@ def print_tables(results: dict, worlds: Sequence[int], G: int, fmts: Sequence[st
             print(f"| {w} ({w // G} x {G}) | {r['label']} | {route} | {r['bytes_inter']:.4f} | {r['bytes_intra']:.4f} "
                   f"| {r['rel_l2']:.4f} | {r['whitened']:.4f} | {r['adam_upd']:.4f} | {r['rel_l2'] / q['rel_l2']:.3f} "
                   f"| {r['adam_upd'] / q['adam_upd']:.3f} |")
-    if "euclidean" not in coordinates:
-        return
-    for geom in coordinates:
+    for geom in coordinates if "euclidean" in coordinates else ():
         if geom == "euclidean":
             continue
         print(f"\nGIFT {geom} / GIFT Euclidean (same format and W; < 1: the coordinates help)")

@@ -54,7 +54,10 @@ float64 QR of n x w each, 4 n w^2 flops on the host at ``--host-gflops``); where
 selected, statistics and refits 2 / ``--idle-backoff`` as often (``selection.idle_backoff``'s
 steady state); and each judged refresh's judgement of every layer (``judgement_counts``: its
 counted bytes at HBM speed and flops at fp32 speed per element, spread over the ranks), every
-``refresh_interval`` steps with layers selected, every ``--idle-backoff`` x that without. Compute is 6 flops per weight and token plus attention (12 L d seq per token).
+``refresh_interval`` steps with layers selected, every ``--idle-backoff`` x that without (the
+plugin judges under ``layers: "measured"``, and under ``"all"`` while telemetry samples the
+fidelity, its default). Compute is 6 flops per weight and token plus attention (12 L d seq per
+token).
 
 Calibration (usually one rank per host, G = 1; no delay): the bytes formulas are checked
 against the bytes the hosts really sent (into the busiest host, where the run counted it;
@@ -473,13 +476,14 @@ def test_matrix_flops(d: int, rank: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def judgement_counts(fmt: str, rank: int, rows: int = 256, cols: int = 688) -> Tuple[float, float]:
-    """Bytes and fp32 flops per element of one layer's judgement (``metrics.judge_geometries``,
+    """Bytes and matmul flops per element of one layer's judgement (``metrics.judge_geometries``,
     as a judged refresh runs it on the rank holding the layer's Adam state: the Euclidean and the
     whitened round trip, the whitened norms and AdamW's three directions), counted here on a
     ``rows`` x ``cols`` layer (every term is per element; the whitener's matmuls per element
     and rank) with the dispatch counter of ``benchmarks/codec_traffic.py`` (every ATen kernel's
-    reads and writes) and torch's ``FlopCounterMode``. The codec runs eager here, more bytes
-    than the compiled one a GPU runs: an upper bound."""
+    reads and writes: the element-wise work, AdamW's directions among it, is in the bytes) and
+    torch's ``FlopCounterMode`` (the matmuls). The codec runs eager here, more bytes than the
+    compiled one a GPU runs: an upper bound."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from benchmarks.codec_traffic import TrafficCounter

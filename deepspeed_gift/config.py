@@ -88,7 +88,7 @@ class GeometryConfig(_GiftModel):
 
     refresh_interval: int = Field(50, ge=1)
     """Steps between re-fits of the factors (while ``selection.idle_backoff`` spaces the
-    judgements, one refit before each of them instead)."""
+    judgements: a refit alone one interval before each judgement, and the judgement's own)."""
 
     collect_interval: int = Field(10, ge=1)
     """Input statistics are collected on every ``collect_interval``-th step (and on each

@@ -127,6 +127,23 @@ def find_candidates(cfg, model: nn.Module, gather=None) -> Dict[str, nn.Module]:
     return chosen
 
 
+def collections_between(last: Optional[int], k: int, collect_interval: int, refresh_interval: int) -> int:
+    """The collections the unspaced schedule makes in steps ``(last, k]`` (at the multiples of
+    ``collect_interval`` or of ``refresh_interval``), at least 1: what a collection at ``k``
+    stands for when ``last`` was the previous one (1 on the unspaced schedule, more after a gap
+    of ``selection.idle_backoff``'s). With both intervals ``refresh_interval``: the refresh
+    intervals since the refit at ``last``. ``last`` None (none yet, or a checkpoint from before
+    these were saved): 1."""
+    if last is None:
+        return 1
+    c, r = collect_interval, refresh_interval
+    both = c * r // math.gcd(c, r)
+
+    def made(x: int) -> int:
+        return x // c + x // r - x // both
+    return max(1, made(k) - made(last))
+
+
 class GeometryManager:
     """Each candidate layer's geometry: its input statistics, the transforms fitted from them and
     shared between ranks, and which layers take which transform (see the module docstring)."""
@@ -226,19 +243,6 @@ class GeometryManager:
         """Step ``k`` refits the factors: a judged refresh, or the refit alone before one."""
         return self.judging(k) or (bool(self.kinds) and self.next_refit is not None and k >= self.next_refit)
 
-    def _collections_since(self, last: Optional[int], k: int) -> int:
-        """The collections the unspaced schedule makes in steps (last, k] (at the multiples of
-        ``collect_interval`` or of ``refresh_interval``): 1 where every one was made, more
-        after a gap of ``idle_backoff``'s."""
-        if last is None:
-            return 1
-        c, r = self.gcfg.collect_interval, self.gcfg.refresh_interval
-        both = c * r // math.gcd(c, r)
-
-        def made(x: int) -> int:
-            return x // c + x // r - x // both
-        return max(1, made(k) - made(last))
-
     def _schedule_after(self, k: int, judged: bool) -> None:
         """After the refresh of step ``k``: the next judgement ``refresh_interval`` steps on, or,
         when measured selection judged layers and chose none, twice the last gap on (at most
@@ -294,25 +298,30 @@ class GeometryManager:
     def end_step(self, k: int) -> None:
         """End of step k: fold its statistics; on a refresh step refit, share, judge and select,
         and the version goes up (a transform built now carries the new version)."""
+        # a step that collected counts as a collection made, data or not (the next one ages by the
+        # collections skipped since, none on the unspaced schedule)
+        collected = self.moments.attached and self.step == k
         if not self.moments.sums and not self.refresh_due(k):
             self.moments.take()  # nothing collected, nothing due: nothing to fold or fit (nor to time)
+            self.last_fold = k if collected else self.last_fold
             return
         t0 = time.perf_counter()
-        self._end_step(k)
+        self._end_step(k, collected)
         self.seconds += time.perf_counter() - t0
 
-    def _end_step(self, k: int) -> None:
+    def _end_step(self, k: int, collected: bool) -> None:
         if K.KFAC_INPUT in self.kinds:
             means = self.moments.take()
             if means:
-                self.kfac.fold(means, self._collections_since(self.last_fold, k))
+                self.kfac.fold(means, collections_between(self.last_fold, k, self.gcfg.collect_interval,
+                                                          self.gcfg.refresh_interval))
+            if means or collected:
                 self.last_fold = k
         if not self.refresh_due(k):
             return
         judging = self.judging(k)
         if K.KFAC_INPUT in self.kinds:
-            interval = self.gcfg.refresh_interval
-            periods = 1 if self.last_refit is None else max(1, k // interval - self.last_refit // interval)
+            periods = collections_between(self.last_refit, k, self.gcfg.refresh_interval, self.gcfg.refresh_interval)
             self._rebuild_whiteners(self.kfac.refit(self.version, periods), self.version + 1)
         self.last_refit = k
         if K.ADAM_FACTORED in self.kinds:
@@ -405,23 +414,25 @@ class GeometryManager:
 
     def _load_schedule(self, schedule: dict) -> None:
         """The saved schedule, where this run's ``refresh_interval`` and ``idle_backoff`` could have
-        made it; else (checkpoints from before ``selection.idle_backoff`` too) judgements at the
-        multiples of ``refresh_interval`` from here on."""
+        made it (a checkpoint that names neither: where its gap is one of this config's); else,
+        and for checkpoints from before ``selection.idle_backoff``, judgements at the multiples
+        of ``refresh_interval`` from here on."""
         interval, backoff = self.gcfg.refresh_interval, self.cfg.selection.idle_backoff
         gap = int(schedule.get("gap", interval))
         same = (schedule.get("refresh_interval", interval) == interval
                 and schedule.get("idle_backoff", backoff) == backoff and gap % interval == 0
                 and interval <= gap <= backoff * interval)
-        if schedule and not same:
+        if schedule and not same and self.comm.rank == 0:
             logger.info("gift: the checkpoint's refresh schedule (every %s steps, backoff %s, gap %d) is not "
                         "this config's (every %d, backoff %d): judging at the multiples of %d from here",
                         schedule.get("refresh_interval", "?"), schedule.get("idle_backoff", "?"), gap,
                         interval, backoff, interval)
+        # what already happened holds whatever the config: the next fold and refit age by it
+        self.last_fold, self.last_refit = schedule.get("last_fold"), schedule.get("last_refit")
         if not same:
             schedule = {}
         self.gap = int(schedule.get("gap", interval))
         self.next_judge, self.next_refit = schedule.get("next_judge"), schedule.get("next_refit")
-        self.last_fold, self.last_refit = schedule.get("last_fold"), schedule.get("last_refit")
 
     def take_seconds(self) -> float:
         """Host seconds in this geometry's own work since the last call: the statistics hooks'

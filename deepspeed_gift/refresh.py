@@ -45,10 +45,15 @@ def balance_over_ranks(widths: Dict[str, int], world_size: int) -> Dict[str, int
     return owner
 
 
+def sketch_width(dim: int, rank: int) -> int:
+    """Columns of the test matrix of a statistic of width ``dim`` at factor rank ``rank``."""
+    return min(dim, rank + SKETCH_OVERSAMPLE)
+
+
 def sketch_columns(dim: int, rank: int) -> int:
     """Columns of the sketch of a statistic of width ``dim`` at factor rank ``rank``, or 0 where
     the whole ``A`` is kept: a layer whose ``A`` is no larger than its sketch and diagonal."""
-    width = min(dim, rank + SKETCH_OVERSAMPLE)
+    width = sketch_width(dim, rank)
     return 0 if dim * dim <= dim * (width + 1) else width
 
 
@@ -152,9 +157,10 @@ class KfacRefresh:
         self.lowrank: Dict[str, geo.LowRankDiag] = {}
 
     def sketch_width(self, dim: int) -> int:
-        return min(dim, self.gcfg.rank + SKETCH_OVERSAMPLE)
+        return sketch_width(dim, self.gcfg.rank)
 
     def _dense_exchange(self, dim: int) -> bool:
+        """A layer whose whole ``A`` is no larger than its sketch and diagonal is kept whole."""
         return sketch_columns(dim, self.gcfg.rank) == 0
 
     def test_matrix(self, key: str, rows: torch.Tensor) -> Optional[torch.Tensor]:

@@ -108,9 +108,24 @@ def test_a_collection_after_a_gap_weighs_the_old_average_by_the_steps_that_passe
     once.update(new, periods=3)
     for _ in range(3):
         thrice.update(new)
-    # fp32: each way rounds an element at most 8 times (2 a blend, 3 blends, the power), each
-    # by half an ulp of at most the largest input
-    bound = 8 * torch.finfo(torch.float32).eps * float(torch.maximum(old.abs().max(), new.abs().max()))
+    # the blend of 0.9 ** 3 as the code makes it, to the bit
+    assert torch.equal(once.Y, old.clone().mul_(0.9 ** 3).add_(new, alpha=1 - 0.9 ** 3))
+    # three blends against one: each blend rounds an element at most three times (the product, the
+    # scaled input, the sum) with scalars rounded to fp32 (two more), every value at most the
+    # largest input: 3 x 5 + 5 half-ulps of it, 10 ulps
+    bound = 10 * torch.finfo(torch.float32).eps * float(torch.maximum(old.abs().max(), new.abs().max()))
     assert torch.allclose(once.Y, thrice.Y, rtol=0, atol=bound)
-    assert torch.allclose(once.Y, 0.9 ** 3 * old + (1 - 0.9 ** 3) * new, rtol=0, atol=bound)
     assert not torch.allclose(once.Y, 0.9 * old + 0.1 * new, atol=1e-2)  # one period would be this
+
+
+def test_collections_between_counts_the_unspaced_schedules_collections():
+    # at the multiples of collect_interval or of refresh_interval, in (last, k]; also where
+    # neither divides the other (their common multiples counted once)
+    from deepspeed_gift.lifecycle import collections_between
+
+    for c, r in ((1, 2), (3, 2), (4, 6), (10, 4), (10, 50), (7, 7)):
+        for last in range(0, 40):
+            for k in range(last + 1, 90):
+                made = sum(1 for x in range(last + 1, k + 1) if x % c == 0 or x % r == 0)
+                assert collections_between(last, k, c, r) == max(1, made), (c, r, last, k)
+    assert collections_between(None, 500, 10, 50) == 1

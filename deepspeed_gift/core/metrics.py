@@ -197,7 +197,12 @@ def roundtrip(G: Tensor, codec, whitener=None) -> Tensor:
     """``G`` through one encode/decode of ``codec``, in ``whitener``'s coordinates if given."""
     if whitener is None:
         return codec.decode(codec.encode(G.float()))
-    return whitener.invert(codec.decode(codec.encode(whitener.apply(G.float()))))
+    return roundtrip_whitened(whitener.apply(G.float()), codec, whitener)
+
+
+def roundtrip_whitened(white: Tensor, codec, whitener) -> Tensor:
+    """:func:`roundtrip` of the gradient whose whitened form ``white`` is already at hand."""
+    return whitener.invert(codec.decode(codec.encode(white)))
 
 
 def judge_geometry(G: Tensor, codec, whitener, *, rule=None) -> Tuple[dict, dict]:
@@ -267,7 +272,7 @@ def _judge_sums(G: Tensor, codec, whiteners: Dict[str, object], rule, *, optimiz
     out = {}
     for key, w in whiteners.items():
         ref_white = w.apply(G)
-        geo_approx = w.invert(codec.decode(codec.encode(ref_white)))  # roundtrip(G, codec, w), G whitened once
+        geo_approx = roundtrip_whitened(ref_white, codec, w)  # G whitened once for both
         out[key] = ({**euclid, "whitened": _squares(w.apply(plain), ref_white)},
                     {**common(geo_approx), "whitened": _squares(w.apply(geo_approx), ref_white)})
     return out
