@@ -298,25 +298,23 @@ class GeometryManager:
     def end_step(self, k: int) -> None:
         """End of step k: fold its statistics; on a refresh step refit, share, judge and select,
         and the version goes up (a transform built now carries the new version)."""
-        # a step that collected counts as a collection made, data or not (the next one ages by the
-        # collections skipped since, none on the unspaced schedule)
-        collected = self.moments.attached and self.step == k
         if not self.moments.sums and not self.refresh_due(k):
             self.moments.take()  # nothing collected, nothing due: nothing to fold or fit (nor to time)
-            self.last_fold = k if collected else self.last_fold
-            return
-        t0 = time.perf_counter()
-        self._end_step(k, collected)
-        self.seconds += time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            self._end_step(k)
+            self.seconds += time.perf_counter() - t0
+        # a step that collected (its hooks were on) counts as a collection made, data or not: the
+        # next one ages by the collections skipped since, none on the unspaced schedule
+        if self.moments.attached and self.step == k:
+            self.last_fold = k
 
-    def _end_step(self, k: int, collected: bool) -> None:
+    def _end_step(self, k: int) -> None:
         if K.KFAC_INPUT in self.kinds:
             means = self.moments.take()
             if means:
                 self.kfac.fold(means, collections_between(self.last_fold, k, self.gcfg.collect_interval,
                                                           self.gcfg.refresh_interval))
-            if means or collected:
-                self.last_fold = k
         if not self.refresh_due(k):
             return
         judging = self.judging(k)
