@@ -333,6 +333,11 @@ def cut_pieces(runs: List[Tuple[int, int]], pieces: int, min_elements: int) -> L
     return [{d: m * (k + 1) // count - m * k // count for d, m in owners.items()} for k in range(count)]
 
 
+def link_seconds(nbytes: float, steps: int, bps: float, rates: Rates) -> float:
+    """One collective on a link: its latency and its bytes (none when it moves nothing)."""
+    return rates.a2a_s + nbytes / bps if nbytes or steps else 0.0
+
+
 def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag: int = FINISH_LAG) -> float:
     """Time of one bucket's pieces, in the order ``TwoLevelReducer.reduce`` issues their work.
     Three resources, each in issue order: the node's links (node stages and forwards), the NICs
@@ -343,7 +348,7 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag:
     owner's decode, the forwards: ``two_level.FINISH_LAG``). ``overlap`` off: every operation
     after the last."""
     def link(nbytes: float, steps: int, bps: float) -> float:
-        return rates.a2a_s + nbytes / bps if nbytes or steps else 0.0
+        return link_seconds(nbytes, steps, bps, rates)
 
     if not overlap:
         return sum(link(st.node, st.node_steps, rates.nvlink_bps) + st.sum_s + st.encode_s + st.relay_s
@@ -381,6 +386,18 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag:
     return max(t.values())
 
 
+def busy_seconds(stages: List[Stage], rates: Rates) -> Dict[str, float]:
+    """Each resource's own time over ``stages`` (``scheme_seconds``' three: the node's links, the
+    NICs, the GPU's stream): no pipeline of them, however long, takes less than the largest."""
+    def link(nbytes: float, steps: int, bps: float) -> float:
+        return link_seconds(nbytes, steps, bps, rates)
+
+    return {"nv": sum(link(st.node, st.node_steps, rates.nvlink_bps)
+                      + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages),
+            "nic": sum(link(nb, steps, rates.nic_bps) for st in stages for nb, steps in st.nic),
+            "gpu": sum(st.sum_s + st.encode_s + st.relay_s + st.decode_s for st in stages)}
+
+
 def ring_seconds(stage: Stage, rates: Rates) -> float:
     """DeepSpeed's ring all-reduce: its NVLink and NIC bytes at once (the slower sets it)."""
     (nbytes, steps), = stage.nic
@@ -412,6 +429,7 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                 nic_totals[scheme] = nic_totals.get(scheme, 0.0) + nbytes
                 seconds[scheme] = seconds.get(scheme, 0.0) + secs
 
+            carried: List[Stage] = []  # every bucket's pieces in backward order: one pipeline over the step
             for kind, reductions in (("bucket", runs), ("round", rounds)):
                 # a round brings a slot more runs of a piece than TorchComm sends one by one
                 # (8-20 at W = 64, 60-140 at 512): its node stage gathers them; a bucket's do not
@@ -426,6 +444,8 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                                 add(scheme, nic_bytes(st), ring_seconds(st, rates))
                             elif scheme.startswith("two_level"):
                                 add(scheme, nic_bytes(st), scheme_seconds([c[scheme] for c in cut], rates, True))
+                                if scheme == "two_level_by_layout":
+                                    carried += [c[scheme] for c in cut]
                                 add(scheme + "_serial", 0.0, scheme_seconds([st], rates, False))
                             else:
                                 add(scheme, nic_bytes(st), scheme_seconds([st], rates, False))
@@ -436,6 +456,9 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                                 scheme_seconds([c["two_level_by_layout"] for c in cut], rates, True))
                             add("two_level_rounds_serial", 0.0,
                                 scheme_seconds([whole["two_level_by_layout"]], rates, False))
+            if carried:  # not built: what a pipeline carried from bucket to bucket would take
+                seconds["two_level_across"] = scheme_seconds(carried, rates, True)
+                seconds.update({f"two_level_busy_{k}": v for k, v in busy_seconds(carried, rates).items()})
             base, base_s = nic_totals["bf16"], seconds["bf16"]
             biggest = max(sum(o.values()) for o in layout)
             row = {"model": name, "params": params, "world": world, "per_node": per_node,
@@ -567,13 +590,26 @@ def main(argv=None) -> List[dict]:
     print("| model | W | G | bf16 ms | flat by_layout | two-level by_layout serial | two-level by_layout |"
           " ZeRO-1 rounds | ZeRO-1 rounds two-level serial | ZeRO-1 rounds two-level | holds GB (+EF residuals) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows_with_nics(rows):
+    tables = rows_with_nics(rows)
+    for r in tables:
         cells = [ratio(r, k + "_time_vs_bf16") for k in ("by_layout", "two_level_by_layout_serial",
                                                          "two_level_by_layout", "rounds", "two_level_rounds_serial",
                                                          "two_level_rounds")]
         hold = r["two_level_hold_gb"] if r["per_node"] > 1 else r["relay_hold_gb"]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {1e3 * r['bf16_s']:.1f} | {' | '.join(cells)} | "
               f"{hold:.2f} (+{r['relay_ef_gb']:.2f}) |")
+    print("\nNot built: ZeRO-2's two-level by_layout as one pipeline carried from bucket to bucket (a bucket's last "
+          "pieces still crossing the NICs while the next bucket's first are in their node stage), against the "
+          "per-bucket pipeline above, and the busy time of each resource over the step (no pipeline beats the "
+          "largest):")
+    print("| model | W | G | per bucket | across buckets | node links busy | NICs busy | GPU busy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in tables:
+        if "two_level_across_time_vs_bf16" in r:
+            cells = [ratio(r, k + "_time_vs_bf16") for k in ("two_level_by_layout", "two_level_across",
+                                                             "two_level_busy_nv", "two_level_busy_nic",
+                                                             "two_level_busy_gpu")]
+            print(f"| {r['model']} | {r['world']} | {r['per_node']} | {' | '.join(cells)} |")
     write_json(args.json, rows)
     return rows
 

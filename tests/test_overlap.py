@@ -329,3 +329,21 @@ def test_the_layout_model_runs_the_reducers_order_and_finds_the_paced_runs_times
     # a relay's second hop waits for its sums on the GPU: the GPU's stream is in the chain too
     relay = [Stage(node=T, node_steps=1, nic=((T, 1), (T, 1)), relay_s=T) for _ in range(P)]
     assert 2 * P * T <= scheme_seconds(relay, rates, overlap=True) < scheme_seconds(relay, rates, overlap=False)
+
+
+def test_the_layout_models_bound_for_a_pipeline_across_buckets():
+    # the column that is not built: two buckets of P paced pieces as one pipeline pay the fill
+    # once, (2 P + 1) T, against 2 (P + 1) T bucket by bucket; each link's busy time, 2 P T, is
+    # the floor either way (a relay's second hop and the GPU's work count where they run)
+    from benchmarks.layout_model import Rates, Stage, busy_seconds, scheme_seconds
+
+    T, P = 0.25, 4
+    rates = Rates(nic_bps=1.0, nvlink_bps=1.0)
+    bucket = [Stage(node=T, node_steps=1, nic=((T, 1),)) for _ in range(P)]
+    per_bucket = 2 * scheme_seconds(bucket, rates, overlap=True)
+    across = scheme_seconds(bucket + bucket, rates, overlap=True)
+    assert per_bucket == pytest.approx(2 * (P + 1) * T) and across == pytest.approx((2 * P + 1) * T)
+    assert busy_seconds(bucket + bucket, rates) == pytest.approx({"nv": 2 * P * T, "nic": 2 * P * T, "gpu": 0.0})
+    relay = Stage(node=T, node_steps=1, nic=((T, 1), (2 * T, 1)), relay_s=T, encode_s=T, forward=T, forward_steps=1)
+    assert busy_seconds([relay], rates) == pytest.approx({"nv": 2 * T, "nic": 3 * T, "gpu": 2 * T})
+    assert scheme_seconds([relay] * P, rates, overlap=True) >= max(busy_seconds([relay] * P, rates).values())
