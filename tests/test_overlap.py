@@ -265,6 +265,119 @@ def test_overlapped_stages_take_about_the_longest_stage_not_their_sum():
         assert walls[True] < 0.75 * walls[False], walls
 
 
+def _carry_body(rank, world, per_node):
+    import torch.distributed as dist
+
+    from deepspeed_gift.core import geometry as geo
+    from deepspeed_gift.core.rng import CounterRng
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
+
+    dist.init_process_group("gloo")
+    slices, total = _bucket()
+    whiteners = {}
+    for key in (0, 1, 3, 4):
+        dim = SHAPES[key][-1]
+        x = torch.randn(200, dim, generator=torch.Generator().manual_seed(key)) * torch.linspace(0.1, 3.0, dim)
+        whiteners[key] = geo.fit_whitener(x.T @ x / 200, rank=4, damping=1e-3)
+    # a second layout: the first bucket's slices of parameters 3 to 5, from offset 0
+    first = min(s.bucket_offset for s in slices if s.param_key >= 3)
+    second = [ParamSlice(s.dst, s.bucket_offset - first, s.numel, s.param_offset, s.param_key, s.row_len, s.mode,
+                         s.copy_ranks) for s in slices if s.param_key >= 3]
+    layouts = [(slices, total), (second, total - first), (slices, total)]  # three buckets a step
+    node_comm, slot_comm = split_by_node(TorchComm(), per_node)
+    out = {}
+
+    def run(route, carry, steps=2):
+        inner = GiftReducer(slot_comm, formats.get_format("fp8_e4m3", rounding="stochastic"),
+                            generator=CounterRng(7 + rank), error_feedback=True, route=route)
+        two = TwoLevelReducer(node_comm, inner, per_node, pieces=4, piece_min_elements=200)
+        got, flags = [], []
+        for step in range(steps):
+            held = []
+            for b, (layout, n) in enumerate(layouts):
+                grad = torch.randn(n, generator=torch.Generator().manual_seed(100 * step + 10 * b + rank))
+                outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in layout]
+                held.append((grad, outputs, layout))
+                if carry:
+                    done = two.reduce_carried(grad, layout, whiteners, divisor=world, step=step, outputs=outputs,
+                                              tag=(step, b), carry=b + 1 < len(layouts))
+                else:
+                    done = [((step, b), two.reduce(grad, layout, whiteners, divisor=world, step=step,
+                                                   outputs=outputs))]
+                flags.append(([tag for tag, _ in done], [st.carried_buckets for _, st in done],
+                              [(st.pieces, st.bytes_node, st.bytes_main, st.recv_max) for _, st in done]))
+            for grad, outputs, layout in held:
+                mine = [i for i, s in enumerate(layout) if s.dst == rank or rank in s.copy_ranks]
+                got.append(([grad.narrow(0, layout[i].bucket_offset, layout[i].numel).clone() for i in mine],
+                            [outputs[i] for i in mine if outputs[i] is not None]))
+        return got, flags, two.carrying
+
+    for route in ("direct", "relay", "by_layout"):
+        for carry in (False, True):
+            out[route, carry] = run(route, carry)
+    return out
+
+
+def test_buckets_carried_into_the_next_give_the_same_bits_and_are_reported_when_done():
+    """``TwoLevelReducer.reduce_carried``: a bucket's last pieces finish during the next bucket's
+    call; stochastic rounding, error feedback, relay and forwards over three buckets of two
+    layouts and two steps give the bits of reducing each bucket whole, and each bucket is
+    reported once, when its last piece and forwards are done."""
+    for per_rank in run_ranks(_carry_body, 4, 2):
+        for route in ("direct", "relay", "by_layout"):
+            (whole, whole_flags, _), (carried, carried_flags, left) = per_rank[route, False], per_rank[route, True]
+            assert not left
+            for (w_res, w_out), (c_res, c_out) in zip(whole, carried):
+                assert all(torch.equal(a, b) for a, b in zip(w_res, c_res)), route
+                assert all(torch.equal(a, b) for a, b in zip(w_out, c_out)), route
+            for step in range(2):
+                # bucket 0 returns nothing (carried); bucket 1 reports bucket 0 (and carries itself);
+                # bucket 2, the step's last, finishes bucket 1 and itself
+                tags = [t for t, _, _ in carried_flags[3 * step:3 * step + 3]]
+                assert tags == [[], [(step, 0)], [(step, 1), (step, 2)]], (route, tags)
+                assert [c for _, c, _ in carried_flags[3 * step:3 * step + 3]] == [[], [1], [1, 0]], route
+                # what each bucket counted is what it counts reduced whole
+                assert sum((f for _, _, f in carried_flags[3 * step:3 * step + 3]), []) == \
+                    sum((f for _, _, f in whole_flags[3 * step:3 * step + 3]), []), route
+
+
+def _paced_carry_body(rank, world, per_node, seconds, pieces):
+    import torch.distributed as dist
+
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
+
+    dist.init_process_group("gloo")
+    slices, total = _bucket(whitened=False)
+    node_comm, slot_comm = split_by_node(TorchComm(), per_node)
+    node, slot = PacedComm(node_comm, seconds), PacedComm(slot_comm, seconds)
+    grads = [torch.randn(total, generator=torch.Generator().manual_seed(10 * rank + b)) for b in range(2)]
+    two = TwoLevelReducer(node, GiftReducer(slot, formats.get_format("fp8_e4m3"), route="direct"), per_node,
+                          pieces=pieces, piece_min_elements=100)
+    two.reduce(grads[0].clone(), slices, {}, divisor=world)  # plans made and agreed (unpaced collectives)
+    walls = {}
+    for carry in (False, True, False, True):  # twice each, alternating: the better of two
+        dist.barrier()
+        t0 = time.perf_counter()
+        two.reduce_carried(grads[0].clone(), slices, {}, divisor=world, carry=carry)
+        two.reduce_carried(grads[1].clone(), slices, {}, divisor=world, carry=False)
+        walls[carry] = min(walls.get(carry, float("inf")), time.perf_counter() - t0)
+    dist.barrier()
+    return walls
+
+
+def test_a_bucket_carried_into_the_next_pays_the_pipelines_fill_once():
+    # every all-to-all takes T on its link; two buckets of P pieces, direct route. Bucket by
+    # bucket: (P + 1) T each; carried, the second bucket's first node stage runs beside the
+    # first's last exchange: (2 P + 1) T (the layout model's "across buckets" column)
+    seconds, pieces = 0.25, 4
+    for walls in run_ranks(_paced_carry_body, 4, 2, seconds, pieces):
+        assert walls[False] >= 2 * (pieces + 1) * seconds, walls
+        assert walls[True] < (2 * pieces + 1 + 0.6) * seconds, walls  # 0.6 T: compute and scheduling slack
+        assert walls[True] < walls[False] - 0.5 * seconds, walls
+
+
 # The engine: DeepSpeed's buckets and ZeRO-1's rounds cut into pieces. At two ranks on one node the
 # node stage is the whole reduction: fp32 sums of two ranks, divided once (exact: a division by 2),
 # as DeepSpeed's; every route, overlapped pieces or whole buckets.

@@ -46,6 +46,7 @@ class StepStats:
     recv_max_internode: int = 0  # the same, of the messages that cross between nodes
     balanced_buckets: int = 0  # two-level: buckets split over the node's ranks in equal runs (any piece)
     pieces: int = 0  # two-level: pieces the buckets were cut into for the pipeline of stages
+    carried_buckets: int = 0  # two-level: buckets whose last pieces finished during the next bucket's reduction
     bytes_geometry: int = 0  # statistics, sketches and factors (the comm's GEOMETRY meter, once per step)
     transform_s: float = 0.0
     codec_s: float = 0.0

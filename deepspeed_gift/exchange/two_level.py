@@ -288,6 +288,24 @@ class NodePlan:
         return stage + forwards
 
 
+class _BucketRun:
+    """One bucket in the two-level pipeline: its tensor, pieces, plans and headers, and what its
+    pieces have added up so far (finished pieces count down in ``unfinished``)."""
+
+    def __init__(self, tensor, parts, planned, heads, sampled: int, sample: bool, agreed: int, tag) -> None:
+        self.tensor, self.parts, self.planned, self.heads = tensor, parts, planned, heads
+        self.sampled, self.sample, self.agreed, self.tag = sampled, sample, agreed, tag
+        self.acc = {"node_s": 0.0, "bytes": 0, "stats": None}
+        self.unfinished = len(planned)
+        self.carried = False  # some piece finished during the next bucket's call
+
+    def timed(self, fn, *args):
+        t0 = clock(self.tensor.device, self.sample)
+        out = fn(*args)
+        self.acc["node_s"] += clock(self.tensor.device, self.sample) - t0
+        return out
+
+
 class TwoLevelReducer:
     """Reduce a bucket inside each node first, then across nodes with a :class:`GiftReducer`.
 
@@ -334,6 +352,11 @@ class TwoLevelReducer:
         self._plans: Dict[tuple, Tuple[NodePlan, int]] = {}
         self._cuts: Dict[tuple, List[Carried]] = {}  # bucket layout -> its pieces (bucket_pieces)
         self.plans_agreed = 0  # new plans, each agreed by the node and the slot group before its first use
+        # the pipeline's pieces begun and not finished, (bucket, piece, exchange, node partial),
+        # oldest first; the forwards under way (bucket, handle); buckets finished, not reported
+        self._waiting: List[tuple] = []
+        self._forwarding: Optional[tuple] = None
+        self._done: List[Tuple[object, StepStats]] = []
 
     def plan_for(self, slices: Sequence[ParamSlice], versions: Optional[Dict[int, int]] = None
                  ) -> Tuple[NodePlan, int]:
@@ -390,9 +413,28 @@ class TwoLevelReducer:
     def reduce(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform], *,
                divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
-        """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks).
+        """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks): the
+        bucket reduced whole (and any bucket carried before it) when this returns."""
+        done = self.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=step, outputs=outputs,
+                                   sample=sample, carry=False)
+        return done[-1][1]
 
-        The pieces' work, in the one order both modes run (so stochastic rounding's counter
+    def reduce_carried(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform],
+                       *, divisor: float, step: int = 0, outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                       sample: bool = False, carry: bool = True, tag=None) -> List[Tuple[object, StepStats]]:
+        """:meth:`reduce`, with the pipeline of pieces carried from bucket to bucket (``carry``):
+        this bucket's last ``FINISH_LAG`` pieces may still be crossing the nodes when this
+        returns, and they finish during the next call (or :meth:`drain`), after the next
+        bucket's first pieces are in their node stage and exchange, so the node's links and the
+        NICs do not idle through each bucket's fill and drain. Until it is reported done, the
+        bucket's ``tensor`` and ``outputs`` must stay as they are and unread (DeepSpeed's
+        double ipg buffer under ``overlap_comm`` keeps a bucket's buffer through the next one).
+        Every bucket is cut, planned and reduced as without the carry, and its encodes run in
+        the same order (only decodes and forwards move later): the same bits. Returns the
+        buckets finished during this call, oldest first, as ``(tag, stats)``; ``carry`` False
+        finishes them all, this one last.
+
+        The pieces' work, in the one order every mode runs (so stochastic rounding's counter
         meets the encodes in the same order): piece k+1's node stage begun, piece k's node
         partial summed, piece k-1's last exchange begun (a relay's sums encoded and sent), piece
         k's exchange among the nodes begun (its encode, its first all-to-all posted), then piece
@@ -401,6 +443,49 @@ class TwoLevelReducer:
         all-to-all runs while the work after it is done; serial, each is waited for as it is
         posted. Held at once: FINISH_LAG + 1 pieces' node partials and exchanges, the next
         piece's node stage, one piece's forwards."""
+        run = self._begin_bucket(tensor, slices, whiteners, step, outputs, sample, tag)
+        waiting = self._waiting  # pieces begun, not finished, oldest first (of this bucket and the last)
+        staged = run.timed(self._node_stage_start, tensor, run.planned[0][0], run.heads[0])
+        for k, (plan, _) in enumerate(run.planned):
+            this = staged
+            if k + 1 < len(run.planned):  # begun before this piece's sum: the node's links never wait for it
+                staged = run.timed(self._node_stage_start, tensor, run.planned[k + 1][0], run.heads[k + 1])
+            partial, sent = run.timed(self._node_stage_finish, this, tensor.dtype)
+            run.acc["bytes"] += sent
+            if waiting:  # piece k-1's last exchange under way before piece k's first (posted once)
+                waiting[-1][2].post_last()
+            steps = Begun(self.inner.reduce_steps(partial, plan.slices, whiteners, divisor=divisor, step=step,
+                                                  outputs=plan.outputs_for(run.parts[k][1]), sample=sample,
+                                                  wait_at_once=not self.overlap, fidelity_elements=run.sampled))
+            if len(waiting) == FINISH_LAG:
+                self._finish(*waiting.pop(0))
+            waiting.append((run, k, steps, partial))
+        waiting[-1][2].post_last()  # the same order of encodes carried or not: the relay's sums now
+        while waiting and (not carry or waiting[0][0] is not run):
+            self._finish(*waiting.pop(0))
+        if self._forwarding is not None and (not carry or self._forwarding[0] is not run):
+            self._forward_done()
+        if not carry:
+            return self.drain()
+        run.carried = self.carrying  # only this bucket's pieces can be left under way now
+        done, self._done = self._done, []
+        return done
+
+    def drain(self) -> List[Tuple[object, StepStats]]:
+        """Every carried bucket finished: ``(tag, stats)`` of those finished since the last report."""
+        while self._waiting:
+            self._finish(*self._waiting.pop(0))
+        if self._forwarding is not None:
+            self._forward_done()
+        done, self._done = self._done, []
+        return done
+
+    @property
+    def carrying(self) -> bool:
+        """A bucket's last pieces are still under way (reported by the next call or :meth:`drain`)."""
+        return bool(self._waiting) or self._forwarding is not None
+
+    def _begin_bucket(self, tensor, slices, whiteners, step, outputs, sample, tag) -> "_BucketRun":
         agreed = self.plans_agreed
         versions = {key: t.version for key, t in whiteners.items()}
         layout = tuple(slices)
@@ -412,62 +497,49 @@ class TwoLevelReducer:
         self._cuts[layout] = cut
         parts = [piece_slices(slices, runs, outputs) for runs in cut]
         planned = [self.plan_for(part, versions) for part, _ in parts]  # new ones agreed before any exchange
-        device = tensor.device
         # the node's messages open with the piece's header (a node of one rank sends none)
-        heads = [self.inner.checks.control_header(plan, step, device) if self.ranks_per_node > 1 else None
+        heads = [self.inner.checks.control_header(plan, step, tensor.device) if self.ranks_per_node > 1 else None
                  for plan, _ in planned]
-        acc = {"node_s": 0.0, "bytes": 0, "stats": None}
         # the sampled fidelity check takes a bucket's sample over its pieces, not one per piece
         sampled = max(1, self.inner.fidelity_elements // len(planned))
-        forwarding = [None]  # the forwards under way (of the last piece finished)
+        return _BucketRun(tensor, parts, planned, heads, sampled, sample, self.plans_agreed - agreed, tag)
 
-        def timed(fn, *args):
-            t0 = clock(device, sample)
-            out = fn(*args)
-            acc["node_s"] += clock(device, sample) - t0
-            return out
+    def _finish(self, run: "_BucketRun", k: int, steps: Begun, partial: torch.Tensor) -> None:
+        """Piece k of ``run``: its exchange finished (the owner's decode and inverse), its results
+        delivered into its bucket, the forwards before it finished and its own begun."""
+        plan, outs = run.planned[k][0], run.parts[k][1]
+        stats = steps.result()
+        for compact_at, bucket_at, numel in plan.delivered:
+            run.tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
+        if self._forwarding is not None:
+            self._forward_done()
+        self._forwarding = (run, run.timed(self._forward_start, run.tensor, partial, plan, run.heads[k], outs))
+        stats.balanced_buckets = int(plan.split == "balanced")
+        run.acc["stats"] = stats if run.acc["stats"] is None else run.acc["stats"].add(stats)
+        run.unfinished -= 1
 
-        def finish(k: int, steps: Begun, partial: torch.Tensor) -> None:
-            plan, outs = planned[k][0], parts[k][1]
-            stats = steps.result()
-            for compact_at, bucket_at, numel in plan.delivered:
-                tensor.narrow(0, bucket_at, numel).copy_(partial.narrow(0, compact_at, numel))
-            acc["bytes"] += timed(self._forward_finish, forwarding[0], tensor)
-            forwarding[0] = timed(self._forward_start, tensor, partial, plan, heads[k], outs)
-            stats.balanced_buckets = int(plan.split == "balanced")
-            acc["stats"] = stats if acc["stats"] is None else acc["stats"].add(stats)
+    def _forward_done(self) -> None:
+        """The forwards under way finished into their own bucket; a bucket whose every piece is
+        finished and forwarded is done."""
+        run, forwarding = self._forwarding
+        self._forwarding = None
+        run.acc["bytes"] += run.timed(self._forward_finish, forwarding, run.tensor)
+        if not run.unfinished:
+            self._done.append((run.tag, self._bucket_stats(run)))
 
-        staged = timed(self._node_stage_start, tensor, planned[0][0], heads[0])
-        waiting = []  # (piece, its exchange's steps, its node partial): begun, not finished, oldest first
-        for k, (plan, _) in enumerate(planned):
-            this = staged
-            if k + 1 < len(planned):  # begun before this piece's sum: the node's links never wait for it
-                staged = timed(self._node_stage_start, tensor, planned[k + 1][0], heads[k + 1])
-            partial, sent = timed(self._node_stage_finish, this, tensor.dtype)
-            acc["bytes"] += sent
-            if waiting:  # piece k-1's last exchange under way before piece k's first
-                waiting[-1][1].post_last()
-            steps = Begun(self.inner.reduce_steps(partial, plan.slices, whiteners, divisor=divisor, step=step,
-                                                  outputs=plan.outputs_for(parts[k][1]), sample=sample,
-                                                  wait_at_once=not self.overlap, fidelity_elements=sampled))
-            if len(waiting) == FINISH_LAG:
-                finish(*waiting.pop(0))
-            waiting.append((k, steps, partial))
-        waiting[-1][1].post_last()
-        for piece in waiting:
-            finish(*piece)
-        acc["bytes"] += timed(self._forward_finish, forwarding[0], tensor)
-        total = acc["stats"]
+    def _bucket_stats(self, run: "_BucketRun") -> StepStats:
+        total = run.acc["stats"]
         # a bucket counts once, whatever its pieces did (any piece relayed, any split evenly)
         total.relay_buckets, total.balanced_buckets = min(total.relay_buckets, 1), min(total.balanced_buckets, 1)
-        total.pieces = len(planned)
-        total.node_s = acc["node_s"]
-        total.bytes_node = acc["bytes"]
+        total.pieces = len(run.planned)
+        total.node_s = run.acc["node_s"]
+        total.bytes_node = run.acc["bytes"]
+        total.carried_buckets = int(run.carried)
         # new plans: the fingerprints shown inside the node, and among the nodes (every slot group at once)
-        node_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.ranks_per_node - 1)
-        among_agreed = (self.plans_agreed - agreed) * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
-        among_nodes = sum(among for _, among in planned)
-        busiest_node = sum(plan.busiest_node_receive(tensor.element_size()) for plan, _ in planned)
+        node_agreed = run.agreed * FINGERPRINT_BYTES * (self.ranks_per_node - 1)
+        among_agreed = run.agreed * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
+        among_nodes = sum(among for _, among in run.planned)
+        busiest_node = sum(plan.busiest_node_receive(run.tensor.element_size()) for plan, _ in run.planned)
         total.recv_max_internode = among_nodes + among_agreed
         total.recv_max = among_nodes + among_agreed + busiest_node + node_agreed
         return total
