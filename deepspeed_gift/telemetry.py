@@ -37,6 +37,7 @@ TELEMETRY_KEYS: Dict[str, str] = {
     "bytes_node": "two-level: bytes sent inside the node",
     "balanced_buckets": "two-level: buckets split evenly over the node's ranks (in any of their pieces)",
     "pieces": "two-level: pieces the buckets were cut into, their node stages overlapped with the exchange among nodes",
+    "carried_buckets": "two-level: buckets whose last pieces finished during the next bucket's reduction (overlap_comm)",
     "node_s": "two-level: seconds in the stages inside the node (timed steps)",
     "geometry_kinds": "with several kinds: layers on each",
     "params_bytes": "gift.params: bytes of the parameter all-gather",
@@ -104,6 +105,7 @@ def step_record(k: int, t: StepStats, *, start_step: int, hierarchy: str, geomet
         record["bytes_node"] = t.bytes_node
         record["balanced_buckets"] = t.balanced_buckets
         record["pieces"] = t.pieces
+        record["carried_buckets"] = t.carried_buckets
         if t.timed:
             record["node_s"] = t.node_s
     if len(geometry.kinds) > 1:

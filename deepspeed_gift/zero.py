@@ -18,6 +18,7 @@ optimizer as the ZeRO-1 layout GIFT reads), and the norm's gradients with their 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -97,6 +98,8 @@ ZERO_INTERNALS = (
     "reduce_bucket_size",
     # contiguous_gradients false: DeepSpeed's reduction of gradients that do not share a buffer
     "buffered_reduce_fallback", "_clear_previous_reduced_grads",
+    # two-level's pipeline carried from bucket to bucket (overlap_comm)
+    "reduce_independent_p_g_buckets_and_remove_grads", "reduce_ipg_grads", "copy_grads_in_partition",
 )
 
 
@@ -828,6 +831,15 @@ class GiftState:
             formats.warm_device_tables(device)
         self.native_average_tensor = getattr(opt, "average_tensor", None)
         self._reduced_in_rounds = False  # this step's gradients were reduced in rounds: the buckets pass
+        # Two-level's pipeline carried from bucket to bucket (see carry_applies): set while the
+        # backward reduces a full bucket; the bucket left under way (its tag) and its parameters,
+        # whose copies into the partition wait until it is done; the next tag
+        self._in_backward_bucket = False
+        self._open_bucket: Optional[int] = None
+        self._open_params: set = set()
+        self._deferred_copies: List[tuple] = []
+        self._bucket_tags = 0
+        self._finished_carried = False  # a carried bucket finished since the last reduce_ipg_grads
         # per (dtype, expert group or None): (the layout it was planned for, the rounds), the same step after step
         self._rounds_plan: Dict[tuple, tuple] = {}
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
@@ -936,10 +948,83 @@ class GiftState:
                                f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
         divisor = self._divisor()
         with _reduction_stream(opt, communication_data_type):
+            if self.carry_applies() and self._in_backward_bucket and not self.expert_reducers:
+                tag, self._bucket_tags = self._bucket_tags, self._bucket_tags + 1
+                done = self.reducer.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=k,
+                                                   outputs=outputs, sample=self.sampling(k), tag=tag)
+                self._buckets_done(done)
+                if self.reducer.carrying:
+                    self._open_bucket = tag
+                    self._open_params = {param_id for _, _, param_id in params}
+                return
+            self._buckets_done(self.drain_carried())
             for reducer, these in self._by_group(slices, outputs):
                 stats = reducer.reduce(tensor, [s for s, _ in these], whiteners, divisor=divisor, step=k,
                                        outputs=[o for _, o in these], sample=self.sampling(k))
                 self._count(stats)
+
+    # ---- two-level's pipeline carried across DeepSpeed's buckets --------------------------
+    def carry_applies(self) -> bool:
+        """A bucket's last pieces may finish during the next bucket's reduction
+        (``gift.carry_buckets``): two-level, with DeepSpeed's double ipg buffer (``overlap_comm``
+        and ``contiguous_gradients``: a bucket's buffer is filled again only after the next
+        bucket is reduced), its gradients kept on the device (no ``offload_optimizer``), one
+        exchange per bucket (no MoE groups)."""
+        opt = self.opt
+        return (self.cfg.carry_buckets and isinstance(self.reducer, TwoLevelReducer) and bool(opt.overlap_comm)
+                and bool(opt.contiguous_gradients) and not opt.cpu_offload and not self.expert_reducers)
+
+    def drain_carried(self) -> list:
+        """Every carried bucket finished now: ``(tag, stats)`` of those not yet reported."""
+        if isinstance(self.reducer, TwoLevelReducer) and self.reducer.carrying:
+            return self.reducer.drain()
+        return []
+
+    def _buckets_done(self, done) -> None:
+        """Count finished buckets; the carried one's held-back copies into the partition run now,
+        in DeepSpeed's order, before any later bucket's (and on the reduction stream it used)."""
+        for tag, stats in done:
+            self._count(stats)
+            if tag == self._open_bucket:
+                self._open_bucket, self._open_params = None, set()
+                copies, self._deferred_copies = self._deferred_copies, []
+                for native, param, args, kwargs in copies:
+                    native(param, *args, **kwargs)
+                self._finished_carried = True
+
+    def backward_bucket(self, native, *args, **kwargs):
+        """DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``: where the backward
+        reduces a bucket that is full, the one place a bucket may be carried into the next."""
+        self._in_backward_bucket = True
+        try:
+            return native(*args, **kwargs)
+        finally:
+            self._in_backward_bucket = False
+
+    def copy_grads_in_partition(self, native, param, *args, **kwargs):
+        """DeepSpeed's copy of a reduced gradient out of the bucket into the partition: held back
+        while the bucket is still under way, run in order once it is done."""
+        if self._open_bucket is not None and self.opt.get_param_id(param) in self._open_params:
+            self._deferred_copies.append((native, param, args, kwargs))
+            return None
+        return native(param, *args, **kwargs)
+
+    def after_reduce_ipg_grads(self) -> None:
+        """After DeepSpeed's ``reduce_ipg_grads``: outside the backward's full buckets (the
+        epilogue's last bucket, any other caller) every carried bucket is finished. A bucket
+        finished during this call was last touched on the reduction stream after the wait
+        DeepSpeed put at this bucket's start: the backward's next gradients, which may fill its
+        buffer again, wait for it here (as DeepSpeed's for its own reduction at the next bucket)."""
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        on_stream = self.opt.overlap_comm and not acc.resolves_data_dependency()
+        if not self._in_backward_bucket:
+            with acc.stream(self.opt.reduction_stream) if on_stream else contextlib.nullcontext():
+                self._buckets_done(self.drain_carried())
+        if self._finished_carried and on_stream:
+            acc.current_stream().wait_stream(self.opt.reduction_stream)
+        self._finished_carried = False
 
     def _expert_group(self, param_id: int) -> Optional[str]:
         """The expert group a parameter belongs to (DeepSpeed-MoE), None for a dense one."""
@@ -1532,6 +1617,26 @@ def _attach_zero(state: GiftState) -> None:
         return state.reduce_fallback(native_fallback, rank, grads, *args, **kwargs)
 
     _replace(state, state.opt, "buffered_reduce_fallback", buffered_reduce_fallback)
+    if state.carry_applies():  # two-level's pipeline carried from bucket to bucket
+        opt = state.opt
+        native_bucket = opt.reduce_independent_p_g_buckets_and_remove_grads
+        native_ipg = opt.reduce_ipg_grads
+        native_copy = opt.copy_grads_in_partition
+
+        def backward_bucket(*args, **kwargs):
+            return state.backward_bucket(native_bucket, *args, **kwargs)
+
+        def reduce_ipg_grads(*args, **kwargs):
+            out = native_ipg(*args, **kwargs)
+            state.after_reduce_ipg_grads()
+            return out
+
+        def copy_grads_in_partition(param, *args, **kwargs):
+            return state.copy_grads_in_partition(native_copy, param, *args, **kwargs)
+
+        _replace(state, opt, "reduce_independent_p_g_buckets_and_remove_grads", backward_bucket)
+        _replace(state, opt, "reduce_ipg_grads", reduce_ipg_grads)
+        _replace(state, opt, "copy_grads_in_partition", copy_grads_in_partition)
     native_preserving = getattr(state.opt, "_buffered_reduce_fallback_preserving_fp32", None)
     if native_preserving is not None:
         def preserving(grads, grad_params, *args, **kwargs):

@@ -460,3 +460,35 @@ def test_the_layout_models_bound_for_a_pipeline_across_buckets():
     relay = Stage(node=T, node_steps=1, nic=((T, 1), (2 * T, 1)), relay_s=T, encode_s=T, forward=T, forward_steps=1)
     assert busy_seconds([relay], rates) == pytest.approx({"nv": 2 * T, "nic": 3 * T, "gpu": 2 * T})
     assert scheme_seconds([relay] * P, rates, overlap=True) >= max(busy_seconds([relay] * P, rates).values())
+
+
+# overlap_comm: DeepSpeed's double ipg buffer keeps a bucket's buffer through the next bucket, so
+# GIFT carries two-level's pipeline from bucket to bucket (gift.carry_buckets), holding the bucket's
+# copies into the partition until it is done. FP8, stochastic rounding, error feedback and
+# whitening at 4 ranks in nodes of 2, over gradient accumulation: the bits of the same buckets
+# finished one by one, and (stage 2, whose buckets DeepSpeed fills alike either way) of
+# overlap_comm false; ZeRO-1 on DeepSpeed's buckets (stage1_rounds false).
+CARRIED = {"format": "fp8_e4m3", "layers": "all", "rounding": "stochastic", "error_feedback": True,
+           "geometry": {"rank": 4, "refresh_interval": 2, "collect_interval": 1}, "telemetry": {"every": 1},
+           "hierarchy": "two_level", "ranks_per_node": 2, "node_pieces": 3, "node_piece_min_elements": 500,
+           "stage1_rounds": False}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeeds_buckets_carried_under_overlap_comm_give_the_bits_of_whole_buckets(stage):
+    base = dict(stage=stage, steps=4, ga=2, bucket=12000, overlap=True)
+    specs = [dict(base, gift=CARRIED), dict(base, gift=dict(CARRIED, carry_buckets=False))]
+    if stage == 2:
+        specs.append(dict(base, gift=CARRIED, overlap=False))
+    for carried, *whole in run_ranks(train_many, 4, specs):
+        for other in whole:
+            assert carried["digests"] == other["digests"]
+            for name, p in other["params"].items():
+                assert torch.equal(carried["params"][name], p), name
+            assert carried["losses"] == other["losses"]
+            assert all(r["carried_buckets"] == 0 for r in other["records"])
+            for key in ("elements_sent", "bytes_payload", "bytes_node", "pieces", "bytes_recv_max"):
+                assert [r[key] for r in carried["records"]] == [r[key] for r in other["records"]], key
+        # every bucket but each backward's last is carried into the next
+        assert all(r["carried_buckets"] > 0 for r in carried["records"]), [r["carried_buckets"]
+                                                                           for r in carried["records"]]
