@@ -456,7 +456,7 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                                 scheme_seconds([c["two_level_by_layout"] for c in cut], rates, True))
                             add("two_level_rounds_serial", 0.0,
                                 scheme_seconds([whole["two_level_by_layout"]], rates, False))
-            if carried:  # not built: what a pipeline carried from bucket to bucket would take
+            if carried:  # gift.carry_buckets: one pipeline carried from bucket to bucket
                 seconds["two_level_across"] = scheme_seconds(carried, rates, True)
                 seconds.update({f"two_level_busy_{k}": v for k, v in busy_seconds(carried, rates).items()})
             base, base_s = nic_totals["bf16"], seconds["bf16"]
@@ -598,11 +598,11 @@ def main(argv=None) -> List[dict]:
         hold = r["two_level_hold_gb"] if r["per_node"] > 1 else r["relay_hold_gb"]
         print(f"| {r['model']} | {r['world']} | {r['per_node']} | {1e3 * r['bf16_s']:.1f} | {' | '.join(cells)} | "
               f"{hold:.2f} (+{r['relay_ef_gb']:.2f}) |")
-    print("\nNot built: ZeRO-2's two-level by_layout as one pipeline carried from bucket to bucket (a bucket's last "
-          "pieces still crossing the NICs while the next bucket's first are in their node stage), against the "
-          "per-bucket pipeline above, and the busy time of each resource over the step (no pipeline beats the "
-          "largest):")
-    print("| model | W | G | per bucket | across buckets | node links busy | NICs busy | GPU busy |")
+    print("\nZeRO-2's two-level by_layout as one pipeline carried from bucket to bucket (gift.carry_buckets under "
+          "overlap_comm: a bucket's last pieces still crossing the NICs while the next bucket's first are in their "
+          "node stage), against each bucket's own pipeline (carry_buckets false, or overlap_comm false), and the "
+          "busy time of each resource over the step (no pipeline beats the largest):")
+    print("| model | W | G | bucket by bucket | carried (default) | node links busy | NICs busy | GPU busy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in tables:
         if "two_level_across_time_vs_bf16" in r:

@@ -90,7 +90,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import layout_model  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
-from deepspeed_gift.config import SelectionConfig  # noqa: E402
+from deepspeed_gift.config import GiftConfig, SelectionConfig  # noqa: E402
 from deepspeed_gift.refresh import sketch_columns  # noqa: E402
 
 PAPER_SAVINGS = {"euclidean_fp8": -10.79, "gift_fp8": -7.6}  # end-to-end step time vs full precision, 600M/64 GPUs
@@ -514,7 +514,8 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
     tokens = args.tokens_per_gpu
     net = {"world": w, "per_node": g, "nic_bps": nic_gbit * 1e9, "nvlink_bps": args.nvlink_gbyte * 8e9,
            "alpha_s": args.alpha_us * 1e-6, "ring_eff": args.ring_eff, "alltoall_eff": args.alltoall_eff,
-           "node_pieces": args.node_pieces, "node_piece_min_elements": args.node_piece_min_elements}
+           "node_pieces": args.node_pieces, "node_piece_min_elements": args.node_piece_min_elements,
+           "carry_buckets": args.carry_buckets}
     # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
     # masking not discounted)
     compute = (6 * shapes["matmul"] + 12 * args.layers * args.hidden * args.seq) * tokens \
@@ -529,7 +530,7 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
         t_grad = sum(collective_seconds("reducescatter", 2 * sum(o.values()), net) for o in buckets)
     else:
         b = wire_bytes_per_element(fmt)
-        t_grad = sum(gift_bucket_seconds(path, o, b, net) for o in buckets)
+        t_grad = gift_grad_seconds(path, buckets, b, net)
         if path == "flat":
             coded = n  # every rank encodes its whole gradient, decodes W pieces of N/W
             sent = n * (w - 1) / w  # what leaves the rank (its own partition stays unwhitened)
@@ -571,28 +572,31 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             "grad_comm": t_grad, "param_comm": t_param, "exposed_comm": comm}
 
 
-def gift_bucket_seconds(path: str, owners: Dict[int, int], b: float, net: dict) -> float:
-    """Seconds of GIFT's exchange of one bucket of the real layout (``by_layout``, flat or
+def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: dict) -> float:
+    """Seconds of GIFT's exchange of the step's buckets of the real layout (``by_layout``, flat or
     two-level): the layout model's busiest NIC and NVLink bytes at the calibrated efficiencies,
-    stages one after the other, and the latency steps of the collective (one pass)."""
+    and the latency steps of the collective (one pass). Flat, or two-level in whole buckets
+    (``node_pieces`` 1): stages one after the other. Two-level's pipeline (``gift.node_pieces``):
+    the layout model's schedule of its pieces' link stages, each collective its latency steps
+    (the codec's work is its own term of the step, not overlapped here), one pipeline per
+    bucket, or carried from bucket to bucket over the step (``gift.carry_buckets``)."""
     w, g = net["world"], min(net["per_node"], net["world"])
-    links = layout_model.bucket_link_bytes(owners, w, g, b)
-    scheme = "two_level_by_layout" if path == "two_level" and "two_level_by_layout" in links else "by_layout"
-    nic, nvlink = links[scheme]
-    kind = "two_level" if scheme != "by_layout" else "alltoall"
-    steps = collective_bytes(kind, 1.0, w, g)["steps"]
     pieces = net.get("node_pieces", 1)
-    if scheme == "by_layout" or pieces <= 1:
-        return (net["alpha_s"] * steps + nic * 8 / net["nic_bps"] / net["alltoall_eff"]
-                + nvlink * 8 / net["nvlink_bps"] / net["ring_eff"])
-    # two-level's pipeline (gift.node_pieces): the layout model's schedule of its pieces' link
-    # stages at the calibrated efficiencies, each collective its latency steps (the codec's
-    # work is its own term of the step, not overlapped here)
+    links = [layout_model.bucket_link_bytes(o, w, g, b) for o in buckets]
+    if path != "two_level" or pieces <= 1 or not all("two_level_by_layout" in x for x in links):
+        scheme = "two_level_by_layout" if path == "two_level" and all("two_level_by_layout" in x for x in links) \
+            else "by_layout"
+        steps = collective_bytes("two_level" if scheme != "by_layout" else "alltoall", 1.0, w, g)["steps"]
+        return sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
+                   + x[scheme][1] * 8 / net["nvlink_bps"] / net["ring_eff"] for x in links)
     rates = layout_model.Rates(net["nic_bps"] / 8 * net["alltoall_eff"], net["nvlink_bps"] / 8 * net["ring_eff"],
                                a2a_s=net["alpha_s"] * max(g - 1, w // g - 1))
-    stages = [layout_model.bucket_stages(o, w, g, b, rates)[scheme]
-              for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
-    return layout_model.scheme_seconds(stages, rates, overlap=True)
+    per_bucket = [[layout_model.bucket_stages(o, w, g, b, rates)["two_level_by_layout"]
+                   for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
+                  for owners in buckets]
+    if net.get("carry_buckets", True):
+        return layout_model.scheme_seconds([st for stages in per_bucket for st in stages], rates, overlap=True)
+    return sum(layout_model.scheme_seconds(stages, rates, overlap=True) for stages in per_bucket)
 
 
 def saving_pct(entry, base_path: str, args, shapes, ratios, gbit: float) -> float:
@@ -683,6 +687,9 @@ def main(argv=None) -> dict:
     g.add_argument("--node-pieces", type=int, default=layout_model.NODE_PIECES,
                    help="gift.node_pieces: two-level's pipeline (1: its stages one after another)")
     g.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
+    g.add_argument("--carry-buckets", action=argparse.BooleanOptionalAction,
+                   default=GiftConfig.model_fields["carry_buckets"].default,
+                   help="gift.carry_buckets (under overlap_comm): two-level's pipeline carried from bucket to bucket")
     g.add_argument("--ring-eff", type=float, help="link efficiency of ring collectives (default: the calibrated "
                                                   "one with --calibration, else 1)")
     g.add_argument("--alltoall-eff", type=float, help="link efficiency of all-to-all (default: the calibrated "

@@ -445,7 +445,7 @@ def test_the_layout_model_runs_the_reducers_order_and_finds_the_paced_runs_times
 
 
 def test_the_layout_models_bound_for_a_pipeline_across_buckets():
-    # the column that is not built: two buckets of P paced pieces as one pipeline pay the fill
+    # the carried column (gift.carry_buckets): two buckets of P paced pieces as one pipeline pay the fill
     # once, (2 P + 1) T, against 2 (P + 1) T bucket by bucket; each link's busy time, 2 P T, is
     # the floor either way (a relay's second hop and the GPU's work count where they run)
     from benchmarks.layout_model import Rates, Stage, busy_seconds, scheme_seconds
