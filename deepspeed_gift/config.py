@@ -327,13 +327,16 @@ class GiftConfig(_GiftModel):
 
     carry_buckets: bool = True
     """Two-level under ``zero_optimization.overlap_comm`` (with ``contiguous_gradients``, without
-    ``offload_optimizer`` or MoE): the pipeline of pieces carried from bucket to bucket, a
-    bucket's last pieces finishing during the next bucket's reduction, so the node's links and
-    the NICs do not idle through every bucket's fill and drain. DeepSpeed's double ipg buffer
-    keeps a bucket's buffer through the next bucket; its copies into the partition wait until
-    it is done. The same bits either way. The layout model (7B and 13B at W = 64 in nodes of 8,
-    6 pieces) gives 0.50x and 0.57x DeepSpeed's gradient time carried, 0.62x and 0.65x bucket
-    by bucket. ``false``: each bucket finished before DeepSpeed's next."""
+    ``offload_optimizer``, MoE or a ``PipelineEngine``): the pipeline of pieces carried from
+    bucket to bucket, a bucket's last pieces finishing during the next bucket's reduction, so
+    the node's links and the NICs do not idle through every bucket's fill and drain. DeepSpeed's
+    double ipg buffer is filled again only after the next bucket's reduction; the bucket's
+    copies into the partition wait until it is done, and on a GPU the backward waits, before it
+    refills the buffer, for that bucket and the next one's node stages, not for the next one's
+    exchanges (on a GPU it has not run yet). The same bits either way. The layout model (7B and
+    13B at W = 64 in nodes of 8, 6 pieces; links only, the backward's compute not modelled)
+    gives 0.50x and 0.57x DeepSpeed's gradient time carried, 0.62x and 0.65x bucket by bucket.
+    ``false``: each bucket finished before DeepSpeed's next."""
 
     node_piece_min_elements: int = Field(1 << 22, ge=1)
     """Two-level: the smallest piece ``node_pieces`` cuts (a bucket under twice this stays whole):

@@ -839,7 +839,8 @@ class GiftState:
         self._open_params: set = set()
         self._deferred_copies: List[tuple] = []
         self._bucket_tags = 0
-        self._finished_carried = False  # a carried bucket finished since the last reduce_ipg_grads
+        self._carried_done = None  # GPU: the event after a carried bucket's copies, not yet waited for
+        self._carry_failed: Optional[str] = None  # why a reduction with a bucket carried raised
         # per (dtype, expert group or None): (the layout it was planned for, the rounds), the same step after step
         self._rounds_plan: Dict[tuple, tuple] = {}
         self.step_totals: Optional[StepStats] = None  # this step's buckets and gather, summed
@@ -948,11 +949,10 @@ class GiftState:
                                f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
         divisor = self._divisor()
         with _reduction_stream(opt, communication_data_type):
-            if self.carry_applies() and self._in_backward_bucket and not self.expert_reducers:
+            if self.carry_applies() and self._in_backward_bucket:
                 tag, self._bucket_tags = self._bucket_tags, self._bucket_tags + 1
-                done = self.reducer.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=k,
-                                                   outputs=outputs, sample=self.sampling(k), tag=tag)
-                self._buckets_done(done)
+                self.reducer.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=k, outputs=outputs,
+                                            sample=self.sampling(k), tag=tag, on_done=self._bucket_done)
                 if self.reducer.carrying:
                     self._open_bucket = tag
                     self._open_params = {param_id for _, _, param_id in params}
@@ -969,10 +969,12 @@ class GiftState:
         (``gift.carry_buckets``): two-level, with DeepSpeed's double ipg buffer (``overlap_comm``
         and ``contiguous_gradients``: a bucket's buffer is filled again only after the next
         bucket is reduced), its gradients kept on the device (no ``offload_optimizer``), one
-        exchange per bucket (no MoE groups)."""
+        exchange per bucket (no MoE groups), the backward DeepSpeed's engine's (a
+        ``PipelineEngine`` reduces through ``reduce_gradients``, which re-makes the buffers)."""
         opt = self.opt
         return (self.cfg.carry_buckets and isinstance(self.reducer, TwoLevelReducer) and bool(opt.overlap_comm)
-                and bool(opt.contiguous_gradients) and not opt.cpu_offload and not self.expert_reducers)
+                and bool(opt.contiguous_gradients) and not opt.cpu_offload and not self.expert_reducers
+                and type(self.engine).__name__ != "PipelineEngine")
 
     def drain_carried(self) -> list:
         """Every carried bucket finished now: ``(tag, stats)`` of those not yet reported."""
@@ -981,23 +983,44 @@ class GiftState:
         return []
 
     def _buckets_done(self, done) -> None:
-        """Count finished buckets; the carried one's held-back copies into the partition run now,
-        in DeepSpeed's order, before any later bucket's (and on the reduction stream it used)."""
         for tag, stats in done:
-            self._count(stats)
-            if tag == self._open_bucket:
-                self._open_bucket, self._open_params = None, set()
-                copies, self._deferred_copies = self._deferred_copies, []
-                for native, param, args, kwargs in copies:
-                    native(param, *args, **kwargs)
-                self._finished_carried = True
+            self._bucket_done(tag, stats)
+
+    def _bucket_done(self, tag, stats) -> None:
+        """A bucket finished: counted; the carried one's held-back copies into the partition run
+        now, in DeepSpeed's order, before any later bucket's (on the reduction stream it used),
+        and on a GPU an event after them, which the backward waits for before it fills the
+        bucket's buffer again (after_reduce_ipg_grads)."""
+        self._count(stats)
+        if tag == self._open_bucket:
+            self._open_bucket, self._open_params = None, set()
+            copies, self._deferred_copies = self._deferred_copies, []
+            for native, param, args, kwargs in copies:
+                native(param, *args, **kwargs)
+            from deepspeed.accelerator import get_accelerator
+
+            acc = get_accelerator()
+            if self.opt.overlap_comm and not acc.resolves_data_dependency():
+                self._carried_done = acc.Event()
+                self._carried_done.record(acc.current_stream())
 
     def backward_bucket(self, native, *args, **kwargs):
         """DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``: where the backward
-        reduces a bucket that is full, the one place a bucket may be carried into the next."""
+        reduces a bucket that is full, the one place a bucket may be carried into the next. A
+        reduction that raises part-way leaves nothing carried behind: the next one refuses."""
+        if self._carry_failed:
+            raise RuntimeError(f"deepspeed_gift: a bucket carried into the next reduction (gift.carry_buckets) "
+                               f"was abandoned when {self._carry_failed}; the gradients of that backward are "
+                               f"lost and the ranks' exchanges may no longer match: restart from a checkpoint")
         self._in_backward_bucket = True
         try:
             return native(*args, **kwargs)
+        except BaseException as exc:
+            if self.reducer.carrying or self._deferred_copies:
+                self._carry_failed = f"a reduction raised {type(exc).__name__}: {exc}"
+                self.reducer.abandon()
+                self._open_bucket, self._open_params, self._deferred_copies = None, set(), []
+            raise
         finally:
             self._in_backward_bucket = False
 
@@ -1011,10 +1034,12 @@ class GiftState:
 
     def after_reduce_ipg_grads(self) -> None:
         """After DeepSpeed's ``reduce_ipg_grads``: outside the backward's full buckets (the
-        epilogue's last bucket, any other caller) every carried bucket is finished. A bucket
-        finished during this call was last touched on the reduction stream after the wait
-        DeepSpeed put at this bucket's start: the backward's next gradients, which may fill its
-        buffer again, wait for it here (as DeepSpeed's for its own reduction at the next bucket)."""
+        epilogue's last bucket, any other caller) every carried bucket is finished, and the
+        current stream waits for the reduction stream. In the backward, a bucket finished during
+        this call was last touched on the reduction stream after the wait DeepSpeed put at this
+        bucket's start: the backward's next gradients, which fill its buffer again, wait for the
+        event recorded when it was done (before this bucket's exchanges were waited for, so the
+        backward does not wait for them, as DeepSpeed's waits for its own at the next bucket)."""
         from deepspeed.accelerator import get_accelerator
 
         acc = get_accelerator()
@@ -1022,9 +1047,11 @@ class GiftState:
         if not self._in_backward_bucket:
             with acc.stream(self.opt.reduction_stream) if on_stream else contextlib.nullcontext():
                 self._buckets_done(self.drain_carried())
-        if self._finished_carried and on_stream:
-            acc.current_stream().wait_stream(self.opt.reduction_stream)
-        self._finished_carried = False
+            if self._carried_done is not None:
+                acc.current_stream().wait_stream(self.opt.reduction_stream)
+        elif self._carried_done is not None:
+            acc.current_stream().wait_event(self._carried_done)
+        self._carried_done = None
 
     def _expert_group(self, param_id: int) -> Optional[str]:
         """The expert group a parameter belongs to (DeepSpeed-MoE), None for a dense one."""

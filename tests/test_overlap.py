@@ -288,10 +288,23 @@ def _carry_body(rank, world, per_node):
     node_comm, slot_comm = split_by_node(TorchComm(), per_node)
     out = {}
 
-    def run(route, carry, steps=2):
+    def run(route, carry, steps=2, log=None):
         inner = GiftReducer(slot_comm, formats.get_format("fp8_e4m3", rounding="stochastic"),
                             generator=CounterRng(7 + rank), error_feedback=True, route=route)
         two = TwoLevelReducer(node_comm, inner, per_node, pieces=4, piece_min_elements=200)
+        reported = []
+        on_done = None
+        if log is not None:  # buckets reported the moment they are done; each piece's wait logged
+            native_finish = two._finish
+
+            def finish(bucket, k, *args):
+                log.append(("wait", bucket.tag, k))
+                native_finish(bucket, k, *args)
+
+            def on_done(tag, stats):
+                log.append(("done", tag))
+                reported.append((tag, stats))
+            two._finish = finish
         got, flags = [], []
         for step in range(steps):
             held = []
@@ -301,7 +314,8 @@ def _carry_body(rank, world, per_node):
                 held.append((grad, outputs, layout))
                 if carry:
                     done = two.reduce_carried(grad, layout, whiteners, divisor=world, step=step, outputs=outputs,
-                                              tag=(step, b), carry=b + 1 < len(layouts))
+                                              tag=(step, b), carry=b + 1 < len(layouts), on_done=on_done)
+                    done, reported[:] = done + reported, []
                 else:
                     done = [((step, b), two.reduce(grad, layout, whiteners, divisor=world, step=step,
                                                    outputs=outputs))]
@@ -316,6 +330,8 @@ def _carry_body(rank, world, per_node):
     for route in ("direct", "relay", "by_layout"):
         for carry in (False, True):
             out[route, carry] = run(route, carry)
+        log = []
+        out[route, "on_done"] = run(route, True, log=log) + (log,)
     return out
 
 
@@ -340,6 +356,19 @@ def test_buckets_carried_into_the_next_give_the_same_bits_and_are_reported_when_
                 # what each bucket counted is what it counts reduced whole
                 assert sum((f for _, _, f in carried_flags[3 * step:3 * step + 3]), []) == \
                     sum((f for _, _, f in whole_flags[3 * step:3 * step + 3]), []), route
+            # on_done: the same bits and reports, each bucket reported the moment it is done, before
+            # any exchange of the next bucket is waited for (on a GPU, what the backward waits for
+            # before refilling the carried bucket's buffer holds none of the next bucket's exchanges)
+            called, called_flags, left, log = per_rank[route, "on_done"]
+            assert not left and called_flags == carried_flags, route
+            for (w_res, w_out), (c_res, c_out) in zip(whole, called):
+                assert all(torch.equal(a, b) for a, b in zip(w_res, c_res)), route
+                assert all(torch.equal(a, b) for a, b in zip(w_out, c_out)), route
+            for step in range(2):
+                for b in (1, 2):
+                    done_at = log.index(("done", (step, b - 1)))
+                    first_wait = log.index(("wait", (step, b), 0))
+                    assert done_at < first_wait, (route, step, b, log)
 
 
 def _paced_carry_body(rank, world, per_node, seconds, pieces):
@@ -492,3 +521,53 @@ def test_deepspeeds_buckets_carried_under_overlap_comm_give_the_bits_of_whole_bu
         # every bucket but each backward's last is carried into the next
         assert all(r["carried_buckets"] > 0 for r in carried["records"]), [r["carried_buckets"]
                                                                            for r in carried["records"]]
+
+
+# Lossless and carried: under overlap_comm at two ranks on one node, the pieces of every bucket but
+# each backward's last finish during DeepSpeed's next bucket, and the parameters are still
+# DeepSpeed's own with overlap_comm, bit for bit (fp32 sums of two ranks, divided once).
+@pytest.mark.parametrize("stage", [1, 2])
+def test_carried_two_level_lossless_equals_deepspeed_under_overlap_comm_bit_for_bit(stage):
+    base = dict(stage=stage, steps=4, ga=2, bucket=12000, overlap=True)
+    specs = [base, dict(base, gift=dict(PIECED, route="by_layout", stage1_rounds=False))]
+    for native, gift in run_ranks(train_many, 2, specs):
+        assert gift["digests"] == native["digests"]
+        for name, p in native["params"].items():
+            assert torch.equal(gift["params"][name], p), name
+        assert all(r["carried_buckets"] > 0 for r in gift["records"]), [r["carried_buckets"]
+                                                                        for r in gift["records"]]
+
+
+def _abandoned_carry_body(rank, world, spec):
+    from tests.harness import batches, build_engine
+
+    engine = build_engine(spec)
+    calls = {"n": 0}
+    native_finish = engine.gift.reducer._finish
+
+    def finish(*args):  # every rank fails at the same piece of the first backward's second bucket
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected failure")
+        return native_finish(*args)
+    engine.gift.reducer._finish = finish
+    errors = []
+    for tokens in batches(rank, 2, 2, 32, 0):
+        try:
+            out = engine(input_ids=tokens, labels=tokens)
+            engine.backward(out.loss)
+            engine.step()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors, engine.gift.reducer.carrying
+
+
+def test_a_reduction_that_raises_with_a_bucket_carried_makes_the_next_backward_refuse():
+    """A backward that raises while a bucket is carried (an out-of-memory error a training loop
+    might catch) leaves nothing under way behind it: the next backward refuses, naming the key
+    and the first error, instead of finishing the old bucket's pieces into a new step."""
+    spec = dict(stage=2, bucket=12000, overlap=True, gift=dict(PIECED, route="by_layout"))
+    for errors, carrying in run_ranks(_abandoned_carry_body, 2, spec):
+        assert not carrying
+        assert len(errors) == 2 and "injected failure" in errors[0], errors
+        assert "gift.carry_buckets" in errors[1] and "injected failure" in errors[1], errors

@@ -7,7 +7,7 @@ to its owner's slot, or the owned elements in level runs over every slot (see
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -298,6 +298,7 @@ class _BucketRun:
         self.acc = {"node_s": 0.0, "bytes": 0, "stats": None}
         self.unfinished = len(planned)
         self.carried = False  # some piece finished during the next bucket's call
+        self.on_done = None  # called the moment the bucket is done (reduce_carried's on_done)
 
     def timed(self, fn, *args):
         t0 = clock(self.tensor.device, self.sample)
@@ -414,14 +415,20 @@ class TwoLevelReducer:
                divisor: float, step: int = 0,
                outputs: Optional[Sequence[Optional[torch.Tensor]]] = None, sample: bool = False) -> StepStats:
         """Same contract as :meth:`GiftReducer.reduce` (``slices`` name data-parallel ranks): the
-        bucket reduced whole (and any bucket carried before it) when this returns."""
+        bucket reduced whole when this returns. A bucket still carried must be drained first
+        (its report would be lost here)."""
+        if self.carrying:
+            raise RuntimeError("deepspeed_gift: a bucket is still carried into the next reduction; "
+                               "drain() it before reducing a bucket whole")
         done = self.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=step, outputs=outputs,
                                    sample=sample, carry=False)
         return done[-1][1]
 
     def reduce_carried(self, tensor: torch.Tensor, slices: Sequence[ParamSlice], whiteners: Dict[int, Transform],
                        *, divisor: float, step: int = 0, outputs: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                       sample: bool = False, carry: bool = True, tag=None) -> List[Tuple[object, StepStats]]:
+                       sample: bool = False, carry: bool = True, tag=None,
+                       on_done: Optional[Callable[[object, StepStats], None]] = None
+                       ) -> List[Tuple[object, StepStats]]:
         """:meth:`reduce`, with the pipeline of pieces carried from bucket to bucket (``carry``):
         this bucket's last ``FINISH_LAG`` pieces may still be crossing the nodes when this
         returns, and they finish during the next call (or :meth:`drain`), after the next
@@ -432,7 +439,12 @@ class TwoLevelReducer:
         Every bucket is cut, planned and reduced as without the carry, and its encodes run in
         the same order (only decodes and forwards move later): the same bits. Returns the
         buckets finished during this call, oldest first, as ``(tag, stats)``; ``carry`` False
-        finishes them all, this one last.
+        finishes them all, this one last. ``on_done(tag, stats)``, where given, is called instead
+        the moment the bucket is done, before any later piece's exchange is waited for: on a GPU
+        whatever it queues on the stream (DeepSpeed's copies into the partition, an event the
+        backward waits for before it fills the bucket's buffer again) waits for this bucket's
+        work and the next bucket's node stages, not for the next bucket's exchanges. So a
+        carried bucket's last piece has its forwards waited for as soon as they are begun.
 
         The pieces' work, in the one order every mode runs (so stochastic rounding's counter
         meets the encodes in the same order): piece k+1's node stage begun, piece k's node
@@ -444,6 +456,7 @@ class TwoLevelReducer:
         posted. Held at once: FINISH_LAG + 1 pieces' node partials and exchanges, the next
         piece's node stage, one piece's forwards."""
         run = self._begin_bucket(tensor, slices, whiteners, step, outputs, sample, tag)
+        run.on_done = on_done
         waiting = self._waiting  # pieces begun, not finished, oldest first (of this bucket and the last)
         staged = run.timed(self._node_stage_start, tensor, run.planned[0][0], run.heads[0])
         for k, (plan, _) in enumerate(run.planned):
@@ -459,6 +472,9 @@ class TwoLevelReducer:
                                                   wait_at_once=not self.overlap, fidelity_elements=run.sampled))
             if len(waiting) == FINISH_LAG:
                 self._finish(*waiting.pop(0))
+                last = self._forwarding[0]
+                if last is not run and not any(w[0] is last for w in waiting):
+                    self._forward_done()  # a carried bucket's last piece: done before this bucket waits
             waiting.append((run, k, steps, partial))
         waiting[-1][2].post_last()  # the same order of encodes carried or not: the relay's sums now
         while waiting and (not carry or waiting[0][0] is not run):
@@ -479,6 +495,11 @@ class TwoLevelReducer:
             self._forward_done()
         done, self._done = self._done, []
         return done
+
+    def abandon(self) -> None:
+        """Forget every carried bucket without finishing it (a reduction that raised part-way:
+        its exchanges are not waited for, and nothing of it is reported)."""
+        self._waiting, self._forwarding, self._done = [], None, []
 
     @property
     def carrying(self) -> bool:
@@ -525,7 +546,10 @@ class TwoLevelReducer:
         self._forwarding = None
         run.acc["bytes"] += run.timed(self._forward_finish, forwarding, run.tensor)
         if not run.unfinished:
-            self._done.append((run.tag, self._bucket_stats(run)))
+            if run.on_done is not None:
+                run.on_done(run.tag, self._bucket_stats(run))
+            else:
+                self._done.append((run.tag, self._bucket_stats(run)))
 
     def _bucket_stats(self, run: "_BucketRun") -> StepStats:
         total = run.acc["stats"]
