@@ -59,10 +59,10 @@ if ROOT not in sys.path:
 
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
-from deepspeed_gift.config import GiftConfig  # noqa: E402
+from deepspeed_gift.config import NODE_PIECES_BY_BUCKET, NODE_PIECES_CARRIED  # noqa: E402
 from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
 
-NODE_PIECES = GiftConfig.model_fields["node_pieces"].default  # gift.node_pieces' default
+NODE_PIECES = NODE_PIECES_BY_BUCKET  # gift.node_pieces' default bucket by bucket (and ZeRO-1's rounds)
 
 MODELS = {
     "~1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -406,10 +406,12 @@ def ring_seconds(stage: Stage, rates: Rates) -> float:
 
 def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit: float = 400.0,
                nvlink_gbyte: float = 450.0, units: List[int] = None, rates: Optional[Rates] = None,
-               pieces: int = NODE_PIECES, piece_min_elements: int = 1 << 22) -> List[dict]:
+               pieces: int = NODE_PIECES, piece_min_elements: int = 1 << 22,
+               carried_pieces: int = NODE_PIECES_CARRIED) -> List[dict]:
     """Per W and G: the busiest NIC's bytes of every scheme against DeepSpeed's, and the gradient
     time (``rates``; default: bandwidth only), two-level's as whole buckets with its stages one
-    after another (``_serial``) and as the pipeline of ``pieces`` it runs."""
+    after another (``_serial``) and as the pipeline of ``pieces`` it runs; ZeRO-2's two-level
+    also as one pipeline carried from bucket to bucket, of ``carried_pieces`` a bucket."""
     sizes, arrival = layout_of_model
     rows = []
     params = sum(sizes)
@@ -445,7 +447,8 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
                             elif scheme.startswith("two_level"):
                                 add(scheme, nic_bytes(st), scheme_seconds([c[scheme] for c in cut], rates, True))
                                 if scheme == "two_level_by_layout":
-                                    carried += [c[scheme] for c in cut]
+                                    carried += [bucket_stages(o, world, per_node, b, rates, gathered)[scheme]
+                                                for o in cut_pieces(these, carried_pieces, piece_min_elements)]
                                 add(scheme + "_serial", 0.0, scheme_seconds([st], rates, False))
                             else:
                                 add(scheme, nic_bytes(st), scheme_seconds([st], rates, False))
@@ -524,7 +527,10 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--nic-gbit", type=float, default=400.0, help="NIC rate per GPU for the time columns")
     parser.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
-    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES, help="gift.node_pieces (two-level's pipeline)")
+    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES,
+                        help="gift.node_pieces bucket by bucket and in ZeRO-1's rounds (its default there)")
+    parser.add_argument("--carried-pieces", type=int, default=NODE_PIECES_CARRIED,
+                        help="gift.node_pieces for the pipeline carried from bucket to bucket (its default there)")
     parser.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
     parser.add_argument("--alpha-us", type=float, default=0.0,
                         help="latency per step of DeepSpeed's ring all-reduce, microseconds (0: bandwidth only)")
@@ -556,6 +562,7 @@ def main(argv=None) -> List[dict]:
     for name, config in MODELS.items():
         rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte,
                            units=parameter_units(config), rates=rates, pieces=args.node_pieces,
+                           carried_pieces=args.carried_pieces,
                            piece_min_elements=args.node_piece_min_elements)
 
     def ratio(r, key):
@@ -601,7 +608,8 @@ def main(argv=None) -> List[dict]:
     print("\nZeRO-2's two-level by_layout as one pipeline carried from bucket to bucket (gift.carry_buckets under "
           "overlap_comm: a bucket's last pieces still crossing the NICs while the next bucket's first are in their "
           "node stage), against each bucket's own pipeline (carry_buckets false, or overlap_comm false), and the "
-          "busy time of each resource over the step (no pipeline beats the largest):")
+          f"busy time of each resource over the step, carried (no pipeline beats the largest); pieces a bucket: "
+          f"{args.node_pieces} bucket by bucket, {args.carried_pieces} carried:")
     print("| model | W | G | bucket by bucket | carried (default) | node links busy | NICs busy | GPU busy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in tables:

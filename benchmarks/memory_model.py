@@ -67,6 +67,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.layout_model import MODELS as LAYOUT_MODELS, NODE_PIECES, buckets_of, parameter_layout  # noqa: E402
+from deepspeed_gift.config import NODE_PIECES_CARRIED  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
 
@@ -362,7 +363,7 @@ class Run:
     sampled_versions: Optional[int] = None  # plan versions a sampled step used (None: a long run, cache full)
     optimizer_state: bool = True  # the worst refresh step has Adam state to capture (not so at step 0)
     offload: bool = False  # zero_optimization.offload_optimizer {"device": "cpu"}
-    node_pieces: int = NODE_PIECES  # gift.node_pieces: two-level's pipeline
+    node_pieces: Optional[int] = None  # gift.node_pieces (None: gift's default, 4 carried under overlap_comm, else 6)
     node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
     stage: int = 2  # zero_optimization.stage (3: every parameter partitioned; flat rows only)
     max_live_parameters: int = 1_000_000_000  # stage3_max_live_parameters (DeepSpeed's default)
@@ -412,7 +413,8 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
         # node partial of a slot's share of a piece, which the pipeline holds for FINISH_LAG + 1 pieces with
         # their exchanges (the exchange's phases stay the whole bucket's: those pieces hold at most its parts)
         biggest = max(sum(o.values()) for o in layout) * run.per_node
-        pieces = max(1, min(run.node_pieces, int(biggest) // run.node_piece_min_elements))
+        asked = run.node_pieces or (NODE_PIECES_CARRIED if run.overlap_comm else NODE_PIECES)
+        pieces = max(1, min(asked, int(biggest) // run.node_piece_min_elements))
         piece = biggest / pieces
         node = run.params_bytes * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)
         phases = [x + node for x in phases]
@@ -621,8 +623,8 @@ def print_stage3(args, design: Design) -> List[dict]:
 
 
 # ---- the tables ------------------------------------------------------------------------------
-def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int, node_pieces: int = NODE_PIECES
-             ) -> List[dict]:
+def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int,
+             node_pieces: Optional[int] = None) -> List[dict]:
     rows = []
     params = model_shape(config).params
     for world in WORLDS:
@@ -706,8 +708,9 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (DeepSpeed's default 5e8)")
     parser.add_argument("--allgather-bucket", type=float, default=5e8, help="allgather_bucket_size")
     parser.add_argument("--design", choices=("now", "before", "both"), default="both")
-    parser.add_argument("--node-pieces", type=int, default=NODE_PIECES,
-                        help="gift.node_pieces (two-level's pipeline; 1: whole buckets, the stages one after another)")
+    parser.add_argument("--node-pieces", type=int, default=None,
+                        help="gift.node_pieces (two-level's pipeline; 1: whole buckets, the stages one after another; "
+                             "default gift's: 6, the tables' overlap_comm being off)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated among " + ", ".join(MODELS))
     parser.add_argument("--json")
     args = parser.parse_args(argv)

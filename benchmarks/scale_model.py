@@ -514,7 +514,9 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
     tokens = args.tokens_per_gpu
     net = {"world": w, "per_node": g, "nic_bps": nic_gbit * 1e9, "nvlink_bps": args.nvlink_gbyte * 8e9,
            "alpha_s": args.alpha_us * 1e-6, "ring_eff": args.ring_eff, "alltoall_eff": args.alltoall_eff,
-           "node_pieces": args.node_pieces, "node_piece_min_elements": args.node_piece_min_elements,
+           "node_pieces": args.node_pieces or (layout_model.NODE_PIECES_CARRIED if args.carry_buckets
+                                               else layout_model.NODE_PIECES_BY_BUCKET),
+           "node_piece_min_elements": args.node_piece_min_elements,
            "carry_buckets": args.carry_buckets}
     # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
     # masking not discounted)
@@ -684,8 +686,9 @@ def main(argv=None) -> dict:
                    help="network rate per GPU (one NIC each), Gbit/s each way")
     g.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink GB/s each way per GPU")
     g.add_argument("--alpha-us", type=float, default=10.0, help="latency per collective step")
-    g.add_argument("--node-pieces", type=int, default=layout_model.NODE_PIECES,
-                   help="gift.node_pieces: two-level's pipeline (1: its stages one after another)")
+    g.add_argument("--node-pieces", type=int, default=None,
+                   help="gift.node_pieces: two-level's pipeline (1: its stages one after another; default "
+                        "gift's: 4 carried from bucket to bucket, 6 bucket by bucket)")
     g.add_argument("--node-piece-min-elements", type=int, default=1 << 22, help="gift.node_piece_min_elements")
     g.add_argument("--carry-buckets", action=argparse.BooleanOptionalAction,
                    default=GiftConfig.model_fields["carry_buckets"].default,

@@ -24,6 +24,11 @@ from .exchange.comm import Backend
 from .exchange.plan import Route
 
 GIFT_KEY = "gift"
+# gift.node_pieces where it is not set: a bucket's own pipeline pays its fill and drain every
+# bucket, so more pieces; a pipeline carried from bucket to bucket (gift.carry_buckets) pays
+# them once a step, so fewer pieces, each paying its collectives' latency once (layout model)
+NODE_PIECES_BY_BUCKET = 6
+NODE_PIECES_CARRIED = 4
 
 class Hierarchy(str, enum.Enum):
     """``gift.hierarchy``, and the exchange it resolves to (``flat`` or ``two_level``)."""
@@ -313,17 +318,20 @@ class GiftConfig(_GiftModel):
     once per node partial. ``by_topology``: two-level when the job spans more than one node with
     more than one rank per node, else flat."""
 
-    node_pieces: int = Field(6, ge=1)
+    node_pieces: Optional[int] = Field(None, ge=1)
     """Two-level: each bucket (and each ZeRO-1 round) is cut into this many pieces (on row
     boundaries), run as a pipeline: while piece k crosses the NICs, piece k+1's node stage and
     earlier pieces' forwards run on the node's links, so a bucket takes about its longest stage
     instead of the sum of its stages (the last piece's stages after the first's add about
     1/``node_pieces`` of the others). ``1``: the stages one after another. The result depends on
     the cut (each piece is quantized on its own: per-tensor scales and the relay's split are per
-    piece), never on the overlap; lossless configs give native's bits at any count. 6: the
-    layout model (``benchmarks/layout_model.py``, GIFT's GPU work counted, 7B and 13B at W = 64
-    in nodes of 8) gives 0.65x and 0.70x DeepSpeed's gradient time at 4 pieces, 0.62x and 0.66x
-    at 6, 0.62x and 0.67x at 8 (each piece pays its collectives' latency and launches)."""
+    piece), never on the overlap; lossless configs give native's bits at any count. Unset: 4
+    where the pipeline is carried from bucket to bucket (``carry_buckets`` applies), else 6.
+    The layout model (``benchmarks/layout_model.py``, GIFT's GPU work counted, 7B and 13B at
+    W = 64 in nodes of 8, each piece paying its collectives' latency and launches), ZeRO-2
+    bucket by bucket: 0.66x and 0.70x DeepSpeed's gradient time at 4 pieces, 0.62x and 0.65x at
+    6, 0.61x and 0.65x at 8; carried: 0.48x and 0.54x at 3, 0.48x and 0.55x at 4, 0.50x and
+    0.57x at 6; ZeRO-1's rounds: 0.52x at 4, 0.50x at 6."""
 
     carry_buckets: bool = True
     """Two-level under ``zero_optimization.overlap_comm`` (with ``contiguous_gradients``, without

@@ -31,7 +31,8 @@ from .core import formats
 from .core.formats import Rounding
 from .exchange.comm import detect_ranks_per_node, make_comm, split_by_node
 from . import checkpoint
-from .config import PASSTHROUGH_FORMATS, GiftConfig, Hierarchy, first_difference, get_gift_config
+from .config import (NODE_PIECES_BY_BUCKET, NODE_PIECES_CARRIED, PASSTHROUGH_FORMATS, GiftConfig, Hierarchy,
+                     first_difference, get_gift_config)
 from .core.geometry import row_col_sums
 from .core.rng import CounterRng
 from .lifecycle import GeometryManager, find_candidates, geometry_kinds
@@ -749,7 +750,8 @@ class GiftState:
                                 defer_checks=True, fidelity_elements=cfg.telemetry.fidelity_elements,
                                 route=cfg.route, shared_seed=cfg.seed if cfg.rounding == Rounding.STOCHASTIC else None,
                                 tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
-            self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node, pieces=cfg.node_pieces,
+            self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node,
+                                           pieces=cfg.node_pieces or NODE_PIECES_BY_BUCKET,
                                            piece_min_elements=cfg.node_piece_min_elements)
         else:
             self.comm.split_many([])  # other data-parallel groups (pipeline, tensor parallelism) may split
@@ -1644,6 +1646,8 @@ def _attach_zero(state: GiftState) -> None:
         return state.reduce_fallback(native_fallback, rank, grads, *args, **kwargs)
 
     _replace(state, state.opt, "buffered_reduce_fallback", buffered_reduce_fallback)
+    if state.cfg.node_pieces is None and isinstance(state.reducer, TwoLevelReducer) and state.reducer.pieces > 1:
+        state.reducer.pieces = NODE_PIECES_CARRIED if state.carry_applies() else NODE_PIECES_BY_BUCKET
     if state.carry_applies():  # two-level's pipeline carried from bucket to bucket
         opt = state.opt
         native_bucket = opt.reduce_independent_p_g_buckets_and_remove_grads

@@ -571,3 +571,25 @@ def test_a_reduction_that_raises_with_a_bucket_carried_makes_the_next_backward_r
         assert not carrying
         assert len(errors) == 2 and "injected failure" in errors[0], errors
         assert "gift.carry_buckets" in errors[1] and "injected failure" in errors[1], errors
+
+
+def _default_pieces_body(rank, world, specs):
+    from tests.harness import build_engine
+
+    return [build_engine(spec).gift.reducer.pieces for spec in specs]
+
+
+def test_node_pieces_unset_is_four_where_buckets_are_carried_and_six_where_not():
+    """``gift.node_pieces`` unset: a pipeline carried over the step pays its fill once, so fewer,
+    larger pieces (config.NODE_PIECES_CARRIED); a bucket's own pipeline (overlap_comm off, or
+    carry_buckets false) and ZeRO-1's rounds keep more (NODE_PIECES_BY_BUCKET); a set value is kept."""
+    from deepspeed_gift.config import NODE_PIECES_BY_BUCKET, NODE_PIECES_CARRIED
+
+    gift = {k: v for k, v in CARRIED.items() if k != "node_pieces"}
+    specs = [dict(stage=2, bucket=12000, overlap=True, gift=gift),
+             dict(stage=2, bucket=12000, overlap=False, gift=gift),
+             dict(stage=2, bucket=12000, overlap=True, gift=dict(gift, carry_buckets=False)),
+             dict(stage=1, bucket=12000, overlap=False, gift=dict(gift, stage1_rounds=True)),
+             dict(stage=2, bucket=12000, overlap=True, gift=dict(gift, node_pieces=5))]
+    for got in run_ranks(_default_pieces_body, 4, specs):
+        assert got == [NODE_PIECES_CARRIED, NODE_PIECES_BY_BUCKET, NODE_PIECES_BY_BUCKET, NODE_PIECES_BY_BUCKET, 5]
