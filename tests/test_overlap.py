@@ -102,21 +102,28 @@ class PacedComm:
         return self.all_to_all_bytes_start(*args, **kwargs).wait()
 
 
+def _whiteners():
+    """Whiteners of rank 4 for the bucket's matrices, fitted on inputs of unequal scales."""
+    from deepspeed_gift.core import geometry as geo
+
+    whiteners = {}
+    for key in (0, 1, 3, 4):
+        dim = SHAPES[key][-1]
+        x = torch.randn(200, dim, generator=torch.Generator().manual_seed(key)) * torch.linspace(0.1, 3.0, dim)
+        whiteners[key] = geo.fit_whitener(x.T @ x / 200, rank=4, damping=1e-3)
+    return whiteners
+
+
 def _pieces_body(rank, world, per_node):
     import torch.distributed as dist
 
-    from deepspeed_gift.core import geometry as geo
     from deepspeed_gift.core.rng import CounterRng
     from deepspeed_gift.exchange.comm import TorchComm, split_by_node
     from deepspeed_gift.exchange.two_level import TwoLevelReducer
 
     dist.init_process_group("gloo")
     slices, total = _bucket()
-    whiteners = {}
-    for key in (0, 1, 3, 4):
-        dim = SHAPES[key][-1]
-        x = torch.randn(200, dim, generator=torch.Generator().manual_seed(key)) * torch.linspace(0.1, 3.0, dim)
-        whiteners[key] = geo.fit_whitener(x.T @ x / 200, rank=4, damping=1e-3)
+    whiteners = _whiteners()
     node_comm, slot_comm = split_by_node(TorchComm(), per_node)
     out = {}
 
@@ -268,18 +275,13 @@ def test_overlapped_stages_take_about_the_longest_stage_not_their_sum():
 def _carry_body(rank, world, per_node):
     import torch.distributed as dist
 
-    from deepspeed_gift.core import geometry as geo
     from deepspeed_gift.core.rng import CounterRng
     from deepspeed_gift.exchange.comm import TorchComm, split_by_node
     from deepspeed_gift.exchange.two_level import TwoLevelReducer
 
     dist.init_process_group("gloo")
     slices, total = _bucket()
-    whiteners = {}
-    for key in (0, 1, 3, 4):
-        dim = SHAPES[key][-1]
-        x = torch.randn(200, dim, generator=torch.Generator().manual_seed(key)) * torch.linspace(0.1, 3.0, dim)
-        whiteners[key] = geo.fit_whitener(x.T @ x / 200, rank=4, damping=1e-3)
+    whiteners = _whiteners()
     # a second layout: the first bucket's slices of parameters 3 to 5, from offset 0
     first = min(s.bucket_offset for s in slices if s.param_key >= 3)
     second = [ParamSlice(s.dst, s.bucket_offset - first, s.numel, s.param_offset, s.param_key, s.row_len, s.mode,
