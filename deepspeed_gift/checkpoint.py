@@ -145,7 +145,8 @@ def load_gift_state(state, saved: dict, source=None) -> None:
     # Residuals belong to the old partitioning and exchange; statistics and factors carry over.
     dropped = _residual_numel(saved["reducer"]) + sum(_residual_numel(e) for e in experts.values())
     if dropped:
-        logger.warning("gift: world size / hierarchy changed (%d ranks, %s -> %d ranks, %s); dropping %d "
+        logger.warning("gift: world size / hierarchy / node pieces changed (%d ranks, %s -> %d ranks, %s); "
+                       "dropping %d "
                        "error-feedback residual elements of rank %d (statistics, factors and selection are "
                        "kept)", saved["world_size"], saved_exchange, state.comm.world_size, state.exchange, dropped,
                        saved["rank"])

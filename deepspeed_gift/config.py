@@ -341,7 +341,9 @@ class GiftConfig(_GiftModel):
     double ipg buffer is filled again only after the next bucket's reduction; the bucket's
     copies into the partition wait until it is done, and on a GPU the backward waits, before it
     refills the buffer, for that bucket and the next one's node stages, not for the next one's
-    exchanges (on a GPU it has not run yet). The same bits either way. The layout model (7B and
+    exchanges (at each bucket's start it waits for the reductions begun before, as DeepSpeed's
+    own; on a GPU this has not run yet). The same bits either way. A reduction that raises with
+    a bucket carried makes every later backward refuse (restart from a checkpoint). The layout model (7B and
     13B at W = 64 in nodes of 8, 6 pieces; links only, the backward's compute not modelled)
     gives 0.50x and 0.57x DeepSpeed's gradient time carried, 0.62x and 0.65x bucket by bucket.
     ``false``: each bucket finished before DeepSpeed's next."""

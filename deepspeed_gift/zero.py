@@ -753,6 +753,7 @@ class GiftState:
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node,
                                            pieces=cfg.node_pieces or NODE_PIECES_BY_BUCKET,
                                            piece_min_elements=cfg.node_piece_min_elements)
+            self.exchange.append(self.reducer.pieces)  # the residuals' keys follow the pieces' cut
         else:
             self.comm.split_many([])  # other data-parallel groups (pipeline, tensor parallelism) may split
             self.reducer = GiftReducer(self.comm, *codecs, generator=generator, error_feedback=cfg.error_feedback,
@@ -959,7 +960,8 @@ class GiftState:
                     self._open_bucket = tag
                     self._open_params = {param_id for _, _, param_id in params}
                 return
-            self._buckets_done(self.drain_carried())
+            with self._abandoned_on_error():
+                self._buckets_done(self.drain_carried())
             for reducer, these in self._by_group(slices, outputs):
                 stats = reducer.reduce(tensor, [s for s, _ in these], whiteners, divisor=divisor, step=k,
                                        outputs=[o for _, o in these], sample=self.sampling(k))
@@ -976,7 +978,7 @@ class GiftState:
         opt = self.opt
         return (self.cfg.carry_buckets and isinstance(self.reducer, TwoLevelReducer) and bool(opt.overlap_comm)
                 and bool(opt.contiguous_gradients) and not opt.cpu_offload and not self.expert_reducers
-                and type(self.engine).__name__ != "PipelineEngine")
+                and not any(c.__name__ == "PipelineEngine" for c in type(self.engine).__mro__))
 
     def drain_carried(self) -> list:
         """Every carried bucket finished now: ``(tag, stats)`` of those not yet reported."""
@@ -1011,20 +1013,30 @@ class GiftState:
         reduces a bucket that is full, the one place a bucket may be carried into the next. A
         reduction that raises part-way leaves nothing carried behind: the next one refuses."""
         if self._carry_failed:
-            raise RuntimeError(f"deepspeed_gift: a bucket carried into the next reduction (gift.carry_buckets) "
-                               f"was abandoned when {self._carry_failed}; the gradients of that backward are "
-                               f"lost and the ranks' exchanges may no longer match: restart from a checkpoint")
+            raise RuntimeError(f"deepspeed_gift: a bucket carried into the next reduction (gift.carry_buckets: "
+                               f"true) was abandoned when {self._carry_failed}; the gradients of that backward "
+                               f"are lost and the ranks' exchanges may no longer match: restart the processes "
+                               f"from a checkpoint (gift.carry_buckets: false finishes every bucket before "
+                               f"DeepSpeed's next)")
         self._in_backward_bucket = True
         try:
-            return native(*args, **kwargs)
+            with self._abandoned_on_error():
+                return native(*args, **kwargs)
+        finally:
+            self._in_backward_bucket = False
+
+    @contextlib.contextmanager
+    def _abandoned_on_error(self):
+        """A reduction that raises with a bucket carried leaves nothing of it under way: the
+        carried pieces and held-back copies are dropped and every later backward refuses."""
+        try:
+            yield
         except BaseException as exc:
             if self.reducer.carrying or self._deferred_copies:
                 self._carry_failed = f"a reduction raised {type(exc).__name__}: {exc}"
                 self.reducer.abandon()
                 self._open_bucket, self._open_params, self._deferred_copies = None, set(), []
             raise
-        finally:
-            self._in_backward_bucket = False
 
     def copy_grads_in_partition(self, native, param, *args, **kwargs):
         """DeepSpeed's copy of a reduced gradient out of the bucket into the partition: held back
@@ -1047,7 +1059,8 @@ class GiftState:
         acc = get_accelerator()
         on_stream = self.opt.overlap_comm and not acc.resolves_data_dependency()
         if not self._in_backward_bucket:
-            with acc.stream(self.opt.reduction_stream) if on_stream else contextlib.nullcontext():
+            with acc.stream(self.opt.reduction_stream) if on_stream else contextlib.nullcontext(), \
+                    self._abandoned_on_error():
                 self._buckets_done(self.drain_carried())
             if self._carried_done is not None:
                 acc.current_stream().wait_stream(self.opt.reduction_stream)
@@ -1648,6 +1661,7 @@ def _attach_zero(state: GiftState) -> None:
     _replace(state, state.opt, "buffered_reduce_fallback", buffered_reduce_fallback)
     if state.cfg.node_pieces is None and isinstance(state.reducer, TwoLevelReducer) and state.reducer.pieces > 1:
         state.reducer.pieces = NODE_PIECES_CARRIED if state.carry_applies() else NODE_PIECES_BY_BUCKET
+        state.exchange[-1] = state.reducer.pieces
     if state.carry_applies():  # two-level's pipeline carried from bucket to bucket
         opt = state.opt
         native_bucket = opt.reduce_independent_p_g_buckets_and_remove_grads

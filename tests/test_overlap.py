@@ -272,7 +272,7 @@ def test_overlapped_stages_take_about_the_longest_stage_not_their_sum():
         assert walls[True] < 0.75 * walls[False], walls
 
 
-def _carry_body(rank, world, per_node):
+def _carry_body(rank, world, per_node, routes=("direct", "relay", "by_layout")):
     import torch.distributed as dist
 
     from deepspeed_gift.core.rng import CounterRng
@@ -294,9 +294,11 @@ def _carry_body(rank, world, per_node):
         inner = GiftReducer(slot_comm, formats.get_format("fp8_e4m3", rounding="stochastic"),
                             generator=CounterRng(7 + rank), error_feedback=True, route=route)
         two = TwoLevelReducer(node_comm, inner, per_node, pieces=4, piece_min_elements=200)
-        reported = []
+        reported, calling = [], [None]
         on_done = None
-        if log is not None:  # buckets reported the moment they are done; each piece's wait logged
+        if log is not None:  # buckets reported the moment they are done; each piece's waits logged
+            from deepspeed_gift.exchange import two_level as two_level_module
+
             native_finish = two._finish
 
             def finish(bucket, k, *args):
@@ -307,6 +309,18 @@ def _carry_body(rank, world, per_node):
                 log.append(("done", tag))
                 reported.append((tag, stats))
             two._finish = finish
+
+            class Logged(two_level_module.Begun):  # an exchange's every step after it is posted (the
+                def __init__(self, steps):        # relay's second hop waits for its first)
+                    self.tag = None
+                    super().__init__(steps)
+                    self.tag = calling[0]
+
+                def _advance(self):
+                    if self.tag is not None:
+                        log.append(("advance", self.tag))
+                    super()._advance()
+            two_level_module.Begun = Logged
         got, flags = [], []
         for step in range(steps):
             held = []
@@ -314,6 +328,7 @@ def _carry_body(rank, world, per_node):
                 grad = torch.randn(n, generator=torch.Generator().manual_seed(100 * step + 10 * b + rank))
                 outputs = [torch.zeros(s.numel) if s.dst == rank else None for s in layout]
                 held.append((grad, outputs, layout))
+                calling[0] = (step, b)
                 if carry:
                     done = two.reduce_carried(grad, layout, whiteners, divisor=world, step=step, outputs=outputs,
                                               tag=(step, b), carry=b + 1 < len(layouts), on_done=on_done)
@@ -327,9 +342,11 @@ def _carry_body(rank, world, per_node):
                 mine = [i for i, s in enumerate(layout) if s.dst == rank or rank in s.copy_ranks]
                 got.append(([grad.narrow(0, layout[i].bucket_offset, layout[i].numel).clone() for i in mine],
                             [outputs[i] for i in mine if outputs[i] is not None]))
+        if log is not None:
+            two_level_module.Begun = Logged.__mro__[1]
         return got, flags, two.carrying
 
-    for route in ("direct", "relay", "by_layout"):
+    for route in routes:
         for carry in (False, True):
             out[route, carry] = run(route, carry)
         log = []
@@ -369,8 +386,25 @@ def test_buckets_carried_into_the_next_give_the_same_bits_and_are_reported_when_
             for step in range(2):
                 for b in (1, 2):
                     done_at = log.index(("done", (step, b - 1)))
-                    first_wait = log.index(("wait", (step, b), 0))
+                    first_wait = min(i for i, e in enumerate(log) if e[0] != "done" and e[1] == (step, b))
                     assert done_at < first_wait, (route, step, b, log)
+
+
+def test_a_carried_bucket_is_done_before_the_next_ones_relay_waits_for_its_first_hop():
+    """Three nodes of two (a relay among two nodes is the direct route): the relay's second hop
+    waits for its first, so a carried bucket's last piece and forwards are finished before the
+    next bucket's first relay goes on; the same bits as buckets reduced whole."""
+    for per_rank in run_ranks(_carry_body, 6, 2, ("relay",)):
+        (whole, _, _), (called, _, left, log) = per_rank["relay", False], per_rank["relay", "on_done"]
+        assert not left
+        for (w_res, w_out), (c_res, c_out) in zip(whole, called):
+            assert all(torch.equal(a, b) for a, b in zip(w_res, c_res))
+            assert all(torch.equal(a, b) for a, b in zip(w_out, c_out))
+        for step in range(2):
+            for b in (1, 2):
+                done_at = log.index(("done", (step, b - 1)))
+                after = [e for e in log[done_at:] if e[0] == "advance" and e[1] == (step, b)]
+                assert after and all(e[1] != (step, b) for e in log[:done_at] if e[0] != "done"), (step, b, log)
 
 
 def _paced_carry_body(rank, world, per_node, seconds, pieces):

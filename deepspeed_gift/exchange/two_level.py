@@ -418,8 +418,8 @@ class TwoLevelReducer:
         bucket reduced whole when this returns. A bucket still carried must be drained first
         (its report would be lost here)."""
         if self.carrying:
-            raise RuntimeError("deepspeed_gift: a bucket is still carried into the next reduction; "
-                               "drain() it before reducing a bucket whole")
+            raise RuntimeError("deepspeed_gift: a bucket is still carried into the next reduction "
+                               "(gift.carry_buckets: true); drain() it before reducing a bucket whole")
         done = self.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=step, outputs=outputs,
                                    sample=sample, carry=False)
         return done[-1][1]
@@ -465,22 +465,19 @@ class TwoLevelReducer:
                 staged = run.timed(self._node_stage_start, tensor, run.planned[k + 1][0], run.heads[k + 1])
             partial, sent = run.timed(self._node_stage_finish, this, tensor.dtype)
             run.acc["bytes"] += sent
+            if len(waiting) == FINISH_LAG and waiting[0][0] is not run:
+                self._finish_oldest(run)  # a carried bucket's piece: before this bucket's exchanges go on
             if waiting:  # piece k-1's last exchange under way before piece k's first (posted once)
                 waiting[-1][2].post_last()
             steps = Begun(self.inner.reduce_steps(partial, plan.slices, whiteners, divisor=divisor, step=step,
                                                   outputs=plan.outputs_for(run.parts[k][1]), sample=sample,
                                                   wait_at_once=not self.overlap, fidelity_elements=run.sampled))
             if len(waiting) == FINISH_LAG:
-                self._finish(*waiting.pop(0))
-                last = self._forwarding[0]
-                if last is not run and not any(w[0] is last for w in waiting):
-                    self._forward_done()  # a carried bucket's last piece: done before this bucket waits
+                self._finish_oldest(run)
             waiting.append((run, k, steps, partial))
+        while waiting[0][0] is not run:  # a bucket of fewer pieces than FINISH_LAG: the carried one's last
+            self._finish_oldest(run)
         waiting[-1][2].post_last()  # the same order of encodes carried or not: the relay's sums now
-        while waiting and (not carry or waiting[0][0] is not run):
-            self._finish(*waiting.pop(0))
-        if self._forwarding is not None and (not carry or self._forwarding[0] is not run):
-            self._forward_done()
         if not carry:
             return self.drain()
         run.carried = self.carrying  # only this bucket's pieces can be left under way now
@@ -524,6 +521,16 @@ class TwoLevelReducer:
         # the sampled fidelity check takes a bucket's sample over its pieces, not one per piece
         sampled = max(1, self.inner.fidelity_elements // len(planned))
         return _BucketRun(tensor, parts, planned, heads, sampled, sample, self.plans_agreed - agreed, tag)
+
+    def _finish_oldest(self, current: "_BucketRun") -> None:
+        """The oldest piece under way finished; where it was the last of a bucket carried before
+        ``current``, that bucket's forwards too, so it is done (and reported) before any of
+        ``current``'s exchanges is waited for: on a GPU, what waits for the carried bucket then
+        waits for ``current``'s node stages, not for its exchanges."""
+        entry = self._waiting.pop(0)
+        self._finish(*entry)
+        if entry[0] is not current and not any(w[0] is entry[0] for w in self._waiting):
+            self._forward_done()
 
     def _finish(self, run: "_BucketRun", k: int, steps: Begun, partial: torch.Tensor) -> None:
         """Piece k of ``run``: its exchange finished (the owner's decode and inverse), its results
