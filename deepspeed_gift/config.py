@@ -343,10 +343,11 @@ class GiftConfig(_GiftModel):
     refills the buffer, for that bucket and the next one's node stages, not for the next one's
     exchanges (at each bucket's start it waits for the reductions begun before, as DeepSpeed's
     own; on a GPU this has not run yet). The same bits either way. A reduction that raises with
-    a bucket carried makes every later backward refuse (restart from a checkpoint). The layout model (7B and
-    13B at W = 64 in nodes of 8, 6 pieces; links only, the backward's compute not modelled)
-    gives 0.50x and 0.57x DeepSpeed's gradient time carried, 0.62x and 0.65x bucket by bucket.
-    ``false``: each bucket finished before DeepSpeed's next."""
+    a bucket carried makes every later backward refuse (restart from a checkpoint). The layout
+    model (7B and 13B at W = 64 in nodes of 8; links only, the backward's compute not modelled)
+    gives 0.48x and 0.55x DeepSpeed's gradient time carried in 4 pieces (``node_pieces``' default
+    here), 0.62x and 0.65x bucket by bucket in 6. ``false``: each bucket finished before
+    DeepSpeed's next."""
 
     node_piece_min_elements: int = Field(1 << 22, ge=1)
     """Two-level: the smallest piece ``node_pieces`` cuts (a bucket under twice this stays whole):

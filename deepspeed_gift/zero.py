@@ -842,6 +842,7 @@ class GiftState:
         self._open_params: set = set()
         self._deferred_copies: List[tuple] = []
         self._bucket_tags = 0
+        self._carries = False  # carry_applies(), decided once at attach (_attach_zero)
         self._carried_done = None  # GPU: the event after a carried bucket's copies, not yet waited for
         self._carry_failed: Optional[str] = None  # why a reduction with a bucket carried raised
         # per (dtype, expert group or None): (the layout it was planned for, the rounds), the same step after step
@@ -952,7 +953,7 @@ class GiftState:
                                f"add up to {offset}; DeepSpeed's bucket layout is not what GIFT expects")
         divisor = self._divisor()
         with _reduction_stream(opt, communication_data_type):
-            if self.carry_applies() and self._in_backward_bucket:
+            if self._carries and self._in_backward_bucket:
                 tag, self._bucket_tags = self._bucket_tags, self._bucket_tags + 1
                 self.reducer.reduce_carried(tensor, slices, whiteners, divisor=divisor, step=k, outputs=outputs,
                                             sample=self.sampling(k), tag=tag, on_done=self._bucket_done)
@@ -961,7 +962,7 @@ class GiftState:
                     self._open_params = {param_id for _, _, param_id in params}
                 return
             with self._abandoned_on_error():
-                self._buckets_done(self.drain_carried())
+                self.drain_carried()
             for reducer, these in self._by_group(slices, outputs):
                 stats = reducer.reduce(tensor, [s for s, _ in these], whiteners, divisor=divisor, step=k,
                                        outputs=[o for _, o in these], sample=self.sampling(k))
@@ -980,15 +981,10 @@ class GiftState:
                 and bool(opt.contiguous_gradients) and not opt.cpu_offload and not self.expert_reducers
                 and not any(c.__name__ == "PipelineEngine" for c in type(self.engine).__mro__))
 
-    def drain_carried(self) -> list:
-        """Every carried bucket finished now: ``(tag, stats)`` of those not yet reported."""
-        if isinstance(self.reducer, TwoLevelReducer) and self.reducer.carrying:
-            return self.reducer.drain()
-        return []
-
-    def _buckets_done(self, done) -> None:
-        for tag, stats in done:
-            self._bucket_done(tag, stats)
+    def drain_carried(self) -> None:
+        """Every carried bucket finished now (each reported through ``_bucket_done``, its on_done)."""
+        if self._carries and self.reducer.carrying:
+            self.reducer.drain()
 
     def _bucket_done(self, tag, stats) -> None:
         """A bucket finished: counted; the carried one's held-back copies into the partition run
@@ -1032,7 +1028,7 @@ class GiftState:
         try:
             yield
         except BaseException as exc:
-            if self.reducer.carrying or self._deferred_copies:
+            if self._carries and (self.reducer.carrying or self._deferred_copies):
                 self._carry_failed = f"a reduction raised {type(exc).__name__}: {exc}"
                 self.reducer.abandon()
                 self._open_bucket, self._open_params, self._deferred_copies = None, set(), []
@@ -1061,7 +1057,7 @@ class GiftState:
         if not self._in_backward_bucket:
             with acc.stream(self.opt.reduction_stream) if on_stream else contextlib.nullcontext(), \
                     self._abandoned_on_error():
-                self._buckets_done(self.drain_carried())
+                self.drain_carried()
             if self._carried_done is not None:
                 acc.current_stream().wait_stream(self.opt.reduction_stream)
         elif self._carried_done is not None:
@@ -1659,10 +1655,11 @@ def _attach_zero(state: GiftState) -> None:
         return state.reduce_fallback(native_fallback, rank, grads, *args, **kwargs)
 
     _replace(state, state.opt, "buffered_reduce_fallback", buffered_reduce_fallback)
+    state._carries = state.carry_applies()
     if state.cfg.node_pieces is None and isinstance(state.reducer, TwoLevelReducer) and state.reducer.pieces > 1:
-        state.reducer.pieces = NODE_PIECES_CARRIED if state.carry_applies() else NODE_PIECES_BY_BUCKET
+        state.reducer.pieces = NODE_PIECES_CARRIED if state._carries else NODE_PIECES_BY_BUCKET
         state.exchange[-1] = state.reducer.pieces
-    if state.carry_applies():  # two-level's pipeline carried from bucket to bucket
+    if state._carries:  # two-level's pipeline carried from bucket to bucket
         opt = state.opt
         native_bucket = opt.reduce_independent_p_g_buckets_and_remove_grads
         native_ipg = opt.reduce_ipg_grads

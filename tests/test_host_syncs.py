@@ -25,7 +25,11 @@ def test_ordinary_steps_make_no_host_conversion_in_a_bucket(world):
     if world == 4:
         configs += [dict(FP8_KFAC_EF, hierarchy="two_level", ranks_per_node=2),
                     dict(NVFP4, hierarchy="two_level", ranks_per_node=2), FP8_RELAY]
-    results = run_ranks(train_many, world, _specs(configs))
+    specs = _specs(configs)
+    if world == 4:  # under overlap_comm two-level's pipeline is carried from bucket to bucket
+        configs.append(dict(FP8_KFAC_EF, hierarchy="two_level", ranks_per_node=2))
+        specs.append(dict(_specs(configs[-1:])[0], overlap=True))
+    results = run_ranks(train_many, world, specs)
     for per_config in results:
         for gift, r in zip(configs, per_config):
             buckets = r["host_syncs"]
@@ -39,6 +43,9 @@ def test_ordinary_steps_make_no_host_conversion_in_a_bucket(world):
             assert per_bucket(buckets, False) > 0, gift  # sampled/refresh steps read values back
             assert per_bucket(buckets, False, copies_of) > 0, gift  # and make host data: seen too
             assert r["losses"][-1] < r["losses"][0]
+        if world == 4:  # the last config's buckets were carried (telemetry's steps 0 and 3)
+            carried = per_config[-1]["records"]
+            assert carried and all(rec["carried_buckets"] > 0 for rec in carried), carried
 
 
 @pytest.mark.parametrize("world", [2, 4])
