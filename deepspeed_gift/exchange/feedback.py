@@ -20,8 +20,8 @@ sum up to the sum of these round-offs, not exactly.
 
 An overflowing step (DeepSpeed skips it) must not leak its error into the next, so a residual
 with any inf/nan is kept as zeros, decided on the device (no host read): a non-finite element
-makes its block's scale non-finite, so the stored residual's scales tell, and its scales and
-codes are zeroed (the bytes of an all-zero residual).
+makes its block's scale non-finite, so the stored residual's scales tell, and they are all
+zeroed (the codes are left: times a zero scale each decodes to zero).
 
 A payload this rank sends (and does not decode for itself) gets its residual in one pass where
 the codecs are compiled: the int8 codec encodes the staged values minus the payload's decode
@@ -36,6 +36,8 @@ that step, so a resumed run adds what the uninterrupted one would, bit for bit.
 """
 
 from __future__ import annotations
+
+import math
 
 import logging
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -81,10 +83,14 @@ def _fit_named(transform_or_fit) -> Fit:
 
 
 def _zero_unless_finite(stored: formats.Payload) -> torch.Tensor:
-    """The wire of an encoded residual, all zeros after the header if a scale is inf/nan (an
-    element was): what encoding the zeroed residual gives, decided on the device."""
-    finite = torch.isfinite(stored.scales).all()
-    stored.wire[formats.HEADER_BYTES:].masked_fill_(~finite, 0)
+    """The wire of an encoded residual, every block scale zero if one is inf/nan (an element
+    was), decided on the device: it then decodes to zeros (each code times 0; a negative code's
+    -0 adds nothing either), as the zeroed residual would. Only the scales are written (four
+    small launches): clearing the codes too would be a pass over the whole wire."""
+    scales = stored.scales
+    if scales.numel():
+        largest = torch.linalg.vector_norm(scales, float("inf"))  # inf or nan where one is
+        scales.masked_fill_(~(largest < math.inf), 0)
     return stored.wire
 
 
