@@ -363,11 +363,21 @@ class Run:
     sampled_versions: Optional[int] = None  # plan versions a sampled step used (None: a long run, cache full)
     optimizer_state: bool = True  # the worst refresh step has Adam state to capture (not so at step 0)
     offload: bool = False  # zero_optimization.offload_optimizer {"device": "cpu"}
-    node_pieces: Optional[int] = None  # gift.node_pieces (None: gift's default, 4 carried under overlap_comm, else 6)
+    contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (DeepSpeed's default)
+    carry_buckets: bool = True  # gift.carry_buckets
+    node_pieces: Optional[int] = None  # gift.node_pieces (None: gift's default, 4 where carried, else 6)
     node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
     stage: int = 2  # zero_optimization.stage (3: every parameter partitioned; flat rows only)
     max_live_parameters: int = 1_000_000_000  # stage3_max_live_parameters (DeepSpeed's default)
     prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (DeepSpeed's default)
+
+
+def carries(run: Run) -> bool:
+    """Whether two-level's pipeline is carried from bucket to bucket (``GiftState.carry_applies``:
+    DeepSpeed's double ipg buffer, i.e. ``overlap_comm`` with ``contiguous_gradients``, the
+    gradients on the device, ``gift.carry_buckets``; no MoE or pipeline engine, which this model
+    does not take), which sets ``gift.node_pieces``' default."""
+    return run.overlap_comm and run.contiguous_gradients and not run.offload and run.carry_buckets
 
 
 def wire_bytes(fmt: str) -> float:
@@ -413,7 +423,7 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
         # node partial of a slot's share of a piece, which the pipeline holds for FINISH_LAG + 1 pieces with
         # their exchanges (the exchange's phases stay the whole bucket's: those pieces hold at most its parts)
         biggest = max(sum(o.values()) for o in layout) * run.per_node
-        asked = run.node_pieces or (NODE_PIECES_CARRIED if run.overlap_comm else NODE_PIECES)
+        asked = run.node_pieces or (NODE_PIECES_CARRIED if carries(run) else NODE_PIECES)
         pieces = max(1, min(asked, int(biggest) // run.node_piece_min_elements))
         piece = biggest / pieces
         node = run.params_bytes * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)

@@ -56,3 +56,21 @@ def test_the_model_prints_the_7b_ratio_beside_zero2s_own(capsys):
     n = row["params"]
     assert row["zero2"]["total"] == pytest.approx(2 * n + 12 * n / 64 + 6 * n / 64 + 2 * 500_000_000)
     assert row["gift"]["peak"] >= row["gift"]["held"] > 0
+
+
+def test_the_node_stage_holds_gifts_pieces_for_the_configs_carry():
+    """Two-level's node stage holds a piece of the bucket, so its bytes follow gift.node_pieces'
+    default: 4 where the pipeline is carried from bucket to bucket (overlap_comm with
+    contiguous_gradients, the gradients on the device, carry_buckets), 6 elsewhere, as
+    GiftState.carry_applies decides (overlap_comm alone used to give 4 in the model)."""
+    config, design = memory_model.MODELS["7B"], memory_model.design_now()
+
+    def payload(**run):
+        return memory_model.gift_memory(config, memory_model.Run(world=64, per_node=8, **run), design)["payload"]
+
+    by_bucket = payload(overlap_comm=False)
+    carried = payload(overlap_comm=True)
+    assert carried > by_bucket  # fewer pieces, each larger
+    assert carried == payload(overlap_comm=False, node_pieces=memory_model.NODE_PIECES_CARRIED)
+    for not_carried in (dict(offload=True), dict(contiguous_gradients=False), dict(carry_buckets=False)):
+        assert payload(overlap_comm=True, **not_carried) == by_bucket, not_carried
