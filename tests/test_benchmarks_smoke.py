@@ -12,9 +12,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_codec_speed_smoke(tmp_path):
+    # every format eager, and the compiled mode for one: compiling every format took ~80 s of
+    # this test's ~90 (tests/test_kernels.py compiles each format's kernels against eager)
+    compiled = tmp_path / "compiled.json"
+    proc = subprocess.run([sys.executable, "benchmarks/codec_speed.py", "--numel", "100000", "--repeats", "2",
+                           "--kernels", "compiled", "--formats", "fp8_e4m3", "--json", str(compiled)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [row] = json.loads(compiled.read_text())["formats"]
+    assert row["format"] == "fp8_e4m3+c" and row["kernels"] == "compiled" and row["encode_ms"] > 0
     out = tmp_path / "codec.json"
     proc = subprocess.run([sys.executable, "benchmarks/codec_speed.py", "--numel", "100000", "--repeats", "2",
-                           "--shapes", "64x32", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--kernels", "eager", "--shapes", "64x32", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fp8_e4m3" in proc.stdout and "nvfp4" in proc.stdout
     data = json.loads(out.read_text())

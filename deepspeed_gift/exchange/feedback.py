@@ -37,9 +37,8 @@ that step, so a resumed run adds what the uninterrupted one would, bit for bit.
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
