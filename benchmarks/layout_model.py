@@ -35,11 +35,12 @@ NIC (a rank's messages to ranks on its own node take NVLink):
   split takes its lighter route (relay needs 3+ nodes), and by_layout the lighter split.
 NVLink bytes into the busiest GPU (bucket dtype, 2 B): the node stage, (G-1) max N_s 2 B
 (owner_slot) or (G-1) N/G 2 B (balanced), and the balanced split's forwards to the owners,
-(G-1)/G max N_d 2 B. The time columns count DeepSpeed's ring with its NVLink and NIC traffic at
-once (the slower link sets it), and GIFT's two-level stages one after the other (``serial``)
-and as the pipeline of ``gift.node_pieces`` pieces the reducer runs (``scheme_seconds``); with
-``--codec-traffic`` GIFT's work on the GPU too, and with ``--alpha-us``/``--a2a-us`` latencies. Memory the
-new exchange holds per GPU while a bucket is reduced: flat, the relay's chunk sums (4 N/W B);
+max (N_d - min(N_d, N_m/G)) 2 B (each slot carries its own owner's elements first). The time
+columns count DeepSpeed's ring with its NVLink and NIC traffic at once (the slower link sets
+it), and GIFT's two-level stages one after the other (``serial``) and as the pipeline of
+``gift.node_pieces`` pieces the reducer runs (``scheme_seconds``); with ``--codec-traffic``
+GIFT's work on the GPU too, and with ``--alpha-us``/``--a2a-us`` latencies. Memory the new
+exchange holds per GPU while a bucket is reduced: flat, the relay's chunk sums (4 N/W B);
 two-level, the fp32 node partial of its slot's share (4 N/G B) and the chunk sums; with error
 feedback, the relayed residuals too (4/W B per parameter).
 """
@@ -302,13 +303,32 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
         direct_slot = exchange_stage(nodes, busiest_slot, biggest, b, False, rates)
         direct_slot.node, direct_slot.node_steps = owner_slot.node, owner_slot.node_steps
         direct_slot.sum_s = owner_slot.sum_s
-        # balanced: every slot carries 1/g of each node's part; results handed to their owners after
-        balanced = two_level(n / g, busiest_node / g, (g - 1) * n / g * 2, (g - 1) / g * biggest * 2,
-                             (g - 1) / g * biggest)
+        # balanced: every slot carries 1/g of each node's part, its own owner's elements first
+        # (``two_level.carried_balanced``); the rest is handed to the owners after
+        handed_in, handed_out = balanced_forwards(owners, g)
+        balanced = two_level(n / g, busiest_node / g, (g - 1) * n / g * 2, handed_in * 2, handed_out)
         out.update(two_level_direct=direct_slot, two_level_owner_slot=owner_slot, two_level_balanced=balanced)
         # by_layout: the split whose busiest NIC receives less (owner_slot on a tie)
         out["two_level_by_layout"] = balanced if nic_bytes(balanced) < nic_bytes(owner_slot) else owner_slot
     return out
+
+
+def balanced_forwards(owners: Dict[int, int], per_node: int) -> Tuple[float, float]:
+    """The balanced split's forwards inside a node (``two_level.carried_balanced``, rows not
+    counted): slot j of node m carries a share N_m / G, first of its own owner's elements, so
+    owner d receives N_d - min(N_d, N_m / G) from the other slots and a slot hands on its share
+    less its own owner's part. The busiest owner's receive and the busiest slot's hand-on."""
+    per_owner_node: Dict[int, int] = {}
+    for d, m in owners.items():
+        per_owner_node[d // per_node] = per_owner_node.get(d // per_node, 0) + m
+    handed_in = handed_out = 0.0
+    for node, total in per_owner_node.items():
+        share = total / per_node
+        for j in range(per_node):
+            own = owners.get(node * per_node + j, 0)
+            handed_in = max(handed_in, own - min(own, share))
+            handed_out = max(handed_out, share - min(own, share))
+    return handed_in, handed_out
 
 
 def nic_bytes(stage: Stage) -> float:

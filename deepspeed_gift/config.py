@@ -329,9 +329,10 @@ class GiftConfig(_GiftModel):
     where the pipeline is carried from bucket to bucket (``carry_buckets`` applies), else 6.
     The layout model (``benchmarks/layout_model.py``, GIFT's GPU work counted, 7B and 13B at
     W = 64 in nodes of 8, each piece paying its collectives' latency and launches), ZeRO-2
-    bucket by bucket: 0.66x and 0.70x DeepSpeed's gradient time at 4 pieces, 0.62x and 0.65x at
-    6, 0.61x and 0.65x at 8; carried: 0.48x and 0.54x at 3, 0.48x and 0.55x at 4, 0.50x and
-    0.57x at 6; ZeRO-1's rounds: 0.52x at 4, 0.50x at 6."""
+    bucket by bucket: 0.65x and 0.68x DeepSpeed's gradient time at 4 pieces, 0.61x and 0.64x at
+    6, 0.60x and 0.63x at 8; carried: 0.47x and 0.51x at 3, 0.48x and 0.52x at 4, 0.49x and
+    0.54x at 6; ZeRO-1's rounds: 0.52x at 4, 0.50x and 0.49x at 6 (with each slot carrying its
+    own owner's elements first, since the commit after ``767bf58``; docs/benchmarks.md)."""
 
     carry_buckets: bool = True
     """Two-level under ``zero_optimization.overlap_comm`` (with ``contiguous_gradients``, without
@@ -345,8 +346,8 @@ class GiftConfig(_GiftModel):
     own; on a GPU this has not run yet). The same bits either way. A reduction that raises with
     a bucket carried makes every later backward refuse (restart from a checkpoint). The layout
     model (7B and 13B at W = 64 in nodes of 8; links only, the backward's compute not modelled)
-    gives 0.48x and 0.55x DeepSpeed's gradient time carried in 4 pieces (``node_pieces``' default
-    here), 0.62x and 0.65x bucket by bucket in 6. ``false``: each bucket finished before
+    gives 0.48x and 0.52x DeepSpeed's gradient time carried in 4 pieces (``node_pieces``' default
+    here), 0.61x and 0.64x bucket by bucket in 6. ``false``: each bucket finished before
     DeepSpeed's next."""
 
     node_piece_min_elements: int = Field(1 << 22, ge=1)

@@ -97,6 +97,59 @@ def test_a_ranks_per_node_that_does_not_divide_the_group_fails_at_initialize():
         assert "gift.ranks_per_node: got 3; the data-parallel group has 4 ranks" in message
 
 
+def test_each_slot_carries_its_own_owners_elements_first_in_the_balanced_split():
+    # one node of 4 (and a second with nothing): owners 0, 1, 2 hold 300, 300 and 200 elements,
+    # a share of 200 a slot. Cut in bucket order over the slots, slot 1 would carry 100 of owner
+    # 0's and slot 2 owner 1's, and owners 1 and 2 would receive 200 each from other slots; with
+    # each slot's own owner first, every owner receives only what exceeds its slot's share
+    from deepspeed_gift.exchange.plan import GEO, MAIN, ParamSlice
+    from deepspeed_gift.exchange.two_level import NodePlan, carried_balanced
+
+    slices = [ParamSlice(0, 0, 300, 0, 0, 10, GEO), ParamSlice(1, 300, 300, 0, 1, 0, MAIN),
+              ParamSlice(2, 600, 200, 0, 2, 0, MAIN)]
+    carried = carried_balanced(slices, 4)
+    assert carried == [[(0, 0, 200)], [(1, 0, 200)], [(2, 0, 200)], [(0, 200, 100), (1, 200, 100)]]
+    plan = NodePlan(slices, 4, 0, carried, "balanced")
+    assert [[plan.forward_numel[j][d] for j in range(4)] for d in range(4)] == [
+        [0, 0, 0, 100], [0, 0, 0, 100], [0, 0, 0, 0], [0, 0, 0, 0]]
+    # a share that ends inside a whitened row moves to the nearest row boundary (rows of 10 from
+    # the parameter's element 0; the slice starts at its element 5: the share's 200 is element 205)
+    carried = carried_balanced([ParamSlice(0, 0, 305, 5, 0, 10, GEO), ParamSlice(1, 305, 95, 0, 1, 0, MAIN)], 2)
+    assert carried == [[(0, 0, 205)], [(0, 205, 100), (1, 0, 95)]]
+
+
+def test_the_layout_models_forwards_are_the_balanced_splits():
+    # benchmarks/layout_model.py counts the balanced split's forwards by a formula; here it meets
+    # carried_balanced on buckets of 7B's layout at W = 64 in nodes of 8 (rows not counted: MAIN
+    # slices), the busiest owner's receive and the busiest slot's hand-on, element for element
+    from benchmarks import layout_model
+    from deepspeed_gift.exchange.plan import MAIN, ParamSlice
+    from deepspeed_gift.exchange.two_level import NodePlan, carried_balanced
+
+    sizes, arrival = layout_model.parameter_layout(layout_model.MODELS["7B"])
+    buckets = layout_model.bucket_runs_of(sizes, arrival, 64, 500_000_000)
+    checked = 0
+    for runs in buckets[:6]:
+        slices, at = [], 0
+        for key, (owner, n) in enumerate(runs):
+            slices.append(ParamSlice(owner, at, n, 0, key, 0, MAIN))
+            at += n
+        carried = carried_balanced(slices, 8)
+        owners = layout_model.owners_of(runs)
+        handed_in, handed_out = layout_model.balanced_forwards(owners, 8)
+        received, handed = {}, [0] * 8
+        for node in {d // 8 for d in owners}:
+            plan = NodePlan(slices, 8, node * 8, carried, "balanced")
+            for j in range(8):
+                handed[j] = max(handed[j], sum(plan.forward_numel[j]))
+                for local, n in enumerate(plan.forward_numel[j]):
+                    received[node * 8 + local] = received.get(node * 8 + local, 0) + n
+        assert max(received.values()) == pytest.approx(handed_in, abs=8)  # shares rounded to elements
+        assert max(handed) == pytest.approx(handed_out, abs=8)
+        checked += handed_in > 0
+    assert checked >= 3  # buckets whose owners hold more than a share
+
+
 def test_a_copy_slice_is_carried_by_its_owners_slot_in_the_balanced_split():
     # a COPY slice (a parameter with copies in other data-parallel groups) must be kept by its owner,
     # never handed over inside the node in the bucket's dtype: whether a result is handed over

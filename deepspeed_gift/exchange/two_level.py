@@ -70,14 +70,44 @@ def level_runs(owned: int, pinned: Sequence[int]) -> List[int]:
     return runs
 
 
+def cut_segments(slices: Sequence[ParamSlice], segments: Carried, sizes: Sequence[int]) -> List[Carried]:
+    """``segments`` (``(slice index, start, numel)`` runs, in order) cut into consecutive parts of
+    about ``sizes`` elements, the last part taking what is left; each cut moved to a row boundary
+    of the slice it falls in (``unit_boundary``), never before the cut before it. Per part its runs."""
+    total = sum(n for _, _, n in segments)
+    targets: List[int] = []
+    for n in sizes[:-1]:
+        targets.append((targets[-1] if targets else 0) + n)
+    cuts: List[int] = []
+    pos = 0
+    for i, start, n in segments:
+        while len(cuts) < len(targets) and targets[len(cuts)] < pos + n:
+            at = min(max(unit_boundary(slices[i], start + targets[len(cuts)] - pos) - start, 0), n)
+            cuts.append(max([pos + at] + cuts[-1:]))
+        pos += n
+    edges = [0] + cuts + [total] * (len(sizes) - len(cuts))
+    out: List[Carried] = [[] for _ in sizes]
+    pos = 0
+    for i, start, n in segments:
+        for k in range(len(sizes)):
+            lo, hi = max(edges[k], pos), min(edges[k + 1], pos + n)
+            if lo < hi:
+                out[k].append((i, start + lo - pos, hi - lo))
+        pos += n
+    return out
+
+
 def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[Carried]:
     """Per local rank j, what it carries when the elements each node owns (shared parameters
-    aside) are cut into runs, run j to local rank j, sized so that every slot receives about as
-    much for that node (a shared parameter still goes whole to its copy slots, a ``COPY`` slice to
-    its owner's slot, and both count); each
-    cut is moved to a row boundary of the slice it falls in. Every NIC of an owner's node then
-    carries its share whatever the owners, and a slot hands an owner of another slot its results
-    inside the node afterwards."""
+    aside) are spread over its slots so that every slot receives about as much for that node (a
+    shared parameter still goes whole to its copy slots, a ``COPY`` slice to its owner's slot, and
+    both count). Every NIC of an owner's node then carries its share whatever the owners, and a
+    slot hands an owner of another slot its results inside the node afterwards. So each slot first
+    takes its own owner's elements, up to its share: those are never handed on, and what an owner
+    receives inside the node falls from its whole part less a share to that (at 13B, W = 64, nodes
+    of 8, a bucket's owners hold 2-3 shares each). The rest, in bucket order, is cut over the
+    slots' remaining room, in slot order. Every cut is moved to a row boundary of the slice it
+    falls in."""
     L = ranks_per_node
     by_node: Dict[int, List[Tuple[int, ParamSlice]]] = {}
     pinned: Dict[int, List[int]] = {}  # node -> shared elements each slot carries for it
@@ -92,25 +122,19 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
             by_node.setdefault(s.dst // L, []).append((i, s))
     carried: List[Carried] = [[] for _ in range(L)]
     for node, owned in by_node.items():
-        total = sum(s.numel for _, s in owned)
-        targets: List[int] = []
-        for n in level_runs(total, pinned.get(node, [0] * L))[:-1]:
-            targets.append((targets[-1] if targets else 0) + n)
-        cuts: List[int] = []
-        pos = 0
-        for _, s in owned:
-            while len(cuts) < L - 1 and targets[len(cuts)] < pos + s.numel:
-                at = pos + unit_boundary(s, targets[len(cuts)] - pos)
-                cuts.append(max([at] + cuts[-1:]))
-            pos += s.numel
-        edges = [0] + cuts + [total] * (L - len(cuts))
-        pos = 0
-        for i, s in owned:
-            for j in range(L):
-                start, end = max(edges[j], pos), min(edges[j + 1], pos + s.numel)
-                if start < end:
-                    carried[j].append((i, start - pos, end - start))
-            pos += s.numel
+        share = level_runs(sum(s.numel for _, s in owned), pinned.get(node, [0] * L))
+        room, rest = list(share), []
+        for j in range(L):
+            mine = [(i, 0, s.numel) for i, s in owned if s.dst == node * L + j]
+            head, tail = cut_segments(slices, mine, [share[j], 0])
+            carried[j].extend(head)
+            room[j] -= sum(n for _, _, n in head)
+            rest.extend(tail)
+        rest.sort(key=lambda run: slices[run[0]].bucket_offset + run[1])
+        if rest:
+            takers = [j for j in range(L) if room[j] > 0] or [min(range(L), key=lambda j: share[j] - room[j])]
+            for j, runs in zip(takers, cut_segments(slices, rest, [room[j] for j in takers])):
+                carried[j].extend(runs)
     for i, s in enumerate(slices):
         if s.copy_ranks:
             for j in slot_targets(s, L):
@@ -148,23 +172,10 @@ def bucket_pieces(slices: Sequence[ParamSlice], pieces: int, min_elements: int) 
             by_owner.setdefault(s.dst, []).append(i)
     for owned in by_owner.values():
         mine = sum(slices[i].numel for i in owned)
-        targets = [mine * k // count for k in range(1, count)]
-        cuts: List[int] = []
-        pos = 0
-        for i in owned:
-            s = slices[i]
-            while len(cuts) < len(targets) and targets[len(cuts)] < pos + s.numel:
-                cuts.append(max([pos + unit_boundary(s, targets[len(cuts)] - pos)] + cuts[-1:]))
-            pos += s.numel
-        edges = [0] + cuts + [mine] * (count - len(cuts))
-        pos = 0
-        for i in owned:
-            n = slices[i].numel
-            for k in range(count):
-                start, end = max(edges[k], pos), min(edges[k + 1], pos + n)
-                if start < end:
-                    out[k].append((i, start - pos, end - start))
-            pos += n
+        parts = cut_segments(slices, [(i, 0, slices[i].numel) for i in owned],
+                             [mine * (k + 1) // count - mine * k // count for k in range(count)])
+        for k, runs in enumerate(parts):
+            out[k].extend(runs)
     for runs in out:
         runs.sort(key=lambda run: slices[run[0]].bucket_offset + run[1])
     return [runs for runs in out if runs] or [[]]
@@ -314,8 +325,9 @@ class TwoLevelReducer:
        the fast links inside a node). Each local rank receives the part of the bucket it
        carries from every local rank and sums it in fp32 in local rank order: the node
        partial, with no rounding beyond the gradients' own. The part: every slice to its
-       owner's slot (``owner_slot``), or the bucket's owned elements in equal runs, one per
-       local rank (``balanced``; a bucket with few owners would load only their slots' NICs).
+       owner's slot (``owner_slot``), or an equal share of the bucket's owned elements per local
+       rank, its own owner's first (``balanced``; a bucket with few owners would load only their
+       slots' NICs).
     2. Node exchange: the ranks with the same local rank on every node (a *slot group*)
        reduce the node partials with ``inner`` - transform, quantize, all-to-all (direct or
        relayed, by ``inner.route``), fp32 sum at the owner's node, inverse - so the transform
