@@ -180,6 +180,7 @@ class Stage:
 
     node: float = 0.0
     node_steps: int = 0
+    node_encode_s: float = 0.0  # a quantized node stage (``Rates.node_bpe``): its encode, before it is sent
     sum_s: float = 0.0
     encode_s: float = 0.0
     nic: Tuple[Tuple[float, int], ...] = ()
@@ -208,6 +209,10 @@ class Rates:
     whiten_rank: int = 0
     fp32_flops: float = 1.0
     tile: int = 1 << 24
+    # the node stage's bytes per element: 2, the bucket's dtype (what GIFT sends); less, a node
+    # stage quantized by the main codec (not built: issue 42's "lighter node stage", modelled),
+    # each rank encoding what it sends and the slot decoding and summing the G - 1 parts
+    node_bpe: float = 2.0
 
     def encode(self, n: float, whiten: bool = True) -> float:
         """An encode of ``n`` elements, whitened first (``whiten_rank``: a rank-r factor each way;
@@ -292,8 +297,12 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
             if relay_ok:
                 routes.append(exchange_stage(nodes, carried, owned, b, True, rates))
             best = min(routes, key=nic_bytes)
-            best.node, best.node_steps = stage, g - 1
-            best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g, gathered)
+            best.node, best.node_steps = stage * rates.node_bpe / 2, g - 1
+            if rates.node_bpe == 2:
+                best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g, gathered)
+            else:
+                best.node_encode_s = rates.encode(n * (g - 1) / g, whiten=False)
+                best.sum_s = rates.decode(carried, g - 1, inverse=False)
             best.forward, best.forward_steps = forward, (g - 1) if forward else 0
             best.decode_s += rates.cast(forwarded)
             return best
@@ -302,7 +311,7 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
         owner_slot = two_level(busiest_slot, biggest, (g - 1) * busiest_slot * 2, 0.0, 0.0)
         direct_slot = exchange_stage(nodes, busiest_slot, biggest, b, False, rates)
         direct_slot.node, direct_slot.node_steps = owner_slot.node, owner_slot.node_steps
-        direct_slot.sum_s = owner_slot.sum_s
+        direct_slot.sum_s, direct_slot.node_encode_s = owner_slot.sum_s, owner_slot.node_encode_s
         # balanced: every slot carries 1/g of each node's part, its own owner's elements first
         # (``two_level.carried_balanced``); the rest is handed to the owners after
         handed_in, handed_out = balanced_forwards(owners, g)
@@ -371,7 +380,8 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag:
         return link_seconds(nbytes, steps, bps, rates)
 
     if not overlap:
-        return sum(link(st.node, st.node_steps, rates.nvlink_bps) + st.sum_s + st.encode_s + st.relay_s
+        return sum(st.node_encode_s + link(st.node, st.node_steps, rates.nvlink_bps) + st.sum_s + st.encode_s
+                   + st.relay_s
                    + sum(link(nb, steps, rates.nic_bps) for nb, steps in st.nic) + st.decode_s
                    + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages)
     t = {"nv": 0.0, "nic": 0.0, "gpu": 0.0}
@@ -388,11 +398,15 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag:
     def rest(st: Stage, last_done: float) -> None:
         run("nv", run("gpu", last_done, st.decode_s), link(st.forward, st.forward_steps, rates.nvlink_bps))
 
-    node_done = [run("nv", 0.0, link(stages[0].node, stages[0].node_steps, rates.nvlink_bps))]
+    def node_stage(st: Stage) -> float:  # a quantized node stage is encoded on the GPU's stream first
+        ready = run("gpu", 0.0, st.node_encode_s) if st.node_encode_s else 0.0
+        return run("nv", ready, link(st.node, st.node_steps, rates.nvlink_bps))
+
+    node_done = [node_stage(stages[0])]
     waiting = []  # (piece, when its exchange so far is done): begun, not finished, oldest first
     for k, st in enumerate(stages):
         if k + 1 < len(stages):
-            node_done.append(run("nv", 0.0, link(stages[k + 1].node, stages[k + 1].node_steps, rates.nvlink_bps)))
+            node_done.append(node_stage(stages[k + 1]))
         run("gpu", node_done[k], st.sum_s)
         if waiting:
             waiting[-1] = (waiting[-1][0], last_exchange(*waiting[-1]))
@@ -415,7 +429,7 @@ def busy_seconds(stages: List[Stage], rates: Rates) -> Dict[str, float]:
     return {"nv": sum(link(st.node, st.node_steps, rates.nvlink_bps)
                       + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages),
             "nic": sum(link(nb, steps, rates.nic_bps) for st in stages for nb, steps in st.nic),
-            "gpu": sum(st.sum_s + st.encode_s + st.relay_s + st.decode_s for st in stages)}
+            "gpu": sum(st.node_encode_s + st.sum_s + st.encode_s + st.relay_s + st.decode_s for st in stages)}
 
 
 def ring_seconds(stage: Stage, rates: Rates) -> float:
@@ -568,6 +582,9 @@ def main(argv=None) -> List[dict]:
                    help="every element whitened by a rank-r factor on its way out and back (README's kfac rank)")
     c.add_argument("--fp32-tflops", type=float, default=67.0, help="fp32 matmul peak (the whitening)")
     c.add_argument("--fp32-eff", type=float, default=0.7, help="of --fp32-tflops reached")
+    c.add_argument("--node-quantized", action="store_true",
+                   help="two-level's node stage quantized by the main codec (its bytes and counted work), not in the "
+                        "bucket's dtype: not built, a what-if (issue 42's lighter node stage)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)
@@ -578,6 +595,10 @@ def main(argv=None) -> List[dict]:
     else:
         rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
                       a2a_s=args.a2a_us * 1e-6)
+    if args.node_quantized:
+        if not rates.hbm_bps:
+            raise SystemExit("--node-quantized needs the codec's work counted: --codec-traffic or --codec-gpu")
+        rates.node_bpe = b
     rows = []
     for name, config in MODELS.items():
         rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte,
@@ -609,6 +630,8 @@ def main(argv=None) -> List[dict]:
         counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} traffic at {args.hbm_tbs:g} TB/s x "
                    f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
                    f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}")
+    if args.node_quantized:
+        counted += f"; the node stage quantized, {b:.4g} B an element (a what-if: not built)"
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
           f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole "
           f"buckets with its stages one after another (serial) and as the pipeline of gift.node_pieces "

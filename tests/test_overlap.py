@@ -527,6 +527,26 @@ def test_the_layout_models_bound_for_a_pipeline_across_buckets():
     assert scheme_seconds([relay] * P, rates, overlap=True) >= max(busy_seconds([relay] * P, rates).values())
 
 
+def test_the_layout_models_quantized_node_stage_what_if():
+    # --node-quantized (not built; a what-if): the node stage's NVLink bytes scale from the bucket's
+    # 2 B to the codec's, and its encode and the slot's decode-and-sum take the GPU's stream
+    # before and after it; a paced piece of T each: the node link waits for the encode
+    from benchmarks.layout_model import Rates, Stage, bucket_stages, scheme_seconds
+
+    owners = {0: 4 << 20, 1: 4 << 20}  # one node of 2 of 4 nodes owns the bucket
+    plain = Rates(nic_bps=5e10, nvlink_bps=4.5e11, hbm_bps=2.7e12, encode_bpe=5.3, decode_a=4.0, decode_b=1.1)
+    quantized = Rates(**{**plain.__dict__, "node_bpe": 1.03})
+    a = bucket_stages(owners, 8, 2, 1.03, plain)["two_level_balanced"]
+    b = bucket_stages(owners, 8, 2, 1.03, quantized)["two_level_balanced"]
+    assert b.node == pytest.approx(a.node * 1.03 / 2) and a.node_encode_s == 0
+    sent = (8 << 20) / 2  # a rank of 2 encodes the half of the bucket it sends
+    assert b.node_encode_s == pytest.approx(plain.encode(sent, whiten=False))
+    assert b.sum_s == pytest.approx(plain.decode(sent, 1, inverse=False))
+    T = 0.25
+    paced = Stage(node=T, node_steps=1, node_encode_s=T, nic=((T, 1),))
+    assert scheme_seconds([paced], Rates(nic_bps=1.0, nvlink_bps=1.0), overlap=True) == pytest.approx(3 * T)
+
+
 # overlap_comm: DeepSpeed's double ipg buffer keeps a bucket's buffer through the next bucket, so
 # GIFT carries two-level's pipeline from bucket to bucket (gift.carry_buckets), holding the bucket's
 # copies into the partition until it is done. FP8, stochastic rounding, error feedback and
