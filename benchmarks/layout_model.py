@@ -61,7 +61,7 @@ if ROOT not in sys.path:
 from benchmarks.results import write_json  # noqa: E402
 from deepspeed_gift.core.formats import get_format  # noqa: E402
 from deepspeed_gift.config import NODE_PIECES_BY_BUCKET, NODE_PIECES_CARRIED  # noqa: E402
-from deepspeed_gift.exchange.two_level import FINISH_LAG  # noqa: E402
+from deepspeed_gift.exchange.two_level import FINISH_LAG, OWN_TAIL_KEPT  # noqa: E402
 
 NODE_PIECES = NODE_PIECES_BY_BUCKET  # gift.node_pieces' default bucket by bucket (and ZeRO-1's rounds)
 
@@ -325,7 +325,8 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
 def balanced_forwards(owners: Dict[int, int], per_node: int) -> Tuple[float, float]:
     """The balanced split's forwards inside a node (``two_level.carried_balanced``, rows not
     counted): slot j of node m carries a share N_m / G, first of its own owner's elements, so
-    owner d receives N_d - min(N_d, N_m / G) from the other slots and a slot hands on its share
+    owner d receives N_d - min(N_d, N_m / G) from the other slots (nothing where the excess is
+    at most 1/``OWN_TAIL_KEPT`` of the share: its slot keeps it) and a slot hands on its share
     less its own owner's part. The busiest owner's receive and the busiest slot's hand-on."""
     per_owner_node: Dict[int, int] = {}
     for d, m in owners.items():
@@ -335,7 +336,8 @@ def balanced_forwards(owners: Dict[int, int], per_node: int) -> Tuple[float, flo
         share = total / per_node
         for j in range(per_node):
             own = owners.get(node * per_node + j, 0)
-            handed_in = max(handed_in, own - min(own, share))
+            kept = own if own - share <= share / OWN_TAIL_KEPT else min(own, share)  # a small excess stays
+            handed_in = max(handed_in, own - kept)
             handed_out = max(handed_out, share - min(own, share))
     return handed_in, handed_out
 

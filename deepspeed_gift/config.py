@@ -331,8 +331,8 @@ class GiftConfig(_GiftModel):
     W = 64 in nodes of 8, each piece paying its collectives' latency and launches), ZeRO-2
     bucket by bucket: 0.65x and 0.68x DeepSpeed's gradient time at 4 pieces, 0.61x and 0.64x at
     6, 0.60x and 0.63x at 8; carried: 0.47x and 0.51x at 3, 0.48x and 0.52x at 4, 0.49x and
-    0.54x at 6; ZeRO-1's rounds: 0.52x at 4, 0.50x and 0.49x at 6 (with each slot carrying its
-    own owner's elements first, since the commit after ``767bf58``; docs/benchmarks.md)."""
+    0.54x at 6; ZeRO-1's rounds: 0.51x at 4, 0.48x at 6 (with each slot carrying its own
+    owner's elements first, since the commit after ``767bf58``; docs/benchmarks.md)."""
 
     carry_buckets: bool = True
     """Two-level under ``zero_optimization.overlap_comm`` (with ``contiguous_gradients``, without

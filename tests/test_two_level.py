@@ -116,6 +116,12 @@ def test_each_slot_carries_its_own_owners_elements_first_in_the_balanced_split()
     # the parameter's element 0; the slice starts at its element 5: the share's 200 is element 205)
     carried = carried_balanced([ParamSlice(0, 0, 305, 5, 0, 10, GEO), ParamSlice(1, 305, 95, 0, 1, 0, MAIN)], 2)
     assert carried == [[(0, 0, 205)], [(0, 205, 100), (1, 0, 95)]]
+    # an excess of at most 1/64 of the share stays on the owner's slot (share 200: 3 elements),
+    # not a run of its own on another slot: nothing is forwarded
+    carried = carried_balanced([ParamSlice(0, 0, 203, 0, 0, 0, MAIN), ParamSlice(1, 203, 197, 0, 1, 0, MAIN)], 2)
+    assert carried == [[(0, 0, 203)], [(1, 0, 197)]]
+    carried = carried_balanced([ParamSlice(0, 0, 204, 0, 0, 0, MAIN), ParamSlice(1, 204, 196, 0, 1, 0, MAIN)], 2)
+    assert carried == [[(0, 0, 200)], [(0, 200, 4), (1, 0, 196)]]
 
 
 def test_the_layout_models_forwards_are_the_balanced_splits():

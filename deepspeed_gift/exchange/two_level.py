@@ -27,6 +27,13 @@ NODE_SPLITS = ("owner_slot", "balanced")  # how a bucket is spread over a node's
 # of 8, 0.74x -> 0.69x DeepSpeed's gradient time with GIFT's GPU work counted).
 FINISH_LAG = 2
 
+# An owner whose part exceeds its slot's share by at most 1/OWN_TAIL_KEPT of it keeps the
+# excess on its own slot (``carried_balanced``): at W = 512 a node's owners hold about a share
+# each, and their few elements past an exact level, handed to the slots with room, made runs of
+# 128 elements, 17 a slot in a piece of 7B's buckets (past ``comm.MAX_PEER_PARTS``, so the node's
+# sends were copied into one buffer); kept, a NIC carries at most 1/64 more than its share.
+OWN_TAIL_KEPT = 64
+
 Carried = List[Tuple[int, int, int]]  # (index of the slice in the bucket, start inside it, numel), bucket order
 
 
@@ -127,6 +134,8 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
         for j in range(L):
             mine = [(i, 0, s.numel) for i, s in owned if s.dst == node * L + j]
             head, tail = cut_segments(slices, mine, [share[j], 0])
+            if sum(n for _, _, n in tail) <= share[j] // OWN_TAIL_KEPT:
+                head, tail = mine, []
             carried[j].extend(head)
             room[j] -= sum(n for _, _, n in head)
             rest.extend(tail)
