@@ -283,10 +283,9 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
            "by_layout": min(direct, relay, key=nic_bytes)}
     if g > 1 and nodes > 1:
         slots: Dict[int, int] = {}
-        per_owner_node: Dict[int, int] = {}
         for d, m in owners.items():
             slots[d % g] = slots.get(d % g, 0) + m
-            per_owner_node[d // g] = per_owner_node.get(d // g, 0) + m
+        per_owner_node = node_totals(owners, g)
         busiest_slot, busiest_node = max(slots.values(), default=0), max(per_owner_node.values(), default=0)
         relay_ok = nodes > 2  # a relay among two nodes is the direct route
 
@@ -322,17 +321,22 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
     return out
 
 
+def node_totals(owners: Dict[int, int], per_node: int) -> Dict[int, int]:
+    """Elements per node of ``owners``' elements per owner."""
+    out: Dict[int, int] = {}
+    for d, m in owners.items():
+        out[d // per_node] = out.get(d // per_node, 0) + m
+    return out
+
+
 def balanced_forwards(owners: Dict[int, int], per_node: int) -> Tuple[float, float]:
     """The balanced split's forwards inside a node (``two_level.carried_balanced``, rows not
     counted): slot j of node m carries a share N_m / G, first of its own owner's elements, so
     owner d receives N_d - min(N_d, N_m / G) from the other slots (nothing where the excess is
     at most 1/``OWN_TAIL_KEPT`` of the share: its slot keeps it) and a slot hands on its share
     less its own owner's part. The busiest owner's receive and the busiest slot's hand-on."""
-    per_owner_node: Dict[int, int] = {}
-    for d, m in owners.items():
-        per_owner_node[d // per_node] = per_owner_node.get(d // per_node, 0) + m
     handed_in = handed_out = 0.0
-    for node, total in per_owner_node.items():
+    for node, total in node_totals(owners, per_node).items():
         share = total / per_node
         for j in range(per_node):
             own = owners.get(node * per_node + j, 0)

@@ -131,8 +131,10 @@ def carried_balanced(slices: Sequence[ParamSlice], ranks_per_node: int) -> List[
     for node, owned in by_node.items():
         share = level_runs(sum(s.numel for _, s in owned), pinned.get(node, [0] * L))
         room, rest = list(share), []
-        for j in range(L):
-            mine = [(i, 0, s.numel) for i, s in owned if s.dst == node * L + j]
+        mine_of: Dict[int, Carried] = {}  # local rank -> its owner's slices, in bucket order
+        for i, s in owned:
+            mine_of.setdefault(s.dst % L, []).append((i, 0, s.numel))
+        for j, mine in mine_of.items():
             head, tail = cut_segments(slices, mine, [share[j], 0])
             if sum(n for _, _, n in tail) <= share[j] // OWN_TAIL_KEPT:
                 head, tail = mine, []
