@@ -1375,6 +1375,12 @@ class GiftState:
         """Memory error feedback holds: every exchange's residuals (the dense one's, each expert group's)."""
         return self.reducer.residual_nbytes() + sum(r.residual_nbytes() for r in self.expert_reducers.values())
 
+    def drop_residuals(self) -> None:
+        """Every exchange's error-feedback residuals dropped: DeepSpeed skipped the step that made
+        them (its overflow check), so their error must not reach the next step."""
+        for reducer in (self.reducer, *self.expert_reducers.values()):
+            reducer.drop_residuals()
+
     def verify_checks(self) -> None:
         """Every exchange's header checks (the dense one's, each expert group's)."""
         self.reducer.verify_checks()
@@ -1711,6 +1717,8 @@ def _attach_engine(engine, state: GiftState, cfg: GiftConfig) -> None:
         before = engine.global_steps
         result = native_model_step(*args, **kwargs)
         state.verify_checks()  # reductions DeepSpeed ran inside the optimizer step
+        if cfg.error_feedback and not engine.was_step_applied():  # an overflow: DeepSpeed skipped it
+            state.drop_residuals()
         if engine.global_steps != before:
             state.on_optimizer_step(before - cfg.start_step)
         return result

@@ -278,6 +278,9 @@ def test_a_nan_in_one_ranks_gradient_reaches_deepspeed_as_natively():
     poisoned = [r for res in results for r in res[1]["records"] if r["step"] == 1]
     assert sum(r["nonfinite"] for r in poisoned) > 0
     assert any(r["fidelity_rel_err"] != r["fidelity_rel_err"] for r in poisoned)  # nan, not a finite lie
+    for _, lowp in results:  # the skipped step's residuals dropped on every rank, whichever section held the nan
+        held = {r["step"]: r["error_feedback_bytes"] for r in lowp["records"]}
+        assert held[1] == 0 and held[0] > 0 and held[2] > 0
 
 
 # The Hadamard rotation and its inverse of a lossless reduction: 2 x log2(block) butterfly levels

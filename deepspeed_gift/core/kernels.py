@@ -33,8 +33,8 @@ from torch import Tensor
 from .rng import counter_bits, offsets_of
 
 __all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise",
-           "fp32_scales", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits", "stochastic_grid",
-           "stochastic_int", "rows_amax", "rows_amax_scale", "fp4_nibbles", "decoded_rows", "decode_sum"]
+           "fp32_scales", "finite_or_zero", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits",
+           "stochastic_grid", "stochastic_int", "rows_amax", "rows_amax_scale", "fp4_nibbles", "decoded_rows", "decode_sum"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
 
@@ -163,6 +163,13 @@ def fp32_scales(amax: Tensor, qmax: float) -> Tensor:
     scale = amax / torch.full((), qmax, dtype=amax.dtype, device=amax.device)
     over = amax / scale > qmax  # false for nan, inf and 0/0
     return torch.where(over, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+
+
+def finite_or_zero(scale: Tensor) -> Tensor:
+    """A residual's block scales as error feedback keeps them: a block that held inf/nan gets
+    scale 0, so it decodes to zeros (its codes times 0; a negative code's -0 adds nothing
+    either). Per block, in the kernel that makes the scales: no pass of its own."""
+    return torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
 
 
 def safe_divisor(scale: Tensor) -> Tensor:

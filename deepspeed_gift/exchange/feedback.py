@@ -18,10 +18,13 @@ half a step of that block's scale per element, a round-off ``benchmarks/ef_study
 That loss is not fed back (it would need a residual of the residual): EF then tracks the true
 sum up to the sum of these round-offs, not exactly.
 
-An overflowing step (DeepSpeed skips it) must not leak its error into the next, so a residual
-with any inf/nan is kept as zeros, decided on the device (no host read): a non-finite element
-makes its block's scale non-finite, so the stored residual's scales tell, and they are all
-zeroed (the codes are left: times a zero scale each decodes to zero).
+Non-finite values never reach a later step through a residual. A block of a residual that held
+inf/nan is kept with scale 0, so it decodes to zeros (its codes are left: times a zero scale
+each decodes to zero); the kernel that makes the scales decides it, on the device, with no pass
+and no host read of its own. A step DeepSpeed skips (its overflow check found an inf/nan anywhere
+in the gradients) drops every residual (:meth:`ErrorFeedback.drop_all`, from the engine's
+step): that step's gradients were thrown away, so the error of their encode must not reach the
+next, whichever section or bucket held the overflow.
 
 A payload this rank sends (and does not decode for itself) gets its residual in one pass where
 the codecs are compiled: the int8 codec encodes the staged values minus the payload's decode
@@ -38,12 +41,12 @@ that step, so a resumed run adds what the uninterrupted one would, bit for bit.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..core import formats
+from ..core import kernels as fused_kernels
 from .plan import BucketPlan, Piece, Section, transform_pieces
 
 logger = logging.getLogger("deepspeed_gift")
@@ -81,18 +84,6 @@ def _fit_named(transform_or_fit) -> Fit:
     return transform_or_fit if isinstance(transform_or_fit, tuple) else fit_of(transform_or_fit)
 
 
-def _zero_unless_finite(stored: formats.Payload) -> torch.Tensor:
-    """The wire of an encoded residual, every block scale zero if one is inf/nan (an element
-    was), decided on the device: it then decodes to zeros (each code times 0; a negative code's
-    -0 adds nothing either), as the zeroed residual would. Only the scales are written (four
-    small launches): clearing the codes too would be a pass over the whole wire."""
-    scales = stored.scales
-    if scales.numel():
-        largest = torch.linalg.vector_norm(scales, float("inf"))  # inf or nan where one is
-        scales.masked_fill_(~(largest < math.inf), 0)
-    return stored.wire
-
-
 class StoredResidual:
     """One residual at :data:`RESIDUAL_BYTES_PER_ELEMENT`: the int8 codec's wire bytes (header,
     block scales, codes)."""
@@ -104,22 +95,26 @@ class StoredResidual:
 
     @classmethod
     def encode(cls, residual: torch.Tensor, codec: Optional[formats.Codec] = None) -> "StoredResidual":
-        """``residual`` stored, as zeros if any of it is inf/nan."""
+        """``residual`` stored, a block that holds inf/nan as zeros."""
         codec = codec or RESIDUAL_CODEC
-        return cls.kept(codec.encode(residual.reshape(-1)), residual.numel(), codec)
+        stored = codec.encode(residual.reshape(-1))
+        if stored.scales is not None:
+            stored.scales.copy_(fused_kernels.finite_or_zero(stored.scales))
+        return cls.kept(stored, residual.numel(), codec)
 
     @classmethod
     def of_sent(cls, values: torch.Tensor, sent_codec, payload: formats.Payload,
                 codec: Optional[formats.Codec] = None) -> "StoredResidual":
-        """The residual ``values`` - ``sent_codec``'s decode of ``payload`` stored (as zeros if any
-        of it is inf/nan); ``values`` may be overwritten."""
+        """The residual ``values`` - ``sent_codec``'s decode of ``payload`` stored (a block that
+        held inf/nan as zeros); ``values`` may be overwritten."""
         codec = codec or RESIDUAL_CODEC
         return cls.kept(codec.encode_difference(values.reshape(-1), sent_codec, payload), values.numel(), codec)
 
     @classmethod
     def kept(cls, stored: formats.Payload, numel: int, codec: formats.Codec) -> "StoredResidual":
-        """A residual ``codec`` has just encoded, kept as zeros if any of it is inf/nan."""
-        return cls(_zero_unless_finite(stored), numel, codec)
+        """A residual ``codec`` has just encoded, its blocks that held inf/nan at scale 0 (the
+        residual encoders' rule: ``Int8Codec.encode_difference``, ``encode_with_residual``)."""
+        return cls(stored.wire, numel, codec)
 
     def _payload(self) -> formats.Payload:
         return self.codec.bytes_to_payload(self.wire, self.numel, check_header=False)
@@ -363,6 +358,12 @@ class ErrorFeedback:
             logger.warning("gift: %d error-feedback residuals in this checkpoint are keyed by a bucket layout "
                            "that names no parameters (buckets of one shape shared a residual then) and are "
                            "dropped; their feedback starts afresh", unnamed)
+
+    def drop_all(self) -> None:
+        """Every residual dropped: the step that made them was skipped (see the module docstring),
+        so the next step adds none."""
+        self.sent.clear()
+        self.relayed.clear()
 
     def nbytes(self) -> int:
         """Device bytes the residuals hold: codes, block scales and tile headers (a residual

@@ -371,6 +371,10 @@ class GiftReducer:
         """Memory held by error feedback (int8 residuals of every payload this rank sends and relays)."""
         return self.feedback.nbytes()
 
+    def drop_residuals(self) -> None:
+        """Error feedback's residuals dropped: the step that made them was skipped."""
+        self.feedback.drop_all()
+
 
 class Begun:
     """A generator of ``GiftReducer.reduce_steps`` advanced to its first exchange under way (or

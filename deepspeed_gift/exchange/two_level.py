@@ -718,3 +718,6 @@ class TwoLevelReducer:
 
     def residual_nbytes(self) -> int:
         return self.inner.residual_nbytes()
+
+    def drop_residuals(self) -> None:
+        self.inner.drop_residuals()

@@ -97,10 +97,10 @@ class _Fp8Codec(_ScaledCodec):
         amax = _block_amax(x)
         if self.scale_kind == "e8m0":
             codes = self._e8m0_codes(amax)
-            p.scales[r0:r1].copy_(codes)
+            self._put_scales(p, r0, codes)
             return e8m0_to_fp32(codes)
         scale = fp32_scales(amax, self.fmax)
-        p.scales[r0:r1].copy_(scale)
+        self._put_scales(p, r0, scale)
         return safe_divisor(scale)
 
     def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
@@ -114,9 +114,8 @@ class _Fp8Codec(_ScaledCodec):
             return True
         if self.scale_kind != "fp32" or e1 - e0 != x.numel():
             return False
-        p.scales[r0:r1].copy_(fused_kernels.compiled(fp8_block_encode, fmax=self.fmax,
-                                                     dtype=self.data_dtype, **grid)(
-            x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len), key, e0))
+        run = fused_kernels.compiled(fp8_block_encode, fmax=self.fmax, dtype=self.data_dtype, **grid)
+        self._put_scales(p, r0, run(x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len), key, e0))
         return True
 
     def _fused_block_codes(self):

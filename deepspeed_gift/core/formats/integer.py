@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from .. import kernels as fused_kernels
-from ..kernels import fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor, stochastic_int
+from ..kernels import (finite_or_zero, fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor,
+                       stochastic_int)
 from .base import (Codec, Payload, Rounding, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles,
                    _register, _ScaledCodec)
 
@@ -50,11 +51,12 @@ def int8_difference_encode(values: Tensor, data: Tensor, scales: Optional[Tensor
     """Error feedback's residual of one tile in one pass: ``values`` (n,) minus the decode of a
     sent payload's tile (``data``/``scales``/``glob``, a batch of one, decoded by the sender's
     family functions as the owner's sum decodes it), as int8 blocks of ``res_data``'s width
-    written into ``res_data`` (rows, width); returns their fp32 scales."""
+    written into ``res_data`` (rows, width); returns their fp32 scales, 0 where a block held
+    inf/nan (:func:`.kernels.finite_or_zero`)."""
     decoded = fused_kernels.decoded_rows(data, scales, glob, values=values_fn, row_scale=row_scale, block=block)[0]
     width = res_data.shape[-1]
     torch._check(values.shape[0] == res_data.shape[0] * width)  # whole residual blocks
-    return int_block_encode((values - decoded).view(-1, width), res_data, qmax=qmax, packed=False)
+    return finite_or_zero(int_block_encode((values - decoded).view(-1, width), res_data, qmax=qmax, packed=False))
 
 
 def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: Tensor, res_out: Tensor,
@@ -69,7 +71,7 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
     decode gives, taken from the codes before they are stored: a re-read of ``data`` would cut
     the kernel in three), as int8 blocks into ``res_out``. The operations of the residual's
     decode-and-add, the encode and :func:`int8_difference_encode`, in their order; returns
-    (the payload's scales, the new residual's scales)."""
+    (the payload's scales, the new residual's scales: 0 where a block held inf/nan)."""
     width = res_out.shape[-1]
     torch._check(values.shape[0] == res_out.shape[0] * width)  # whole blocks of both
     old = fused_kernels.decoded_rows(res_data.view(1, -1), res_scales.view(1, -1), None, values=_int8_values,
@@ -80,7 +82,7 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
     decoded = (codes.to(torch.float32) * scale[:, None]).view(-1)
     res_scale, res_codes = int_block_codes((fed - decoded).view(-1, width), qmax=qmax)
     res_out.copy_(res_codes.view(torch.uint8))
-    return scale, res_scale
+    return scale, finite_or_zero(res_scale)
 
 
 # Inductor stores an intermediate that two loops read once its expression passes 30 operations
@@ -136,7 +138,8 @@ class _IntCodec(_ScaledCodec):
         payload of as many elements): error feedback's residual. Compiled (int8 blocks; ``sent``
         compiled too), one kernel a tile reads the values and the payload and writes the codes
         and scales, the difference never stored; a short tail, and the eager path, subtract the
-        decode in ``values`` and encode that. The same bytes either way."""
+        decode in ``values`` and encode that. The same bytes either way. A block that held
+        inf/nan is kept with scale 0 (:func:`.kernels.finite_or_zero`: it decodes to zeros)."""
         numel = values.numel()
         fused = sent._fused_decode()
         device = values.device
@@ -144,11 +147,14 @@ class _IntCodec(_ScaledCodec):
                 or not (self.compiled_on(device) and sent.compiled_on(device))):
             for e0, e1, part in sent.decode_tiles(p, tile_elements=tile_elements):
                 values[e0:e1].sub_(part)
-            return self.encode(values, tile_elements=tile_elements)
+            q = self.encode(values, tile_elements=tile_elements)
+            if q.scales is not None:
+                q.scales.copy_(finite_or_zero(q.scales))
+            return q
         block, sent_block, epb = self.block_size, sent.block_size, sent.elements_per_byte
         unit = math.lcm(block, sent_block or 1, epb)
         done = numel - numel % unit
-        q = self._payload_on(numel, values.shape, device)
+        q = self._payload_on(numel, values.shape, device, header=False)
         batch = p.as_batch()
         run = fused_kernels.compiled(int8_difference_encode, values_fn=fused[0], row_scale=fused[1], block=sent_block,
                                      qmax=self.qmax)
@@ -157,16 +163,15 @@ class _IntCodec(_ScaledCodec):
             e1 = min(e0 + step, done)
             scales = (batch.scales[:, e0 // sent_block : e1 // sent_block] if sent_block and batch.scales is not None
                       else batch.scales)
-            q.scales[e0 // block : e1 // block].copy_(run(
-                values[e0:e1], batch.data[:, e0 // epb : e1 // epb], scales, batch.global_scale,
-                q.data[e0:e1].view(torch.uint8).view(-1, block)))
+            self._put_scales(q, e0 // block, run(values[e0:e1], batch.data[:, e0 // epb : e1 // epb], scales,
+                                                 batch.global_scale, q.data[e0:e1].view(torch.uint8).view(-1, block)))
         if done < numel:  # the tail: its blocks start at ``done``, a multiple of the block
             for e0, e1, part in sent.decode_tiles(p, tile_elements=tile_elements, begin=done):
                 values[e0:e1].sub_(part)
             tail = self.encode(values[done:], tile_elements=tile_elements)
-            q.scales[done // block :].copy_(tail.scales)
+            q.scales[done // block :].copy_(finite_or_zero(tail.scales))
             q.data[done:].copy_(tail.data)
-        return q
+        return self._finish_header(q)
 
     def encode_with_residual(self, values: Tensor, residual: Optional[Payload], sent: Codec, *,
                              generator=None, tile_elements: Optional[int] = None) -> Tuple[Payload, Payload]:
@@ -177,7 +182,8 @@ class _IntCodec(_ScaledCodec):
         blocks, both compiled, whole blocks), one kernel a tile reads the values and the old
         residual and writes the payload and the new residual (the sum is never stored); else the
         residual's decode is added to ``values``, ``sent`` encodes them, and
-        :meth:`encode_difference` makes the new residual. The same bytes either way."""
+        :meth:`encode_difference` makes the new residual. The same bytes either way; the new
+        residual's blocks that held inf/nan are kept with scale 0."""
         numel, device = values.numel(), values.device
         encoder = sent._fused_block_codes()
         unit = math.lcm(self.block_size or 1, sent.block_size or 1)
@@ -189,7 +195,8 @@ class _IntCodec(_ScaledCodec):
             p = sent.encode(values, generator=generator, tile_elements=tile_elements)
             return p, self.encode_difference(values, sent, p, tile_elements=tile_elements)
         block, width, epb = sent.block_size, self.block_size, sent.elements_per_byte
-        p, q = sent._payload_on(numel, values.shape, device), self._payload_on(numel, values.shape, device)
+        p = sent._payload_on(numel, values.shape, device, header=False)
+        q = self._payload_on(numel, values.shape, device, header=False)
         key = sent._random_key(device, generator) if sent.rounding == Rounding.STOCHASTIC else None
         run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
                                      block=block, qmax=self.qmax)
@@ -199,13 +206,13 @@ class _IntCodec(_ScaledCodec):
             scale, res_scale = run(values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width],
                                    p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, block // epb),
                                    q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
-            p.scales[e0 // block : e1 // block].copy_(scale)
-            q.scales[e0 // width : e1 // width].copy_(res_scale)
-        return p, q
+            sent._put_scales(p, e0 // block, scale)
+            self._put_scales(q, e0 // width, res_scale)
+        return sent._finish_header(p), self._finish_header(q)
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         scale = fp32_scales(_block_amax(x), float(self.qmax))
-        p.scales[r0:r1].copy_(scale)
+        self._put_scales(p, r0, scale)
         return safe_divisor(scale)
 
     def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
@@ -221,7 +228,7 @@ class _IntCodec(_ScaledCodec):
             return True
         if e1 - e0 != x.numel() or (packed and row_len % 2):
             return False
-        p.scales[r0:r1].copy_(fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=packed)(
+        self._put_scales(p, r0, fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=packed)(
             x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
         return True
 

@@ -271,7 +271,7 @@ class NvFp4Codec(_ScaledCodec):
         n_rows = -(-numel // row_len)
         compiled = self.compiled_on(src.device)
         g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)[0]
-        p.global_scale.copy_(g)
+        self._put_global(p, g)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         fused = fused_kernels.compiled(nvfp4_tile_encode, candidates=self.scale_candidates) \
