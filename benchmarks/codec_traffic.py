@@ -13,8 +13,8 @@ element, beside the floor (what the operation must move at least) and their rati
   write (its scheduler's count: the same fusion decisions decide CUDA's kernels; it counts an
   input the graph only writes twice, once here: a written input is known by its version, and
   one it also reads by a rerun with its old values changed), plus the eager
-  operators the codec still runs around the graph (counted as above: the header's copy, the
-  block scales' copy into the payload), with the tile laid out as on a GPU (NVFP4's blocks read
+  operators the codec still runs around the graph (counted as above: the header and the
+  scales that follow it, one copy into the payload), with the tile laid out as on a GPU (NVFP4's blocks read
   as columns of a view, not the CPU's transposed copy). The CPU tile is 2^20 elements; the
   per-element figures do not depend on the tile.
 
