@@ -272,8 +272,10 @@ class GiftConfig(_GiftModel):
     next step's gradient before quantizing, so the error does not accumulate; costs 1.03 B per
     element this rank sends quantized: the residual is held as int8 with an fp32 scale per 128
     elements (``deepspeed_gift.exchange.feedback.RESIDUAL_BYTES_PER_ELEMENT``; telemetry
-    ``error_feedback_bytes``). Off by default: under AdamW at NVFP4 it raised the sampled
-    gradient error 1.4x and did not lower the validation loss (docs/results.md, the
+    ``error_feedback_bytes``). A step DeepSpeed skips (its overflow check found an inf/nan)
+    drops every residual, and a residual block that held inf/nan is kept as zeros: no error of
+    a thrown-away gradient reaches the next step. Off by default: under AdamW at NVFP4 it raised
+    the sampled gradient error 1.4x and did not lower the validation loss (docs/results.md, the
     error-feedback study)."""
 
     start_step: int = Field(0, ge=0)
