@@ -34,7 +34,8 @@ from .rng import counter_bits, offsets_of
 
 __all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise",
            "fp32_scales", "finite_or_zero", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits",
-           "stochastic_grid", "stochastic_int", "rows_amax", "rows_amax_scale", "fp4_nibbles", "decoded_rows", "decode_sum"]
+           "stochastic_grid", "stochastic_int", "rows_amax", "rows_amax_scale", "fp4_nibbles", "decoded_rows",
+           "decode_sum"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
 

@@ -46,7 +46,6 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..core import formats
-from ..core import kernels as fused_kernels
 from .plan import BucketPlan, Piece, Section, transform_pieces
 
 logger = logging.getLogger("deepspeed_gift")
@@ -97,10 +96,7 @@ class StoredResidual:
     def encode(cls, residual: torch.Tensor, codec: Optional[formats.Codec] = None) -> "StoredResidual":
         """``residual`` stored, a block that holds inf/nan as zeros."""
         codec = codec or RESIDUAL_CODEC
-        stored = codec.encode(residual.reshape(-1))
-        if stored.scales is not None:
-            stored.scales.copy_(fused_kernels.finite_or_zero(stored.scales))
-        return cls.kept(stored, residual.numel(), codec)
+        return cls.kept(codec.encode_residual(residual.reshape(-1)), residual.numel(), codec)
 
     @classmethod
     def of_sent(cls, values: torch.Tensor, sent_codec, payload: formats.Payload,

@@ -132,6 +132,15 @@ class _IntCodec(_ScaledCodec):
             return None
         return self._per_tensor_divisor(src, row_len, n_rows, p, float(self.qmax), tile)
 
+    def encode_residual(self, values: Tensor, *, tile_elements: Optional[int] = None) -> Payload:
+        """This codec's encode of an error-feedback residual (flat fp32): a block that holds
+        inf/nan kept with scale 0 (:func:`.kernels.finite_or_zero`), as the fused residual
+        kernels keep it."""
+        q = self.encode(values, tile_elements=tile_elements)
+        if q.scales is not None:
+            q.scales.copy_(finite_or_zero(q.scales))
+        return q
+
     def encode_difference(self, values: Tensor, sent: Codec, p: Payload, *,
                           tile_elements: Optional[int] = None) -> Payload:
         """This codec's encode of ``values`` (flat fp32) minus ``sent``'s decode of ``p`` (one
@@ -147,10 +156,7 @@ class _IntCodec(_ScaledCodec):
                 or not (self.compiled_on(device) and sent.compiled_on(device))):
             for e0, e1, part in sent.decode_tiles(p, tile_elements=tile_elements):
                 values[e0:e1].sub_(part)
-            q = self.encode(values, tile_elements=tile_elements)
-            if q.scales is not None:
-                q.scales.copy_(finite_or_zero(q.scales))
-            return q
+            return self.encode_residual(values, tile_elements=tile_elements)
         block, sent_block, epb = self.block_size, sent.block_size, sent.elements_per_byte
         unit = math.lcm(block, sent_block or 1, epb)
         done = numel - numel % unit
@@ -168,8 +174,8 @@ class _IntCodec(_ScaledCodec):
         if done < numel:  # the tail: its blocks start at ``done``, a multiple of the block
             for e0, e1, part in sent.decode_tiles(p, tile_elements=tile_elements, begin=done):
                 values[e0:e1].sub_(part)
-            tail = self.encode(values[done:], tile_elements=tile_elements)
-            q.scales[done // block :].copy_(finite_or_zero(tail.scales))
+            tail = self.encode_residual(values[done:], tile_elements=tile_elements)
+            q.scales[done // block :].copy_(tail.scales)
             q.data[done:].copy_(tail.data)
         return self._finish_header(q)
 
