@@ -251,7 +251,7 @@ def rows_amax_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bo
 
 # Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32
 # scales are returned and the caller copies them (1/32 of the element bytes at block 128, but a
-# launch a tile): a graph input that is a 4-byte view of the uint8 buffer cannot be written
+# launch a tile; the first tile's with the payload's header, ``Codec._put_scales``): a graph input that is a 4-byte view of the uint8 buffer cannot be written
 # under dynamic shapes (torch 2.13: "nbytes % dtype_size == 0" as the compiler regenerates the
 # view from its base; tried again 2026-12-06, tests/test_kernels.py). One-byte scales (NVFP4's
 # E4M3 codes) are written by the kernel that chooses them (nvfp4_tile_encode).
