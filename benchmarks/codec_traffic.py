@@ -24,7 +24,8 @@ senders' payloads and their fp32 sum into the section, S = ``--senders``), stoch
 rounding's encode, and ``encode+feedback``: error feedback's step for a section it sends (last
 step's int8 residual added, the encode, the new residual, the values minus the payload's
 decode, kept in int8 per 128: ``Int8Codec.encode_with_residual``, one kernel a tile for the
-block-scaled fp8 and integer formats where compiled).
+block-scaled fp8 and integer formats where compiled, after a first pass for the amax for those
+with one scale per tensor).
 
 Floors per element: encode, 4 B read + the payload's bytes (data and scales); decode-and-sum,
 S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here);

@@ -316,13 +316,16 @@ FEEDBACK_CASES = [
     ("fp8_e4m3", {}, "stochastic"),
     ("int4", {}, "stochastic"),  # nibbles
     ("int8", {"block_size": 32}, "nearest"),  # the relay's second hop: four blocks a residual block
+    ("fp8_e5m2", {"block_size": 0}, "stochastic"),  # one scale per tensor: a first pass for the amax
+    ("int4", {"block_size": 0}, "nearest"),  # ... and nibbles
 ]
 
 
 @pytest.mark.parametrize("name,options,rounding", FEEDBACK_CASES, ids=[f"{n}-{o}-{r}" for n, o, r in FEEDBACK_CASES])
 def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, rounding):
     """Error feedback's whole step for a payload a rank sends in one compiled kernel a tile
-    (last residual added, encoded, the new residual) gives the bytes of its three eager steps:
+    (last residual added, encoded, the new residual; with one scale per tensor after a first
+    pass over the tiles for the sum's amax) gives the bytes of its three eager steps:
     the residual's decode added, the encode, the int8 encode of the difference. Several tiles;
     stochastic rounding draws the same bits (one key, the elements' offsets). A section that is
     not whole blocks takes the three steps, the same bytes."""
@@ -352,7 +355,8 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
         got = {m: store[m].encode_with_residual(x.clone(), old, sent(m), tile_elements=SMALL_TILE) for m in store}
     finally:
         kernels.compiled = real
-    assert "feedback_encode" in calls  # the fused kernel served the compiled mode
+    # the fused kernels served the compiled mode (one scale per tensor: its first pass, then one kernel a tile)
+    assert ("feedback_tensor_encode" if options.get("block_size") == 0 else "feedback_encode") in calls
     for m, (p, q) in got.items():
         assert torch.equal(p.wire, want.wire), m
         assert torch.equal(q.wire, want_residual.wire), m

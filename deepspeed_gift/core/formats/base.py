@@ -696,6 +696,14 @@ class Codec:
         scales, NVFP4, the passthroughs)."""
         return None
 
+    def _fused_tensor_codes(self) -> Optional[Tuple[Callable, tuple, bool, float]]:
+        """This codec's compiled quantizer of a tile under one scale per tensor (a family function
+        taking ``(x (n,), divisor, key, e0)`` and returning the codes, whose float value times the
+        scale is the decode), its constants as ``(name, value)`` pairs, whether the codes are
+        stored as nibbles, and the format's largest magnitude (the scale is amax over it); or
+        None: it has none (block scales, NVFP4, the passthroughs)."""
+        return None
+
     def _fused_whole(self, numel: int) -> int:
         """Elements of a payload's prefix of whole blocks (and whole bytes) the fused kernels take."""
         done = numel - numel % self.block_size if self.block_size else numel

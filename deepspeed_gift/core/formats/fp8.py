@@ -42,11 +42,18 @@ def fp8_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: 
     return scale
 
 
+def fp8_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                     dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> Tensor:
+    """One tile under a per-tensor scale: the fp8 ``dtype`` elements of x / divisor, round to
+    nearest or stochastic under ``key``."""
+    return _fp8_rounded(x / divisor, key, e0, mant_bits, min_normal).to(dtype)
+
+
 def scaled_cast(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
                 dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> None:
-    """One tile under a per-tensor scale: ``data`` (bytes) = cast(x / divisor), round to nearest or
-    stochastic under ``key``."""
-    data.view(dtype).copy_(_fp8_rounded(x / divisor, key, e0, mant_bits, min_normal).to(dtype))
+    """:func:`fp8_tensor_codes` written into ``data`` (their bytes)."""
+    data.view(dtype).copy_(fp8_tensor_codes(x, divisor, key, e0, dtype=dtype, mant_bits=mant_bits,
+                                            min_normal=min_normal))
 
 
 def _fp8_values(data: Tensor) -> Tensor:
@@ -124,6 +131,13 @@ class _Fp8Codec(_ScaledCodec):
         stochastic = self.rounding == Rounding.STOCHASTIC
         grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if stochastic else ()
         return fp8_block_codes, (("fmax", self.fmax), ("dtype", self.data_dtype)) + grid, False
+
+    def _fused_tensor_codes(self):
+        if self.scale_kind != "fp32" or self.block_size:
+            return None
+        stochastic = self.rounding == Rounding.STOCHASTIC
+        grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if stochastic else ()
+        return fp8_tensor_codes, (("dtype", self.data_dtype),) + grid, False, self.fmax
 
     def _fused_decode(self):
         return _fp8_values, (_e8m0_row_scale if self.scale_kind == "e8m0" else fp32_row_scale)

@@ -85,6 +85,43 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
     return scale, finite_or_zero(res_scale)
 
 
+def _fed(values: Tensor, res_data: Tensor, res_scales: Tensor, width: int) -> Tensor:
+    """``values`` plus last step's int8 residual (codes ``res_data``, fp32 scales ``res_scales``
+    per ``width``): error feedback's sum, as the residual's decode-and-add makes it."""
+    return values + fused_kernels.decoded_rows(res_data.view(1, -1), res_scales.view(1, -1), None, values=_int8_values,
+                                               row_scale=fp32_row_scale, block=width)[0]
+
+
+def feedback_tensor_amax(values: Tensor, res_data: Tensor, res_scales: Tensor, best: Optional[Tensor], *,
+                         width: int, qmax: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """Error feedback's first pass for a format with one scale per tensor, one tile: the largest
+    |values + last residual| so far (with ``best``, the earlier tiles'), its scale over ``qmax``
+    and the divisor (:func:`.kernels.rows_amax_scale`, what the encode's own first pass gives
+    for the sum). The sum is not stored: the second pass makes it again."""
+    return fused_kernels.rows_amax_scale(_fed(values, res_data, res_scales, width).view(1, -1), best,
+                                         finite_blocks_only=False, qmax=qmax)
+
+
+def feedback_tensor_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, divisor: Tensor, scale: Tensor,
+                           data: Tensor, res_out: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, codes_fn,
+                           codes_kw: tuple, packed: bool, qmax: int) -> Tensor:
+    """Error feedback's second pass for a format with one scale per tensor (``scale``, its
+    ``divisor``), one tile: the sum of :func:`feedback_tensor_amax` made again, encoded by the
+    sent format's ``codes_fn`` into ``data`` (bytes of (rows, width) elements, nibbles when
+    ``packed``), and the new residual (the sum minus the payload's decode, from the codes before
+    they are stored) as int8 blocks into ``res_out`` (rows, width); returns their scales, 0
+    where a block held inf/nan. The operations of the three eager steps, in their order; every
+    one over the residual's rows (a flat payload was a loop of its own, reading the tile again)."""
+    width = res_out.shape[-1]
+    torch._check(values.shape[0] == res_out.shape[0] * width)  # whole residual blocks
+    fed = _fed(values, res_data, res_scales, width).view(-1, width)
+    codes = codes_fn(fed, divisor, key, e0, **dict(codes_kw))
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+    res_scale, res_codes = int_block_codes(fed - codes.to(torch.float32) * scale, qmax=qmax)
+    res_out.copy_(res_codes.view(torch.uint8))
+    return finite_or_zero(res_scale)
+
+
 # Inductor stores an intermediate that two loops read once its expression passes 30 operations
 # (50 on a CPU): here the residual (the sum less the payload's decode, which holds the payload's
 # scale and codes) feeds both the residual's amax and its codes, and would be written out and
@@ -92,12 +129,19 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
 # kernel reading the values and the old residual and writing the two payloads. Only here: with it
 # raised for every kernel, benchmarks/codec_traffic.py stalled for minutes in one compile.
 feedback_encode.compile_options = {"realize_opcount_threshold": 100_000, "realize_reads_threshold": 64}
+feedback_tensor_encode.compile_options = feedback_encode.compile_options
+
+
+def int_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
+    """One tile under a per-tensor scale: the int8 codes of x / divisor (flat ``x``), round half
+    to even or stochastic under ``key``."""
+    return _int_codes(x / divisor, key, e0)
 
 
 def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
                      packed: bool) -> None:
-    """One tile under a per-tensor scale (flat ``x``; ``packed``: an even count)."""
-    codes = _int_codes(x / divisor, key, e0)
+    """:func:`int_tensor_codes` written into ``data`` (``packed``: nibbles, an even count)."""
+    codes = int_tensor_codes(x, divisor, key, e0)
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
 
 
@@ -186,13 +230,18 @@ class _IntCodec(_ScaledCodec):
         elements; None: none), and this codec's encode of the new residual (that sum minus the
         payload's decode). Compiled (``sent`` block-scaled fp8 or integer, this codec int8
         blocks, both compiled, whole blocks), one kernel a tile reads the values and the old
-        residual and writes the payload and the new residual (the sum is never stored); else the
+        residual and writes the payload and the new residual (the sum is never stored; with one
+        scale per tensor after a first pass for the sum's amax: :meth:`_tensor_feedback`); else the
         residual's decode is added to ``values``, ``sent`` encodes them, and
         :meth:`encode_difference` makes the new residual. The same bytes either way; the new
         residual's blocks that held inf/nan are kept with scale 0."""
         numel, device = values.numel(), values.device
         encoder = sent._fused_block_codes()
         unit = math.lcm(self.block_size or 1, sent.block_size or 1)
+        if encoder is None and residual is not None:
+            fused = self._tensor_feedback(values, residual, sent, generator, tile_elements)
+            if fused is not None:
+                return fused
         if (residual is None or encoder is None or numel == 0 or numel % unit
                 or not self.block_size or self.elements_per_byte != 1
                 or not (self.compiled_on(device) and sent.compiled_on(device))):
@@ -213,6 +262,41 @@ class _IntCodec(_ScaledCodec):
                                    p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, block // epb),
                                    q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
             sent._put_scales(p, e0 // block, scale)
+            self._put_scales(q, e0 // width, res_scale)
+        return sent._finish_header(p), self._finish_header(q)
+
+    def _tensor_feedback(self, values: Tensor, residual: Payload, sent: Codec, generator,
+                         tile_elements: Optional[int]) -> Optional[Tuple[Payload, Payload]]:
+        """:meth:`encode_with_residual` for a ``sent`` format with one scale per tensor, compiled:
+        a first pass over the tiles for the sum's amax (the sum not stored), then one kernel a
+        tile that makes the sum again, encodes it and writes the new residual. None where it does
+        not serve (no such quantizer, eager, a short residual block, an odd count of nibbles)."""
+        numel, device = values.numel(), values.device
+        encoder = sent._fused_tensor_codes()
+        width = self.block_size
+        if (encoder is None or numel == 0 or not width or numel % width or self.elements_per_byte != 1
+                or (encoder[2] and width % 2) or not (self.compiled_on(device) and sent.compiled_on(device))):
+            return None
+        codes_fn, codes_kw, packed, top = encoder
+        p = sent._payload_on(numel, values.shape, device, header=False)
+        q = self._payload_on(numel, values.shape, device, header=False)
+        key = sent._random_key(device, generator) if sent.rounding == Rounding.STOCHASTIC else None
+        step = max(width, self._tile(device, tile_elements) // width * width)
+        tiles = [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
+        first = fused_kernels.compiled(feedback_tensor_amax, width=width, qmax=top)
+        best = None
+        for e0, e1 in tiles:
+            old = residual.data[e0:e1], residual.scales[e0 // width : e1 // width]
+            best, scale, divisor = first(values[e0:e1], *old, best)
+        sent._put_scales(p, 0, scale)
+        run = fused_kernels.compiled(feedback_tensor_encode, codes_fn=codes_fn, codes_kw=codes_kw, packed=packed,
+                                     qmax=self.qmax)
+        epb = sent.elements_per_byte
+        for e0, e1 in tiles:
+            old = residual.data[e0:e1], residual.scales[e0 // width : e1 // width]
+            res_scale = run(values[e0:e1], *old, divisor, scale,
+                            p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, width // epb),
+                            q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
             self._put_scales(q, e0 // width, res_scale)
         return sent._finish_header(p), self._finish_header(q)
 
@@ -242,6 +326,11 @@ class _IntCodec(_ScaledCodec):
         if not self.block_size or (self.elements_per_byte == 2 and self.block_size % 2):
             return None
         return int_block_codes, (("qmax", self.qmax),), self.elements_per_byte == 2
+
+    def _fused_tensor_codes(self):
+        if self.block_size:
+            return None
+        return int_tensor_codes, (), self.elements_per_byte == 2, float(self.qmax)
 
     def _fused_decode(self):
         return (_int4_values if self.elements_per_byte == 2 else _int8_values), fp32_row_scale
