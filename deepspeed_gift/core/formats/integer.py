@@ -59,6 +59,13 @@ def int8_difference_encode(values: Tensor, data: Tensor, scales: Optional[Tensor
     return finite_or_zero(int_block_encode((values - decoded).view(-1, width), res_data, qmax=qmax, packed=False))
 
 
+def _fed(values: Tensor, res_data: Tensor, res_scales: Tensor, width: int) -> Tensor:
+    """``values`` plus last step's int8 residual (codes ``res_data``, fp32 scales ``res_scales``
+    per ``width``): error feedback's sum, as the residual's decode-and-add makes it."""
+    return values + fused_kernels.decoded_rows(res_data.view(1, -1), res_scales.view(1, -1), None, values=_int8_values,
+                                               row_scale=fp32_row_scale, block=width)[0]
+
+
 def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: Tensor, res_out: Tensor,
                     key: Optional[Tensor] = None, e0: int = 0, *, codes_fn, codes_kw: tuple, packed: bool,
                     block: int, qmax: int) -> Tuple[Tensor, Tensor]:
@@ -74,22 +81,13 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
     (the payload's scales, the new residual's scales: 0 where a block held inf/nan)."""
     width = res_out.shape[-1]
     torch._check(values.shape[0] == res_out.shape[0] * width)  # whole blocks of both
-    old = fused_kernels.decoded_rows(res_data.view(1, -1), res_scales.view(1, -1), None, values=_int8_values,
-                                     row_scale=fp32_row_scale, block=width)[0]
-    fed = values + old
+    fed = _fed(values, res_data, res_scales, width)
     scale, codes = codes_fn(fed.view(-1, block), key, e0, **dict(codes_kw))
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
     decoded = (codes.to(torch.float32) * scale[:, None]).view(-1)
     res_scale, res_codes = int_block_codes((fed - decoded).view(-1, width), qmax=qmax)
     res_out.copy_(res_codes.view(torch.uint8))
     return scale, finite_or_zero(res_scale)
-
-
-def _fed(values: Tensor, res_data: Tensor, res_scales: Tensor, width: int) -> Tensor:
-    """``values`` plus last step's int8 residual (codes ``res_data``, fp32 scales ``res_scales``
-    per ``width``): error feedback's sum, as the residual's decode-and-add makes it."""
-    return values + fused_kernels.decoded_rows(res_data.view(1, -1), res_scales.view(1, -1), None, values=_int8_values,
-                                               row_scale=fp32_row_scale, block=width)[0]
 
 
 def feedback_tensor_amax(values: Tensor, res_data: Tensor, res_scales: Tensor, best: Optional[Tensor], *,
