@@ -248,9 +248,7 @@ class _IntCodec(_ScaledCodec):
             p = sent.encode(values, generator=generator, tile_elements=tile_elements)
             return p, self.encode_difference(values, sent, p, tile_elements=tile_elements)
         block, width, epb = sent.block_size, self.block_size, sent.elements_per_byte
-        p = sent._payload_on(numel, values.shape, device, header=False)
-        q = self._payload_on(numel, values.shape, device, header=False)
-        key = sent._random_key(device, generator) if sent.rounding == Rounding.STOCHASTIC else None
+        p, q, key = self._feedback_payloads(values, sent, generator)
         run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
                                      block=block, qmax=self.qmax)
         step = max(unit, self._tile(device, tile_elements) // unit * unit)
@@ -262,6 +260,14 @@ class _IntCodec(_ScaledCodec):
             sent._put_scales(p, e0 // block, scale)
             self._put_scales(q, e0 // width, res_scale)
         return sent._finish_header(p), self._finish_header(q)
+
+    def _feedback_payloads(self, values: Tensor, sent: Codec, generator) -> Tuple[Payload, Payload, Optional[Tensor]]:
+        """The fused feedback step's two payloads of ``values``' elements (``sent``'s and the new
+        residual's, headers pending) and ``sent``'s stochastic rounding key (None: nearest)."""
+        numel, device = values.numel(), values.device
+        key = sent._random_key(device, generator) if sent.rounding == Rounding.STOCHASTIC else None
+        return (sent._payload_on(numel, values.shape, device, header=False),
+                self._payload_on(numel, values.shape, device, header=False), key)
 
     def _tensor_feedback(self, values: Tensor, residual: Payload, sent: Codec, generator,
                          tile_elements: Optional[int]) -> Optional[Tuple[Payload, Payload]]:
@@ -276,9 +282,7 @@ class _IntCodec(_ScaledCodec):
                 or (encoder[2] and width % 2) or not (self.compiled_on(device) and sent.compiled_on(device))):
             return None
         codes_fn, codes_kw, packed, top = encoder
-        p = sent._payload_on(numel, values.shape, device, header=False)
-        q = self._payload_on(numel, values.shape, device, header=False)
-        key = sent._random_key(device, generator) if sent.rounding == Rounding.STOCHASTIC else None
+        p, q, key = self._feedback_payloads(values, sent, generator)
         step = max(width, self._tile(device, tile_elements) // width * width)
         tiles = [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
         first = fused_kernels.compiled(feedback_tensor_amax, width=width, qmax=top)
