@@ -516,15 +516,17 @@ class Codec:
         if not self._with_header(p, scale):
             p.global_scale.copy_(scale)
 
-    def _with_header(self, p: Payload, part: Tensor) -> bool:
-        """Write ``p``'s pending header and ``part``, the bytes that follow it in the wire, in one
-        copy (a cat into the wire's first bytes): on a GPU a launch less per encode, which a
-        one-tile section would otherwise spend on 16 bytes. False where nothing is pending (only
-        :meth:`_payload_on` leaves a header pending, on a 1-D wire of its own)."""
+    def _with_header(self, p: Payload, *parts: Tensor) -> bool:
+        """Write ``p``'s pending header and ``parts``, the bytes that follow it in the wire one
+        after another, in one copy (a cat into the wire's first bytes): on a GPU a launch less
+        per encode, which a one-tile section would otherwise spend on 16 bytes. False where
+        nothing is pending (only :meth:`_payload_on` leaves a header pending, on a 1-D wire of
+        its own)."""
         if not p.header_pending:
             return False
-        end = HEADER_BYTES + part.numel() * part.element_size()
-        torch.cat([self.header_on(p.numel, p.device), part.reshape(-1).view(torch.uint8)], out=p.wire[:end])
+        end = HEADER_BYTES + sum(part.numel() * part.element_size() for part in parts)
+        torch.cat([self.header_on(p.numel, p.device)] + [part.reshape(-1).view(torch.uint8) for part in parts],
+                  out=p.wire[:end])
         p.header_pending = False
         return True
 

@@ -132,22 +132,22 @@ def _e4m3_scale(codes: Tensor, g: Tensor) -> Tensor:
     return codes.view(torch.float8_e4m3fn).to(torch.float32) * g
 
 
-def nvfp4_tile_encode(xt: Tensor, g: Tensor, scales: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
-                      candidates: Sequence[str]) -> Tensor:
+def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                      candidates: Sequence[str]) -> Tuple[Tensor, Tensor]:
     """One tile of whole 16-blocks (``xt``: (16, rows) fp32, the blocks as columns: the tile's
     transpose, a view of it or a copy; the encode's elements e0..; ``g``:
     the 1-element global scale): per block the candidate E4M3 scale whose nearest-rounded block
     errs least (the first wins a tie), and the block's E2M1 codes, nearest or stochastic under
-    ``key``, packed two a byte; writes the scales' uint8 codes (0x7F for a non-finite block)
-    into ``scales`` (the payload's, by this kernel) and returns each block's 8 bytes as one int64
-    (little-endian). ``NvFp4Codec._encode_into``."""
+    ``key``, packed two a byte. Returns the scales' uint8 codes (0x7F for a non-finite block)
+    and each block's 8 bytes as one int64 (little-endian). ``NvFp4Codec._encode_into``."""
     # Written over the block's 16 columns, each a (rows,) vector: every step, the block amax and
     # each candidate's summed error included, is then a pointwise expression over the rows, so
     # the whole tile is one kernel that reads each block once and writes its 8 bytes (one int64)
     # and its scale (a reduction over the block would be a kernel of its own, and the byte
     # packing, over (rows, 8), a third, each reading the tile again). The bytes are returned, not
-    # written into the payload: its data sit at any byte offset, where no int64 view lies (the
-    # scales are bytes, written in place).
+    # written into the payload: its data sit at any byte offset, where no int64 view lies; the
+    # scales are returned too, so that a one-tile section's header, global scale, scales and
+    # data reach the wire in one copy (NvFp4Codec._encode_into).
     # (A copy, contiguous, on a CPU: C++ vectorizes across rows only where a column's elements
     # are adjacent; a GPU thread takes its row's 16 strided loads from cache.)
     cols = xt.unbind(0)
@@ -178,8 +178,8 @@ def nvfp4_tile_encode(xt: Tensor, g: Tensor, scales: Tensor, key: Optional[Tenso
             noise = random_bits(key, e0 + j, y, 22, stride=16)  # element (row, j) is e0 + 16 row + j
             y = stochastic_grid(y.clamp(-_FP4_MAX, _FP4_MAX), noise, mant_bits=1, min_normal=1.0)
         codes.append(fp4_signed_codes(y))
-    scales.copy_(torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F)))
-    return _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
+    scales = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
+    return scales, _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
 
 
 def _bytes_as_int64(byte_values: Sequence[Tensor]) -> Tensor:
@@ -271,18 +271,27 @@ class NvFp4Codec(_ScaledCodec):
         n_rows = -(-numel // row_len)
         compiled = self.compiled_on(src.device)
         g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)[0]
-        self._put_global(p, g)
         step = _tile_rows(n_rows, row_len, tile)
-        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         fused = fused_kernels.compiled(nvfp4_tile_encode, candidates=self.scale_candidates) \
             if compiled else None
+        # one tile of whole blocks, compiled, the header pending: the header, the global scale,
+        # the scales and the data follow one another in the wire and are written by one copy
+        # after the kernel
+        whole = fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len
+        if not whole:
+            self._put_global(p, g)
+        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x, _ = _load_rows(src, row_len, r0, r1, work)
             if fused is not None and e1 - e0 == x.numel():
-                packed = fused(_blocks_as_columns(x), g, p.scales.view(torch.uint8)[r0:r1], key, e0)
-                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
+                codes, packed = fused(_blocks_as_columns(x), g, key, e0)
+                if whole:
+                    self._with_header(p, g, codes, packed)
+                else:
+                    p.scales.view(torch.uint8)[r0:r1].copy_(codes)
+                    p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
                 continue
             amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
             candidates = self._candidate_codes(amax, g)
