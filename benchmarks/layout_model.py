@@ -200,6 +200,9 @@ class Rates:
     nvlink_bps: float
     alpha_s: float = 0.0  # DeepSpeed's ring: per step (2 (W - 1) steps an all-reduce)
     a2a_s: float = 0.0  # GIFT: per all-to-all (its messages to every peer posted at once)
+    # and per step of an all-to-all (a peer it reaches: G - 1 inside a node, one a node less among
+    # them): the scale model's alpha-per-step rule, which its other collectives follow
+    a2a_step_s: float = 0.0
     hbm_bps: float = 0.0
     launch_s: float = 0.0
     encode_bpe: float = 0.0
@@ -369,8 +372,9 @@ def cut_pieces(runs: List[Tuple[int, int]], pieces: int, min_elements: int) -> L
 
 
 def link_seconds(nbytes: float, steps: int, bps: float, rates: Rates) -> float:
-    """One collective on a link: its latency and its bytes (none when it moves nothing)."""
-    return rates.a2a_s + nbytes / bps if nbytes or steps else 0.0
+    """One collective on a link: its latency (per collective and per step) and its bytes (none
+    when it moves nothing)."""
+    return rates.a2a_s + rates.a2a_step_s * steps + nbytes / bps if nbytes or steps else 0.0
 
 
 def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag: int = FINISH_LAG) -> float:

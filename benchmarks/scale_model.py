@@ -591,8 +591,12 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
         steps = collective_bytes("two_level" if scheme != "by_layout" else "alltoall", 1.0, w, g)["steps"]
         return sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
                    + x[scheme][1] * 8 / net["nvlink_bps"] / net["ring_eff"] for x in links)
+    # each collective its own latency steps, as whole buckets (``collective_bytes``): a node
+    # stage's or forward's G - 1, an exchange's one a node less (until the commit after
+    # 5dd1139 every one of them was charged the larger count, a 4-GPU node stage 15 steps at
+    # the paper's shape)
     rates = layout_model.Rates(net["nic_bps"] / 8 * net["alltoall_eff"], net["nvlink_bps"] / 8 * net["ring_eff"],
-                               a2a_s=net["alpha_s"] * max(g - 1, w // g - 1))
+                               a2a_step_s=net["alpha_s"])
     per_bucket = [[layout_model.bucket_stages(o, w, g, b, rates)["two_level_by_layout"]
                    for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
                   for owners in buckets]

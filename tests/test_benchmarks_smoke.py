@@ -134,6 +134,29 @@ def test_scale_model_counts_the_statistics_the_plugin_computes(width):
     assert counter.get_total_flops() + diagonal == scale_model.statistic_flops(tokens, width, rank)
 
 
+def test_scale_models_pipeline_charges_each_collective_its_own_latency_steps():
+    """Two-level's pipeline in the scale model: a node stage of G ranks is G - 1 latency steps, an
+    exchange among the nodes one a node less, a relay's second hop as many again: the rule of
+    the whole-bucket path (``collective_bytes``), not the larger count for every collective."""
+    from benchmarks import layout_model
+
+    w, g, alpha = 64, 4, 1e-3
+    net = {"world": w, "per_node": g, "nic_bps": 1e30, "nvlink_bps": 1e30, "alpha_s": alpha, "ring_eff": 1.0,
+           "alltoall_eff": 1.0, "node_pieces": 2, "node_piece_min_elements": 1, "carry_buckets": True}
+    owners = {d: 1000 for d in range(0, w, g)}  # one owner a node: balanced, its slot's results forwarded
+    rates = layout_model.Rates(1e30, 1e30, a2a_step_s=alpha)
+    stage = layout_model.bucket_stages(owners, w, g, 1.03125, rates)["two_level_by_layout"]
+    steps = stage.node_steps + sum(s for _, s in stage.nic) + stage.forward_steps
+    assert stage.node_steps == g - 1 and all(s == w // g - 1 for _, s in stage.nic)
+    # serial pieces: the sum of every collective's steps; carried, the second piece's node stage and
+    # the first's forwards hide under the exchanges: the first node stage, both exchanges, the last
+    # forwards (every collective charged 15 steps, this was 60 alpha)
+    assert abs(layout_model.scheme_seconds([stage, stage], rates, overlap=False) - 2 * steps * alpha) < 1e-12
+    nic = sum(s for _, s in stage.nic)
+    got = scale_model.gift_grad_seconds("two_level", [owners], 1.03125, net)
+    assert abs(got - (stage.node_steps + 2 * nic + stage.forward_steps) * alpha) < 1e-12
+
+
 def test_scale_model_prints_the_paper_setting(tmp_path):
     out = tmp_path / "scale.json"
     proc = subprocess.run([sys.executable, "benchmarks/scale_model.py", "--codec-numel", "1000000", "--json",
