@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import types
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -83,15 +84,29 @@ def compiled(fn: Callable, **constants) -> Callable:
     # (a name of its own too: dynamo remembers which sizes changed per file, line and name, and a
     # size that varied in one format's kernel would otherwise start another's as symbolic)
     global _COPIES
-    _COPIES += 1
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
+    with _CALL_LOCK:  # a name no other thread's copy takes
+        _COPIES += 1
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **constants}
     # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
     # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
     # never changes and stays a constant the C++/Triton code vectorizes over
     options = known_options({**_COMPILE_OPTIONS, **getattr(fn, "compile_options", {})})
-    return torch.compile(own, dynamic=None, fullgraph=True, options=options)
+    graph = torch.compile(own, dynamic=None, fullgraph=True, options=options)
+
+    @functools.wraps(own)
+    def run(*args):
+        # one call at a time: dynamo's compiles and guard checks are not safe against threads, and
+        # ranks run as threads of one process (``comm.run_local``) raced it into "runtime guards
+        # failed" recompiles past its limit of 8 (seen in a CI run, tests/test_route.py's relay
+        # case); a rank of its own process calls from one thread and never waits here
+        with _CALL_LOCK:
+            return graph(*args)
+    return run
+
+
+_CALL_LOCK = threading.RLock()
 
 
 def known_options(options: dict) -> dict:
