@@ -3,14 +3,13 @@ fp32 global scale per encoded tensor: the eager codec, its tables and its fused 
 
 from __future__ import annotations
 
-import functools
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import kernels as fused_kernels
-from ..kernels import e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
+from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _nibble_table, _nibbles, _register, _ScaledCodec, _source_scale,
                    _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles, device_table)
 
@@ -151,7 +150,7 @@ def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: i
     # (A copy, contiguous, on a CPU: C++ vectorizes across rows only where a column's elements
     # are adjacent; a GPU thread takes its row's 16 strided loads from cache.)
     cols = xt.unbind(0)
-    amax = functools.reduce(torch.maximum, [c.abs() for c in cols])  # max is exact: _rows_amax's value
+    amax = columns_amax(cols)  # max is exact: _rows_amax's value
     target = amax / (safe_divisor(g) * _FP4_MAX)
     up = e4m3_at_least(target)
     options = {"up": up, "down": torch.where(up > 0, up - 1, up),
