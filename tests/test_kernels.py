@@ -15,6 +15,7 @@ import torch
 from deepspeed_gift.config import get_gift_config
 from deepspeed_gift.core import kernels
 from deepspeed_gift.core.formats import get_format
+from deepspeed_gift.core.formats.fp8 import fp8_block_encode
 from deepspeed_gift.core.rng import CounterRng, counter_bits
 
 N = 20000 + 37  # a short last block for every block size here
@@ -172,6 +173,29 @@ def test_compiled_mode_runs_the_compiled_kernels(monkeypatch):
     assert used == []
     get_format("fp8_e4m3", kernels="compiled").encode(x, tile_elements=SMALL_TILE)
     assert used == ["fp8_block_encode"] * 4  # four whole tiles; the 100 left over are eager
+
+
+def test_a_compiled_kernel_stays_within_dynamos_recompile_limit_whatever_it_meets():
+    """The tiles a real run meets, one kernel (fp8_e4m3's stochastic block encode) under a
+    recompile limit of 3 where dynamo's is 8: sections of several lengths, one of a single row,
+    each at the start of its buffer (storage offset 0) and after another, in one tile (e0 = 0)
+    and in several (e0 > 0). Dynamo specializes each 0 or 1 apart; one compiled object collected
+    an entry per mix and, past the limit, ``fullgraph`` stops the run. A copy per specialization
+    class holds at most 3 here: its first shapes, then the rows symbolic, then e0 too."""
+    kernels.compiled.cache_clear()  # copies with no entries yet
+    eager = get_format("fp8_e4m3", kernels="eager", rounding="stochastic", seed=3)
+    fused = get_format("fp8_e4m3", kernels="compiled", rounding="stochastic", seed=3)
+    buffer = _input(3 * SMALL_TILE + 128 * 41, seed=4)
+    sections = [(0, 128 * 40), (128 * 40, 128 * 41), (0, 128), (128 * 7, 128 * 8), (0, 3 * SMALL_TILE),
+                (128, 128 + 2 * SMALL_TILE + 128 * 5), (128 * 3, 128 * 3 + SMALL_TILE + 128)]
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for a, b in sections:
+            x = buffer[a:b]
+            _same_payloads(eager, eager.encode(x, tile_elements=SMALL_TILE),
+                           fused.encode(x, tile_elements=SMALL_TILE), x)
+    run = kernels.compiled(fp8_block_encode, fmax=fused.fmax, dtype=fused.data_dtype, mant_bits=fused.mant_bits,
+                           min_normal=fused.min_normal)  # the one object the encodes called
+    assert len(run.graphs) >= 4, list(run.graphs)  # the mixes above are classes of their own
 
 
 DECODE_CASES = [

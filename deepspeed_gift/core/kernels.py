@@ -35,7 +35,7 @@ from .rng import counter_bits, offsets_of
 
 __all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise",
            "fp32_scales", "finite_or_zero", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits",
-           "stochastic_grid", "stochastic_int", "rows_amax", "columns_amax", "rows_amax_scale", "fp4_nibbles",
+           "stochastic_grid", "stochastic_int", "rows_amax", "columns_amax", "tensor_scale", "fp4_nibbles",
            "decoded_rows", "decode_sum"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
@@ -74,36 +74,74 @@ _COPIES = 0
 
 @functools.lru_cache(maxsize=None)
 def compiled(fn: Callable, **constants) -> Callable:
-    """``fn`` with its keyword-only arguments fixed to ``constants``, compiled once per process
-    and set of constants (then once more with the sizes that vary made symbolic: those serve
-    every tile and section size; inductor's on-disk cache serves later processes). A function's
-    ``compile_options`` attribute adds inductor options of its own."""
-    # a copy of ``fn`` with a code object of its own and the constants as its keyword defaults:
-    # dynamo counts recompiles per code object (8 at most), so each set of constants is a
-    # compile of its own rather than a recompile of one shared function
-    # (a name of its own too: dynamo remembers which sizes changed per file, line and name, and a
-    # size that varied in one format's kernel would otherwise start another's as symbolic)
-    global _COPIES
-    with _CALL_LOCK:  # a name no other thread's copy takes
-        _COPIES += 1
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
-    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    own.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **constants}
-    # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
-    # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
-    # never changes and stays a constant the C++/Triton code vectorizes over
-    options = known_options({**_COMPILE_OPTIONS, **getattr(fn, "compile_options", {})})
-    graph = torch.compile(own, dynamic=None, fullgraph=True, options=options)
+    """``fn`` with its keyword-only arguments fixed to ``constants``, compiled once per process,
+    set of constants and specialization class of its arguments (:func:`specialization_class`),
+    then once more with the sizes that vary made symbolic: those serve every tile and section
+    size; inductor's on-disk cache serves later processes. A function's ``compile_options``
+    attribute adds inductor options of its own.
 
-    @functools.wraps(own)
+    Why a copy per class: dynamo specializes a size, storage offset or int of 0 or 1 apart from
+    the others, so one compiled object that meets a one-row tile, a section's first tile (e0 =
+    0), a tile at the bucket's start (offset 0) and every other tile collects a cache entry for
+    each mix; past 8 (dynamo's limit per code object) ``fullgraph=True`` stops the run with
+    "recompile limit exceeded". A copy per class holds one entry, plus one for each time
+    another of its sizes or ints is first seen to change (rows, then e0: 3 for a tile kernel),
+    whatever mix the run meets."""
+    options = known_options({**_COMPILE_OPTIONS, **getattr(fn, "compile_options", {})})
+    graphs: dict = {}
+
+    @functools.wraps(fn)
     def run(*args):
         # one call at a time: dynamo's compiles and guard checks are not safe against threads, and
         # ranks run as threads of one process (``comm.run_local``) raced it into "runtime guards
         # failed" recompiles past its limit of 8 (seen in a CI run, tests/test_route.py's relay
         # case); a rank of its own process calls from one thread and never waits here
         with _CALL_LOCK:
+            cls = specialization_class(args)
+            graph = graphs.get(cls)
+            if graph is None:
+                graph = graphs[cls] = _compile_copy(fn, constants, options)
             return graph(*args)
+    run.graphs = graphs  # per class: what tests and benchmarks count
     return run
+
+
+def specialization_class(args: Sequence) -> tuple:
+    """What dynamo compiles apart for ``args``: per tensor its dtype, device, rank, contiguity,
+    autograd flag and which sizes and storage offset are 0, 1 or more; per int, bool or None its
+    value class the same way; a float by value (dynamo guards floats' values)."""
+    def small(v: int) -> int:
+        return v if v < 2 else 2
+
+    cls = []
+    for a in args:
+        if isinstance(a, Tensor):
+            cls.append((a.dtype, a.device.type, a.requires_grad, a.is_contiguous(),
+                        tuple(small(s) for s in a.shape), small(a.storage_offset())))
+        elif isinstance(a, bool) or a is None:
+            cls.append(a)
+        elif isinstance(a, int):
+            cls.append(("int", small(a)))
+        else:
+            cls.append((type(a).__name__, a))
+    return tuple(cls)
+
+
+def _compile_copy(fn: Callable, constants: dict, options: dict) -> Callable:
+    # a copy of ``fn`` with a code object of its own and the constants as its keyword defaults:
+    # dynamo counts recompiles per code object, so each set of constants and each class is a
+    # compile of its own rather than a recompile of one shared function
+    # (a name of its own too: dynamo remembers which sizes changed per file, line and name, and a
+    # size that varied in one format's kernel would otherwise start another's as symbolic)
+    global _COPIES
+    _COPIES += 1
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{_COPIES}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **constants}
+    # dynamic=None: the first call compiles for its shapes, and a dimension that changes later
+    # (a tile's rows, a section's length) becomes symbolic in one recompile; a block's width
+    # never changes and stays a constant the C++/Triton code vectorizes over
+    return torch.compile(own, dynamic=None, fullgraph=True, options=options)
 
 
 _CALL_LOCK = threading.RLock()
@@ -255,23 +293,27 @@ def stochastic_int(y: Tensor, draw: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- encode
 
 
-def rows_amax_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool,
-                    qmax: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """A per-tensor scale's first pass, one tile: max |x| over the rows ``x`` (1 element) and
-    over ``best`` (the earlier tiles') when given, ``finite_blocks_only``: rows holding inf/nan
-    left out; with the scale amax / ``qmax`` so far and its divisor (1 for a zero scale), which
-    the last tile's call gives for the whole tensor in the same kernel."""
+def tensor_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool, qmax: float) -> Tensor:
+    """A per-tensor scale's first pass, one tile: the scale of max |x| over the rows ``x`` and
+    over ``best`` (the earlier tiles' scale) when given (:func:`fp32_scales`, 1 element);
+    ``finite_blocks_only``: rows holding inf/nan left out. The encode kernels take its divisor
+    (:func:`safe_divisor`) inline.
+
+    Taken as the largest scale of the elements' magnitudes, not as the scale of their largest
+    magnitude: the same value, since fp32_scales is nondecreasing in its amax (a correctly
+    rounded quotient is; where two amaxes share a quotient, the larger is nudged whenever the
+    smaller is) and nan stays nan through both. So the pass is one reduction: the scale as a
+    step of its own after the reduction was a kernel of its own, on a single element."""
     if finite_blocks_only:  # a row's amax first, to leave out the rows that are not finite
         # over the row's columns, each a (rows,) vector: the row amax is then pointwise and the
         # whole pass one reduction, where a reduction per row and one over the rows were two
         # kernels (and on this CPU 1.6x the time)
         amax = columns_amax(x.t().unbind(0))
-        top = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).amax().reshape(1)
-    else:  # over the whole tile at once: one reduction, where rows then their max are two (max is exact)
-        top = rows_amax(x.reshape(1, -1))
-    top = top if best is None else torch.maximum(best, top)
-    scale = fp32_scales(top, qmax)
-    return top, scale, safe_divisor(scale)
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    else:
+        amax = x.reshape(-1).abs()
+    top = fp32_scales(amax, qmax).amax().reshape(1)
+    return top if best is None else torch.maximum(best, top)
 
 
 # Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32

@@ -221,31 +221,31 @@ def _tile_amax(values: Tensor, row_len: int) -> Tensor:
 
 
 def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_only: bool = False,
-                  fused: bool = False) -> Tuple[Tensor, Tensor]:
+                  fused: bool = False) -> Tensor:
     """A per-tensor scale over ``src`` read tile by tile: max |x| / ``qmax`` (``_fp32_scales``;
     nan/inf propagate, or with ``finite_blocks_only`` every row of ``row_len`` holding a nan/inf
-    is left out) and its divisor. ``fused``: tiles of whole rows reduce in one compiled kernel,
-    the last one making the scale too (the same value: max is exact)."""
+    is left out). ``fused``: tiles of whole rows reduce in one compiled kernel each
+    (:func:`.kernels.tensor_scale`: the same value)."""
     numel = src.numel
     step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
     work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
-    best = scaled = None
+    best = scale = None  # eager tiles' amax, compiled tiles' scale
     for e0 in range(0, numel, step):
         e1 = min(e0 + step, numel)
         values = src.read(e0, e1, work)
         if fused and (e1 - e0) % row_len == 0:
-            best, *scaled = fused_kernels.compiled(fused_kernels.rows_amax_scale, finite_blocks_only=finite_blocks_only,
-                                                   qmax=qmax)(values.view(-1, row_len), best)
+            scale = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=finite_blocks_only,
+                                           qmax=qmax)(values.view(-1, row_len), scale)
             continue
         amax = _tile_amax(values, row_len)
         if finite_blocks_only:
             amax = torch.where(torch.isfinite(amax), amax, 0.0)
         top = amax.amax().reshape(1)
-        best, scaled = top if best is None else torch.maximum(best, top), None
-    if scaled:
-        return scaled[0], scaled[1]
-    scale = _fp32_scales(best, qmax)
-    return scale, _safe_divisor(scale)
+        best = top if best is None else torch.maximum(best, top)
+    if best is None:
+        return scale
+    best = _fp32_scales(best, qmax)
+    return best if scale is None else torch.maximum(best, scale)  # the same: fp32_scales is nondecreasing
 
 
 def _div_scalar(a: Tensor, value: float) -> Tensor:
@@ -879,17 +879,23 @@ class _ScaledCodec(Codec):
             return
         row_len = self._row_len(numel, tile)
         n_rows = -(-numel // row_len)
-        row_divisor = self._prepare(src, row_len, n_rows, p, tile)
+        scale = self._prepare(src, row_len, tile)  # one scale per tensor, else None
+        if scale is not None:
+            self._put_scales(p, 0, scale)
+        divisor = None  # its divisor, made where an eager tile needs it (compiled tiles make it inline)
         step = _tile_rows(n_rows, row_len, tile)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         fused = self.compiled_on(src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             x, y = _load_rows(src, row_len, r0, r1, work)
-            if fused and self._fused_tile(x, p, r0, r1, min(r1 * row_len, numel),
-                                          row_divisor[0] if row_divisor is not None else None, key):
+            if fused and self._fused_tile(x, p, r0, r1, min(r1 * row_len, numel), scale, key):
                 continue
-            div = row_divisor[r0:r1] if row_divisor is not None else self._tile_divisor(x, p, r0, r1)
+            if scale is None:
+                div = self._tile_divisor(x, p, r0, r1)
+            else:
+                divisor = _safe_divisor(scale) if divisor is None else divisor
+                div = divisor.expand(r1 - r0)
             torch.div(x, div[:, None], out=y)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             self._store(y.view(-1)[: e1 - e0], p, e0, e1, key)
@@ -899,19 +905,19 @@ class _ScaledCodec(Codec):
         self._fill(out, p, e0, e1)
         _mul_rows_(out, self._row_scales(p, r0, r1), row_len)
 
-    def _per_tensor_divisor(self, src, row_len: int, n_rows: int, p: Payload, qmax: float, tile: int) -> Tensor:
-        scale, divisor = _source_scale(src, row_len, tile, qmax, fused=self.compiled_on(src.device))
-        self._put_scales(p, 0, scale)
-        return divisor.expand(n_rows)
+    def _tensor_scale(self, src, row_len: int, tile: int) -> Tensor:
+        """A per-tensor scale over ``src`` (:func:`_source_scale`), compiled where this codec is."""
+        return _source_scale(src, row_len, tile, self._tensor_qmax, fused=self.compiled_on(src.device))
 
-    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
+    def _prepare(self, src, row_len: int, tile: int) -> Optional[Tensor]:
+        """A per-tensor scale over ``src`` (:meth:`_tensor_scale`); None for block scales."""
         raise NotImplementedError(f"{type(self).__name__} must implement _prepare")
 
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, scale: Optional[Tensor],
                     key: Optional[Tensor]) -> bool:
         """Encode rows r0:r1 (``x``, padded to whole rows; elements up to ``e1``) with the compiled
-        kernels (stochastic under ``key``); False where they do not serve the tile (the eager
-        path does)."""
+        kernels (stochastic under ``key``; ``scale``: one per tensor, already in ``p``); False
+        where they do not serve the tile (the eager path does)."""
         return False
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:

@@ -49,10 +49,11 @@ def fp8_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e
     return _fp8_rounded(x / divisor, key, e0, mant_bits, min_normal).to(dtype)
 
 
-def scaled_cast(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+def scaled_cast(x: Tensor, scale: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
                 dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> None:
-    """:func:`fp8_tensor_codes` written into ``data`` (their bytes)."""
-    data.view(dtype).copy_(fp8_tensor_codes(x, divisor, key, e0, dtype=dtype, mant_bits=mant_bits,
+    """:func:`fp8_tensor_codes` under the per-tensor ``scale`` (its divisor made here, inline)
+    written into ``data`` (their bytes)."""
+    data.view(dtype).copy_(fp8_tensor_codes(x, safe_divisor(scale), key, e0, dtype=dtype, mant_bits=mant_bits,
                                             min_normal=min_normal))
 
 
@@ -95,10 +96,12 @@ class _Fp8Codec(_ScaledCodec):
         codes = (e + 127).to(torch.uint8)
         return codes.masked_fill_(~torch.isfinite(amax), 255)
 
-    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
-        if self.block_size:
-            return None
-        return self._per_tensor_divisor(src, row_len, n_rows, p, self.fmax, tile)
+    def _prepare(self, src, row_len: int, tile: int) -> Optional[Tensor]:
+        return None if self.block_size else self._tensor_scale(src, row_len, tile)
+
+    @property
+    def _tensor_qmax(self) -> float:
+        return self.fmax
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:
         amax = _block_amax(x)
@@ -110,14 +113,14 @@ class _Fp8Codec(_ScaledCodec):
         self._put_scales(p, r0, scale)
         return safe_divisor(scale)
 
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, scale: Optional[Tensor],
                     key: Optional[Tensor]) -> bool:
         row_len = x.shape[1]
         e0 = r0 * row_len
         grid = dict(mant_bits=self.mant_bits, min_normal=self.min_normal) if key is not None else {}
-        if divisor is not None:  # one scale per tensor: a flat cast of the tile
+        if scale is not None:  # one scale per tensor: a flat cast of the tile
             fused_kernels.compiled(scaled_cast, dtype=self.data_dtype, **grid)(
-                x.view(-1)[: e1 - e0], divisor, p.data[e0:e1].view(torch.uint8), key, e0)
+                x.view(-1)[: e1 - e0], scale, p.data[e0:e1].view(torch.uint8), key, e0)
             return True
         if self.scale_kind != "fp32" or e1 - e0 != x.numel():
             return False

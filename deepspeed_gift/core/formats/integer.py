@@ -90,30 +90,31 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
     return scale, finite_or_zero(res_scale)
 
 
-def feedback_tensor_amax(values: Tensor, res_data: Tensor, res_scales: Tensor, best: Optional[Tensor], *,
-                         width: int, qmax: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """Error feedback's first pass for a format with one scale per tensor, one tile: the largest
-    |values + last residual| so far (with ``best``, the earlier tiles'), its scale over ``qmax``
-    and the divisor (:func:`.kernels.rows_amax_scale`, what the encode's own first pass gives
-    for the sum). The sum is not stored: the second pass makes it again."""
-    return fused_kernels.rows_amax_scale(_fed(values, res_data, res_scales, width).view(1, -1), best,
-                                         finite_blocks_only=False, qmax=qmax)
+def feedback_tensor_scale(values: Tensor, res_data: Tensor, res_scales: Tensor, best: Optional[Tensor], *,
+                          width: int, qmax: float) -> Tensor:
+    """Error feedback's first pass for a format with one scale per tensor, one tile: the scale
+    of the largest |values + last residual| so far (with ``best``, the earlier tiles'):
+    :func:`.kernels.tensor_scale` of the sum, what the encode's own first pass gives for it. The
+    sum is not stored: the second pass makes it again."""
+    return fused_kernels.tensor_scale(_fed(values, res_data, res_scales, width).view(1, -1), best,
+                                      finite_blocks_only=False, qmax=qmax)
 
 
-def feedback_tensor_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, divisor: Tensor, scale: Tensor,
-                           data: Tensor, res_out: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, codes_fn,
-                           codes_kw: tuple, packed: bool, qmax: int) -> Tensor:
-    """Error feedback's second pass for a format with one scale per tensor (``scale``, its
-    ``divisor``), one tile: the sum of :func:`feedback_tensor_amax` made again, encoded by the
-    sent format's ``codes_fn`` into ``data`` (bytes of (rows, width) elements, nibbles when
-    ``packed``), and the new residual (the sum minus the payload's decode, from the codes before
-    they are stored) as int8 blocks into ``res_out`` (rows, width); returns their scales, 0
-    where a block held inf/nan. The operations of the three eager steps, in their order; every
-    one over the residual's rows (a flat payload was a loop of its own, reading the tile again)."""
+def feedback_tensor_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, scale: Tensor, data: Tensor,
+                           res_out: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, codes_fn, codes_kw: tuple,
+                           packed: bool, qmax: int) -> Tensor:
+    """Error feedback's second pass for a format with one scale per tensor (``scale``; its
+    divisor made here, inline), one tile: the sum of :func:`feedback_tensor_scale` made again,
+    encoded by the sent format's ``codes_fn`` into ``data`` (bytes of (rows, width) elements,
+    nibbles when ``packed``), and the new residual (the sum minus the payload's decode, from the
+    codes before they are stored) as int8 blocks into ``res_out`` (rows, width); returns their
+    scales, 0 where a block held inf/nan. The operations of the three eager steps, in their
+    order; every one over the residual's rows (a flat payload was a loop of its own, reading
+    the tile again)."""
     width = res_out.shape[-1]
     torch._check(values.shape[0] == res_out.shape[0] * width)  # whole residual blocks
     fed = _fed(values, res_data, res_scales, width).view(-1, width)
-    codes = codes_fn(fed, divisor, key, e0, **dict(codes_kw))
+    codes = codes_fn(fed, safe_divisor(scale), key, e0, **dict(codes_kw))
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
     res_scale, res_codes = int_block_codes(fed - codes.to(torch.float32) * scale, qmax=qmax)
     res_out.copy_(res_codes.view(torch.uint8))
@@ -136,10 +137,11 @@ def int_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e
     return _int_codes(x / divisor, key, e0)
 
 
-def int_scaled_round(x: Tensor, divisor: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+def int_scaled_round(x: Tensor, scale: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
                      packed: bool) -> None:
-    """:func:`int_tensor_codes` written into ``data`` (``packed``: nibbles, an even count)."""
-    codes = int_tensor_codes(x, divisor, key, e0)
+    """:func:`int_tensor_codes` under the per-tensor ``scale`` (its divisor made here, inline)
+    written into ``data`` (``packed``: nibbles, an even count)."""
+    codes = int_tensor_codes(x, safe_divisor(scale), key, e0)
     data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
 
 
@@ -169,10 +171,12 @@ class _IntCodec(_ScaledCodec):
         self._check_scale(scale, ("fp32",))
         return _check_block(self.name, block_size, self.default_block_size), "fp32"
 
-    def _prepare(self, src, row_len: int, n_rows: int, p: Payload, tile: int) -> Optional[Tensor]:
-        if self.block_size:
-            return None
-        return self._per_tensor_divisor(src, row_len, n_rows, p, float(self.qmax), tile)
+    def _prepare(self, src, row_len: int, tile: int) -> Optional[Tensor]:
+        return None if self.block_size else self._tensor_scale(src, row_len, tile)
+
+    @property
+    def _tensor_qmax(self) -> float:
+        return float(self.qmax)
 
     def encode_residual(self, values: Tensor, *, tile_elements: Optional[int] = None) -> Payload:
         """This codec's encode of an error-feedback residual (flat fp32): a block that holds
@@ -285,18 +289,17 @@ class _IntCodec(_ScaledCodec):
         p, q, key = self._feedback_payloads(values, sent, generator)
         step = max(width, self._tile(device, tile_elements) // width * width)
         tiles = [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
-        first = fused_kernels.compiled(feedback_tensor_amax, width=width, qmax=top)
-        best = None
+        first = fused_kernels.compiled(feedback_tensor_scale, width=width, qmax=top)
+        scale = None
         for e0, e1 in tiles:
-            old = residual.data[e0:e1], residual.scales[e0 // width : e1 // width]
-            best, scale, divisor = first(values[e0:e1], *old, best)
+            scale = first(values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width], scale)
         sent._put_scales(p, 0, scale)
         run = fused_kernels.compiled(feedback_tensor_encode, codes_fn=codes_fn, codes_kw=codes_kw, packed=packed,
                                      qmax=self.qmax)
         epb = sent.elements_per_byte
         for e0, e1 in tiles:
             old = residual.data[e0:e1], residual.scales[e0 // width : e1 // width]
-            res_scale = run(values[e0:e1], *old, divisor, scale,
+            res_scale = run(values[e0:e1], *old, scale,
                             p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, width // epb),
                             q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
             self._put_scales(q, e0 // width, res_scale)
@@ -307,16 +310,16 @@ class _IntCodec(_ScaledCodec):
         self._put_scales(p, r0, scale)
         return safe_divisor(scale)
 
-    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, divisor: Optional[Tensor],
+    def _fused_tile(self, x: Tensor, p: Payload, r0: int, r1: int, e1: int, scale: Optional[Tensor],
                     key: Optional[Tensor]) -> bool:
         row_len = x.shape[1]
         e0, epb = r0 * row_len, self.elements_per_byte
         packed = epb == 2
-        if divisor is not None:  # one scale per tensor: a flat rounding of the tile
+        if scale is not None:  # one scale per tensor: a flat rounding of the tile
             if packed and (e0 % 2 or (e1 - e0) % 2):
                 return False
             fused_kernels.compiled(int_scaled_round, packed=packed)(
-                x.view(-1)[: e1 - e0], divisor, p.data[e0 // epb : e1 // epb].view(torch.uint8), key, e0)
+                x.view(-1)[: e1 - e0], scale, p.data[e0 // epb : e1 // epb].view(torch.uint8), key, e0)
             return True
         if e1 - e0 != x.numel() or (packed and row_len % 2):
             return False

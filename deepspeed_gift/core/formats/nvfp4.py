@@ -269,7 +269,7 @@ class NvFp4Codec(_ScaledCodec):
         row_len = self.block_size
         n_rows = -(-numel // row_len)
         compiled = self.compiled_on(src.device)
-        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)[0]
+        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)
         step = _tile_rows(n_rows, row_len, tile)
         fused = fused_kernels.compiled(nvfp4_tile_encode, candidates=self.scale_candidates) \
             if compiled else None
