@@ -198,6 +198,26 @@ def test_a_compiled_kernel_stays_within_dynamos_recompile_limit_whatever_it_meet
     assert len(run.graphs) >= 4, list(run.graphs)  # the mixes above are classes of their own
 
 
+@pytest.mark.parametrize("qmax", [448.0, 57344.0, 127.0, 7.0, 6.0 * 448.0])
+def test_a_per_tensor_scale_is_the_largest_of_its_elements_scales(qmax):
+    """kernels.tensor_scale reduces the elements' scales where the eager path scales their
+    amax: the same value because fp32_scales is nondecreasing. Checked over magnitudes that
+    meet its edges: every binade from subnormal to the largest, the neighbours of each multiple
+    of qmax's ulp (where the nudge acts), 0, inf and nan."""
+    gen = torch.Generator().manual_seed(7)
+    binades = torch.ldexp(1.0 + torch.rand(4000, generator=gen), torch.randint(-149, 127, (4000,), generator=gen))
+    edges = (torch.arange(1, 2000, dtype=torch.float32) * qmax * 2.0**-130)  # subnormal quotients
+    near = torch.cat([torch.nextafter(edges, torch.tensor(0.0)), edges, torch.nextafter(edges, torch.tensor(1.0))])
+    a = torch.cat([binades, near, torch.tensor([0.0, torch.finfo(torch.float32).max])]).sort().values
+    s = kernels.fp32_scales(a, qmax)
+    assert bool((s[1:] >= s[:-1]).all())  # nondecreasing, so the largest scale is the amax's
+    for extra in ([], [float("inf")], [float("nan")], [float("inf"), float("nan")]):
+        x = torch.cat([a[torch.randperm(a.numel(), generator=gen)[:3000]], torch.tensor(extra)])
+        got = kernels.tensor_scale(x.view(1, -1), None, finite_blocks_only=False, qmax=qmax)
+        want = kernels.fp32_scales(x.abs().amax().reshape(1), qmax)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or (got.isnan() & want.isnan()).all()
+
+
 DECODE_CASES = [
     ("fp8_e4m3", {}, 1, False),
     ("fp8_e4m3", {}, 0, True),  # the sum starts from the output's values, my term first
