@@ -3,6 +3,7 @@ fp32 global scale per encoded tensor: the eager codec, its tables and its fused 
 
 from __future__ import annotations
 
+import threading
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
 import torch
@@ -205,9 +206,30 @@ def _nvfp4_row_scale(scales: Tensor, glob: Tensor) -> Tensor:
 
 def _blocks_as_columns(x: Tensor) -> Tensor:
     """A tile of 16-blocks (rows, 16) as the (16, rows) columns NVFP4's kernel reads: a copy on
-    a CPU, where C++ vectorizes across rows only over adjacent elements; a view elsewhere (a GPU
-    thread takes its block's 16 strided loads from cache: no extra pass)."""
-    return x.t().contiguous() if x.device.type == "cpu" else x.t()
+    a CPU, where C++ vectorizes across rows only over adjacent elements (on strided columns the
+    kernel took 10x as long); a view elsewhere (a GPU thread takes its block's 16 strided loads
+    from cache: no extra pass).
+
+    The CPU's copy is inductor's tiled transpose into a buffer this thread keeps (as large as
+    its largest tile: 64 MB at 2^24 elements; ranks run as threads of one process, so a buffer
+    each). ``x.t().contiguous()`` took 55 ms of a 2^24-element encode's 82 on a 2-core x86, half
+    of it the first-touch page faults of a fresh 64 MB tensor, half torch's strided copy; this
+    takes 12 (``benchmarks/codec_speed.py``'s nvfp4+c row)."""
+    if x.device.type != "cpu":
+        return x.t()
+    buf = getattr(_COLUMNS, "buf", None)
+    if buf is None or buf.numel() < x.numel():
+        buf = _COLUMNS.buf = torch.empty(x.numel(), dtype=torch.float32)
+    out = buf[: x.numel()].view(16, x.shape[0])
+    fused_kernels.compiled(_transpose_into)(x, out)
+    return out
+
+
+_COLUMNS = threading.local()
+
+
+def _transpose_into(x: Tensor, out: Tensor) -> None:
+    out.copy_(x.t())
 
 
 @_register
