@@ -366,6 +366,7 @@ FEEDBACK_CASES = [
     ("int8", {"block_size": 32}, "nearest"),  # the relay's second hop: four blocks a residual block
     ("fp8_e5m2", {"block_size": 0}, "stochastic"),  # one scale per tensor: a first pass for the amax
     ("int4", {"block_size": 0}, "nearest"),  # ... and nibbles
+    ("nvfp4", {}, "stochastic"),  # a global scale's first pass, then two kernels a tile
 ]
 
 
@@ -378,7 +379,7 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     stochastic rounding draws the same bits (one key, the elements' offsets). A section that is
     not whole blocks takes the three steps, the same bytes."""
 
-    n = 128 * 157  # whole blocks of every codec here, over several small tiles
+    n = 128 * 160  # whole blocks of every codec here, over five small tiles of one size (a compile less)
     x = torch.nan_to_num(_input(n), nan=1.0, posinf=2.0, neginf=-3.0)
     old_values = torch.randn(n, generator=torch.Generator().manual_seed(1)) * x.abs().clamp(max=1e30) * 0.01
     store = {m: get_format("int8", block_size=128, kernels=m) for m in ("eager", "compiled")}
@@ -401,10 +402,22 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     kernels.compiled = spy
     try:
         got = {m: store[m].encode_with_residual(x.clone(), old, sent(m), tile_elements=SMALL_TILE) for m in store}
+        if name == "nvfp4":  # one tile too (a small tile's length: no compile of its own): its header,
+            # global scale, scales and data in one copy
+            one = store["compiled"].encode_with_residual(x[:SMALL_TILE].clone(), store["eager"].encode(
+                old_values[:SMALL_TILE]), sent("compiled"), tile_elements=SMALL_TILE)
     finally:
         kernels.compiled = real
+    if name == "nvfp4":
+        values = x[:SMALL_TILE].clone()
+        store["eager"].decode_into(store["eager"].encode(old_values[:SMALL_TILE]), values, add=True)
+        p1 = sent("eager").encode(values)
+        assert torch.equal(one[0].wire, p1.wire)
+        assert torch.equal(one[1].wire, store["eager"].encode(values - sent("eager").decode(p1)).wire)
     # the fused kernels served the compiled mode (one scale per tensor: its first pass, then one kernel a tile)
-    assert ("feedback_tensor_encode" if options.get("block_size") == 0 else "feedback_encode") in calls
+    fused = {"nvfp4": "nvfp4_feedback_tile"}.get(name, "feedback_tensor_encode" if options.get("block_size") == 0
+                                                 else "feedback_encode")
+    assert fused in calls, calls
     for m, (p, q) in got.items():
         assert torch.equal(p.wire, want.wire), m
         assert torch.equal(q.wire, want_residual.wire), m

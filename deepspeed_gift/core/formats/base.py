@@ -707,6 +707,16 @@ class Codec:
         None: it has none (block scales, NVFP4, the passthroughs)."""
         return None
 
+    def _fused_fed_codes(self) -> Optional[Tuple[Callable, tuple, float]]:
+        """This codec's compiled tile encode of error feedback's sum, for a format whose global
+        scale and block scales its own kernel chooses (NVFP4): a family function taking
+        ``(values, res_data, res_scales, g, key, e0)`` (the sum made from the values and an int8
+        residual, not stored) and returning the block scales' codes and the packed elements as
+        its encode's tile kernel does; its constants as ``(name, value)`` pairs; and the largest
+        magnitude the global scale is taken over (rows of its blocks holding inf/nan left out).
+        None where the codec has none."""
+        return None
+
     def _fused_whole(self, numel: int) -> int:
         """Elements of a payload's prefix of whole blocks (and whole bytes) the fused kernels take."""
         done = numel - numel % self.block_size if self.block_size else numel

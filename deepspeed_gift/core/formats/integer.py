@@ -59,6 +59,16 @@ def int8_difference_encode(values: Tensor, data: Tensor, scales: Optional[Tensor
     return finite_or_zero(int_block_encode((values - decoded).view(-1, width), res_data, qmax=qmax, packed=False))
 
 
+def feedback_difference_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: Tensor,
+                               scales: Optional[Tensor], glob: Optional[Tensor], res_out: Tensor, *, values_fn,
+                               row_scale, block: int, qmax: int) -> Tensor:
+    """:func:`int8_difference_encode` of error feedback's sum (``values`` plus last step's
+    residual, made here again and not stored) and the payload the sum was encoded into: the new
+    residual of one tile in one pass."""
+    return int8_difference_encode(_fed(values, res_data, res_scales, res_out.shape[-1]), data, scales, glob,
+                                  res_out, values_fn=values_fn, row_scale=row_scale, block=block, qmax=qmax)
+
+
 def _fed(values: Tensor, res_data: Tensor, res_scales: Tensor, width: int) -> Tensor:
     """``values`` plus last step's int8 residual (codes ``res_data``, fp32 scales ``res_scales``
     per ``width``): error feedback's sum, as the residual's decode-and-add makes it."""
@@ -91,13 +101,15 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
 
 
 def feedback_tensor_scale(values: Tensor, res_data: Tensor, res_scales: Tensor, best: Optional[Tensor], *,
-                          width: int, qmax: float) -> Tensor:
+                          width: int, qmax: float, block: int = 0) -> Tensor:
     """Error feedback's first pass for a format with one scale per tensor, one tile: the scale
     of the largest |values + last residual| so far (with ``best``, the earlier tiles'):
-    :func:`.kernels.tensor_scale` of the sum, what the encode's own first pass gives for it. The
-    sum is not stored: the second pass makes it again."""
-    return fused_kernels.tensor_scale(_fed(values, res_data, res_scales, width).view(1, -1), best,
-                                      finite_blocks_only=False, qmax=qmax)
+    :func:`.kernels.tensor_scale` of the sum, what the encode's own first pass gives for it
+    (``block``: over rows of that many, those holding inf/nan left out: NVFP4's global scale).
+    The sum is not stored: the second pass makes it again."""
+    fed = _fed(values, res_data, res_scales, width)
+    return fused_kernels.tensor_scale(fed.view(-1, block) if block else fed.view(1, -1), best,
+                                      finite_blocks_only=bool(block), qmax=qmax)
 
 
 def feedback_tensor_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, scale: Tensor, data: Tensor,
@@ -129,6 +141,7 @@ def feedback_tensor_encode(values: Tensor, res_data: Tensor, res_scales: Tensor,
 # raised for every kernel, benchmarks/codec_traffic.py stalled for minutes in one compile.
 feedback_encode.compile_options = {"realize_opcount_threshold": 100_000, "realize_reads_threshold": 64}
 feedback_tensor_encode.compile_options = feedback_encode.compile_options
+feedback_difference_encode.compile_options = feedback_encode.compile_options
 
 
 def int_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
@@ -241,7 +254,8 @@ class _IntCodec(_ScaledCodec):
         encoder = sent._fused_block_codes()
         unit = math.lcm(self.block_size or 1, sent.block_size or 1)
         if encoder is None and residual is not None:
-            fused = self._tensor_feedback(values, residual, sent, generator, tile_elements)
+            fused = (self._tensor_feedback(values, residual, sent, generator, tile_elements)
+                     or self._global_feedback(values, residual, sent, generator, tile_elements))
             if fused is not None:
                 return fused
         if (residual is None or encoder is None or numel == 0 or numel % unit
@@ -302,6 +316,55 @@ class _IntCodec(_ScaledCodec):
             res_scale = run(values[e0:e1], *old, scale,
                             p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, width // epb),
                             q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
+            self._put_scales(q, e0 // width, res_scale)
+        return sent._finish_header(p), self._finish_header(q)
+
+    def _global_feedback(self, values: Tensor, residual: Payload, sent: Codec, generator,
+                         tile_elements: Optional[int]) -> Optional[Tuple[Payload, Payload]]:
+        """:meth:`encode_with_residual` for a ``sent`` format whose own kernel chooses its block
+        scales under a global scale (NVFP4, :meth:`Codec._fused_fed_codes`), compiled: a first
+        pass over the tiles for the sum's global scale, then per tile the sent format's kernel on
+        the sum and :func:`feedback_difference_encode` on the sum and the payload, the sum made
+        again by each and never stored. NVFP4's kernel works per 16-row and the residual's amax
+        over ``block_size`` elements, so the two stay two kernels (one would hold a reduction
+        across rows inside the candidates' pointwise pass). None where it does not serve."""
+        numel, device = values.numel(), values.device
+        encoder = sent._fused_fed_codes()
+        width = self.block_size
+        block = sent.block_size
+        unit = math.lcm(width or 1, block or 1)
+        if (encoder is None or numel == 0 or not width or self.elements_per_byte != 1 or numel % unit
+                or not (self.compiled_on(device) and sent.compiled_on(device))):
+            return None
+        tile_fn, tile_kw, top = encoder
+        p, q, key = self._feedback_payloads(values, sent, generator)
+        step = max(unit, self._tile(device, tile_elements) // unit * unit)
+        tiles = [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
+
+        def old(e0, e1):
+            return values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width]
+
+        first = fused_kernels.compiled(feedback_tensor_scale, width=width, qmax=top, block=block)
+        g = None
+        for e0, e1 in tiles:
+            g = first(*old(e0, e1), g)
+        whole = len(tiles) == 1 and p.header_pending
+        if not whole:
+            sent._put_global(p, g)
+        run = fused_kernels.compiled(tile_fn, **dict(tile_kw), width=width)
+        values_fn, row_scale = sent._fused_decode()
+        rest = fused_kernels.compiled(feedback_difference_encode, values_fn=values_fn, row_scale=row_scale, block=block,
+                                      qmax=self.qmax)
+        batch = p.as_batch()
+        for e0, e1 in tiles:
+            codes, packed = run(*old(e0, e1), g, key, e0)
+            if whole:
+                sent._with_header(p, g, codes, packed)
+            else:
+                p.scales.view(torch.uint8)[e0 // block : e1 // block].copy_(codes)
+                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
+            res_scale = rest(*old(e0, e1), batch.data[:, e0 // 2 : e1 // 2], batch.scales[:, e0 // block : e1 // block],
+                             batch.global_scale, q.data[e0:e1].view(torch.uint8).view(-1, width))
             self._put_scales(q, e0 // width, res_scale)
         return sent._finish_header(p), self._finish_header(q)
 

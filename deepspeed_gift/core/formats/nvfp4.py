@@ -13,6 +13,7 @@ from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _nibble_table, _nibbles, _register, _ScaledCodec, _source_scale,
                    _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles, device_table)
+from .integer import _fed
 
 _FP4_MAX = 6.0
 _E4M3_MAX = 448.0
@@ -180,6 +181,15 @@ def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: i
         codes.append(fp4_signed_codes(y))
     scales = torch.where(torch.isfinite(amax), best_codes, torch.full_like(best_codes, 0x7F))
     return scales, _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
+
+
+def nvfp4_feedback_tile(values: Tensor, res_data: Tensor, res_scales: Tensor, g: Tensor, key: Optional[Tensor] = None,
+                        e0: int = 0, *, candidates: Sequence[str], width: int) -> Tuple[Tensor, Tensor]:
+    """:func:`nvfp4_tile_encode` of error feedback's sum: ``values`` (n,) plus last step's int8
+    residual (codes ``res_data``, a scale per ``width``), made here and not stored, its blocks
+    read as strided columns (a view: the GPU's layout)."""
+    fed = _fed(values, res_data, res_scales, width)
+    return nvfp4_tile_encode(fed.view(-1, 16).t(), g, key, e0, candidates=candidates)
 
 
 def _bytes_as_int64(byte_values: Sequence[Tensor]) -> Tensor:
@@ -354,6 +364,9 @@ class NvFp4Codec(_ScaledCodec):
 
     def _fused_decode(self):
         return _nvfp4_values, _nvfp4_row_scale
+
+    def _fused_fed_codes(self):
+        return nvfp4_feedback_tile, (("candidates", self.scale_candidates),), _FP4_MAX * _E4M3_MAX
 
     def _fill(self, out: Tensor, p: Payload, e0: int, e1: int) -> None:
         _unpack_nibbles(p.data[..., e0 // 2 : (e1 + 1) // 2], _table_on(_FP4_TABLE, p.device), out)
