@@ -301,28 +301,31 @@ class NvFp4Codec(_ScaledCodec):
         row_len = self.block_size
         n_rows = -(-numel // row_len)
         compiled = self.compiled_on(src.device)
-        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)
         step = _tile_rows(n_rows, row_len, tile)
         fused = fused_kernels.compiled(nvfp4_tile_encode, candidates=self.scale_candidates) \
             if compiled else None
-        # one tile of whole blocks, compiled, the header pending: the header, the global scale,
-        # the scales and the data follow one another in the wire and are written by one copy
-        # after the kernel
-        whole = fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len
-        if not whole:
-            self._put_global(p, g)
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+        if fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len:
+            # one tile of whole blocks, compiled, the header pending: its columns, the global
+            # scale taken over them (on a CPU the columns are a copy the pass then reads
+            # contiguously, a third of its time over the strided rows), the tile kernel, and the
+            # header, the global scale, the scales and the data, which follow one another in the
+            # wire, written by one copy
+            xt = _blocks_as_columns(_load_rows(src, row_len, 0, n_rows, work)[0])
+            g = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=True,
+                                       qmax=_FP4_MAX * _E4M3_MAX)(xt.t(), None)
+            self._with_header(p, g, *fused(xt, g, key, 0))
+            return
+        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)
+        self._put_global(p, g)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x, _ = _load_rows(src, row_len, r0, r1, work)
             if fused is not None and e1 - e0 == x.numel():
                 codes, packed = fused(_blocks_as_columns(x), g, key, e0)
-                if whole:
-                    self._with_header(p, g, codes, packed)
-                else:
-                    p.scales.view(torch.uint8)[r0:r1].copy_(codes)
-                    p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
+                p.scales.view(torch.uint8)[r0:r1].copy_(codes)
+                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
                 continue
             amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
             candidates = self._candidate_codes(amax, g)
