@@ -9,12 +9,14 @@ cache), so the cases are few and each covers a family: a block format, a per-ten
 packed nibbles, NVFP4's scale choice, and the sum of each kind of payload.
 """
 
+import functools
+
 import pytest
 import torch
 
 from deepspeed_gift.config import get_gift_config
 from deepspeed_gift.core import kernels
-from deepspeed_gift.core.formats import get_format
+from deepspeed_gift.core.formats import NvFp4Codec, get_format
 from deepspeed_gift.core.formats.fp8 import fp8_block_encode
 from deepspeed_gift.core.rng import CounterRng, counter_bits
 
@@ -366,7 +368,9 @@ FEEDBACK_CASES = [
     ("int8", {"block_size": 32}, "nearest"),  # the relay's second hop: four blocks a residual block
     ("fp8_e5m2", {"block_size": 0}, "stochastic"),  # one scale per tensor: a first pass for the amax
     ("int4", {"block_size": 0}, "nearest"),  # ... and nibbles
-    ("nvfp4", {}, "stochastic"),  # a global scale's first pass, then two kernels a tile
+    # a global scale's first pass, then two kernels a tile (one candidate scale: the same path
+    # at a third of the three candidates' compile, which the encode cases above cover)
+    ("nvfp4", {"scale_candidates": ("up",)}, "stochastic"),
 ]
 
 
@@ -379,13 +383,16 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     stochastic rounding draws the same bits (one key, the elements' offsets). A section that is
     not whole blocks takes the three steps, the same bytes."""
 
-    n = 128 * 160  # whole blocks of every codec here, over five small tiles of one size (a compile less)
+    # whole blocks of every codec here, over two small tiles: the first (e0 = 0) and a later one
+    # (each a compile of its own; a third tile would compile the later ones' e0 symbolic)
+    n = 2 * SMALL_TILE
     x = torch.nan_to_num(_input(n), nan=1.0, posinf=2.0, neginf=-3.0)
     old_values = torch.randn(n, generator=torch.Generator().manual_seed(1)) * x.abs().clamp(max=1e30) * 0.01
     store = {m: get_format("int8", block_size=128, kernels=m) for m in ("eager", "compiled")}
     old = store["eager"].encode(old_values)
     def sent(mode):  # a fresh codec: stochastic rounding's first key
-        return get_format(name, kernels=mode, rounding=rounding, seed=5, **options)
+        codec = NvFp4Codec if name == "nvfp4" else functools.partial(get_format, name)  # (candidates: a codec option)
+        return codec(kernels=mode, rounding=rounding, seed=5, **options)
 
     values = x.clone()
     store["eager"].decode_into(old, values, add=True)
