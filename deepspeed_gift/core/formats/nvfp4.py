@@ -307,8 +307,8 @@ class NvFp4Codec(_ScaledCodec):
         work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
         if fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len:
             # one tile of whole blocks, compiled, the header pending: its columns, the global
-            # scale taken over them (on a CPU the columns are a copy the pass then reads
-            # contiguously, a third of its time over the strided rows), the tile kernel, and the
+            # scale taken over them (on a CPU the columns are a copy, which the pass then reads
+            # contiguously where it read the rows' columns strided), the tile kernel, and the
             # header, the global scale, the scales and the data, which follow one another in the
             # wire, written by one copy
             xt = _blocks_as_columns(_load_rows(src, row_len, 0, n_rows, work)[0])
