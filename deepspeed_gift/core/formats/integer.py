@@ -4,7 +4,7 @@ the eager codecs and their fused kernels."""
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -223,9 +223,7 @@ class _IntCodec(_ScaledCodec):
         batch = p.as_batch()
         run = fused_kernels.compiled(int8_difference_encode, values_fn=fused[0], row_scale=fused[1], block=sent_block,
                                      qmax=self.qmax)
-        step = max(unit, self._tile(device, tile_elements) // unit * unit)
-        for e0 in range(0, done, step):
-            e1 = min(e0 + step, done)
+        for e0, e1 in self._unit_tiles(done, unit, device, tile_elements):
             scales = (batch.scales[:, e0 // sent_block : e1 // sent_block] if sent_block and batch.scales is not None
                       else batch.scales)
             self._put_scales(q, e0 // block, run(values[e0:e1], batch.data[:, e0 // epb : e1 // epb], scales,
@@ -269,15 +267,19 @@ class _IntCodec(_ScaledCodec):
         p, q, key = self._feedback_payloads(values, sent, generator)
         run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
                                      block=block, qmax=self.qmax)
-        step = max(unit, self._tile(device, tile_elements) // unit * unit)
-        for e0 in range(0, numel, step):
-            e1 = min(e0 + step, numel)
+        for e0, e1 in self._unit_tiles(numel, unit, device, tile_elements):
             scale, res_scale = run(values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width],
                                    p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, block // epb),
                                    q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
             sent._put_scales(p, e0 // block, scale)
             self._put_scales(q, e0 // width, res_scale)
         return sent._finish_header(p), self._finish_header(q)
+
+    def _unit_tiles(self, numel: int, unit: int, device, tile_elements: Optional[int]) -> List[Tuple[int, int]]:
+        """The fused kernels' tiles (e0, e1) of ``numel`` elements: about a tile each, a whole
+        number of ``unit`` (the blocks both payloads cut), the last one shorter."""
+        step = max(unit, self._tile(device, tile_elements) // unit * unit)
+        return [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
 
     def _feedback_payloads(self, values: Tensor, sent: Codec, generator) -> Tuple[Payload, Payload, Optional[Tensor]]:
         """The fused feedback step's two payloads of ``values``' elements (``sent``'s and the new
@@ -301,8 +303,7 @@ class _IntCodec(_ScaledCodec):
             return None
         codes_fn, codes_kw, packed, top = encoder
         p, q, key = self._feedback_payloads(values, sent, generator)
-        step = max(width, self._tile(device, tile_elements) // width * width)
-        tiles = [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
+        tiles = self._unit_tiles(numel, width, device, tile_elements)
         first = fused_kernels.compiled(feedback_tensor_scale, width=width, qmax=top)
         scale = None
         for e0, e1 in tiles:
@@ -338,8 +339,7 @@ class _IntCodec(_ScaledCodec):
             return None
         tile_fn, tile_kw, top = encoder
         p, q, key = self._feedback_payloads(values, sent, generator)
-        step = max(unit, self._tile(device, tile_elements) // unit * unit)
-        tiles = [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
+        tiles = self._unit_tiles(numel, unit, device, tile_elements)
 
         def old(e0, e1):
             return values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width]
