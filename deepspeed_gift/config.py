@@ -357,6 +357,25 @@ class GiftConfig(_GiftModel):
     every piece costs each of its collectives a latency (tens of microseconds), and a piece of
     4M elements takes about 80 microseconds to cross a 400 Gbit/s NIC in fp8, a few latencies."""
 
+    node_format: Optional[FormatName] = None
+    """Two-level: the wire format of the node stage, where each rank sends the other ranks of its
+    node their parts of the bucket. ``null``: the bucket's own dtype, summed in fp32 by the
+    receiver (no rounding beyond the gradients' own; lossless configs give native's bits). A
+    format name: each rank encodes each part it sends in that format (rounded to nearest, scales
+    per ``node_block_size``, in gradient coordinates: the whitening comes after, on the node
+    partial), and the receiver decodes and sums them in fp32 with its own part exact. Every rank's
+    gradient is then quantized once more before the exchange among the nodes, and error feedback
+    does not see that error. ``int8`` with a scale per 32 sends 1.125 B an element where a bf16
+    bucket sends 2: where the node's links set the time (13B at W = 64 in nodes of 8,
+    ``benchmarks/layout_model.py --node-format int8/32``) that lightens them by 0.44x, for an
+    encode of 7/8 of each piece on every GPU. Its error against the node stage's own:
+    docs/benchmarks.md, "The quantized node stage". Needs a node stage: refused with ``hierarchy``
+    ``flat``; under ``by_topology`` a job of one node or one rank per node has none (logged)."""
+
+    node_block_size: Optional[int] = Field(None, ge=0)
+    """Elements per scale of ``node_format``: ``null`` = the format's default (as ``block_size``);
+    ``bf16``/``fp32`` take only ``null`` or ``0``."""
+
     route: Route = "by_layout"
     """How each bucket's all-to-all is routed (flat, and among the nodes of ``two_level``).
     ``direct``: every rank sends each owner its part, one all-to-all; a bucket that reaches a
@@ -428,6 +447,20 @@ class GiftConfig(_GiftModel):
             except ValueError as exc:
                 raise ValueError(f"gift.relay_format: got {self.relay_format!r} with rounding {self.rounding!r}: "
                                  f"{exc}") from None
+        if self.node_format is None and self.node_block_size is not None:
+            raise ValueError(f"gift.node_block_size: got {self.node_block_size}; it sets node_format's scales, and "
+                             "node_format is null (the bucket's dtype, no scales): set gift.node_format or leave "
+                             "node_block_size unset")
+        if self.node_format is not None:
+            _check_block_size(self.node_format, self.node_block_size, "gift.node_block_size")
+            if self.hierarchy == Hierarchy.FLAT.value:
+                raise ValueError(f"gift.node_format: got {self.node_format!r} with gift.hierarchy 'flat', which has "
+                                 "no node stage to quantize; use hierarchy 'two_level' or 'by_topology', or leave "
+                                 "node_format unset (null)")
+            try:
+                self.node_codec_options()
+            except ValueError as exc:
+                raise ValueError(f"gift.node_format: got {self.node_format!r}: {exc}") from None
         kinds = self.geometry.kind
         if isinstance(kinds, list):
             if not kinds or len(set(kinds)) != len(kinds) or GeometryKind.IDENTITY in kinds:
@@ -464,6 +497,19 @@ class GiftConfig(_GiftModel):
             if block is None and self.relay_format is None:
                 block = RELAY_DEFAULT_BLOCK
             options["block_size"] = resolved_block_size(fmt, block)
+        format_class(fmt)(**options)
+        return dict(options, name=fmt)
+
+    def node_codec_options(self) -> Optional[dict]:
+        """``formats.get_format`` keywords of the node stage's codec (``node_format``; rounded to
+        nearest: its error is every rank's own, summed over the node), None where the node stage
+        sends the bucket's dtype."""
+        fmt = self.node_format
+        if fmt is None:
+            return None
+        options = dict(rounding="nearest", seed=self.seed, kernels=self.kernels)
+        if fmt not in PASSTHROUGH_FORMATS:
+            options["block_size"] = resolved_block_size(fmt, self.node_block_size)
         format_class(fmt)(**options)
         return dict(options, name=fmt)
 

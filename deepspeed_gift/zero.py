@@ -572,6 +572,14 @@ def _relay_codec(cfg: GiftConfig):
     return formats.get_format(name, **options)
 
 
+def _node_codec(cfg: GiftConfig):
+    """The codec of two-level's node stage (``gift.node_format``); None: the bucket's dtype."""
+    options = cfg.node_codec_options()
+    if options is None:
+        return None
+    return formats.get_format(options.pop("name"), tile_elements=cfg.tile_elements, **options)
+
+
 def _tensor_parallel_size(mpu) -> int:
     """Tensor-parallel ranks of an mpu (Megatron's, DeepSpeed's pipeline grid, AutoTP's groups)."""
     for name in ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"):
@@ -717,6 +725,9 @@ def choose_topology(comm, cfg: GiftConfig):
     nodes = world // per_node
     if cfg.hierarchy == Hierarchy.TWO_LEVEL or (cfg.hierarchy == Hierarchy.BY_TOPOLOGY and nodes > 1 and per_node > 1):
         return Hierarchy.TWO_LEVEL, per_node
+    if cfg.node_format is not None:
+        logger.warning("gift: gift.node_format %r has no node stage to quantize here (%d node(s) of %d rank(s): "
+                       "gift.hierarchy 'by_topology' runs the flat exchange)", cfg.node_format, nodes, per_node)
     return Hierarchy.FLAT, per_node
 
 
@@ -752,7 +763,8 @@ class GiftState:
                                 tile_elements=cfg.tile_elements, relay_codec=_relay_codec(cfg))
             self.reducer = TwoLevelReducer(node_comm, inner, self.ranks_per_node,
                                            pieces=cfg.node_pieces or NODE_PIECES_BY_BUCKET,
-                                           piece_min_elements=cfg.node_piece_min_elements)
+                                           piece_min_elements=cfg.node_piece_min_elements,
+                                           node_codec=_node_codec(cfg))
             self.exchange.append(self.reducer.pieces)  # the residuals' keys follow the pieces' cut
         else:
             self.comm.split_many([])  # other data-parallel groups (pipeline, tensor parallelism) may split

@@ -11,10 +11,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.formats import Payload, get_format
+from ..core.formats import Codec, Payload, get_format
 from ..core.geometry import Transform
 from .headers import CONTROL_HEADER_BYTES, FINGERPRINT_BYTES, agree_on_plan, expect_control_header
-from .plan import COPY, GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice
+from .plan import COPY, GEO, MAX_CACHED_PLANS, BucketPlan, ParamSlice, Piece, SectionSource
 from .comm import Pending
 from .reducer import Begun, GiftReducer
 from .stats import ByteKind, StepStats, clock
@@ -298,13 +298,15 @@ class NodePlan:
             out.append(target)
         return out
 
-    def busiest_node_receive(self, element_size: int) -> int:
-        """Bytes the busiest rank receives inside its node for this bucket: the node stage, and
-        the forwards of a balanced split."""
+    def busiest_node_receive(self, element_size: int, stage_nbytes: Optional[Callable[[int], int]] = None) -> int:
+        """Bytes the busiest rank receives inside its node for this bucket: the node stage (its
+        messages of ``n`` elements ``stage_nbytes(n)`` bytes, where it is quantized; else the
+        bucket's dtype), and the forwards of a balanced split."""
         L = len(self.numel_to_slot)
         if L == 1:
             return 0
-        stage = (L - 1) * max(CONTROL_HEADER_BYTES + n * element_size for n in self.numel_to_slot)
+        stage_nbytes = stage_nbytes or (lambda n: n * element_size)
+        stage = (L - 1) * max(CONTROL_HEADER_BYTES + stage_nbytes(n) for n in self.numel_to_slot)
         forwards = max((sum(CONTROL_HEADER_BYTES + n * element_size for n in senders)
                         for senders in self.forward_senders), default=0)
         return stage + forwards
@@ -333,9 +335,11 @@ class TwoLevelReducer:
     """Reduce a bucket inside each node first, then across nodes with a :class:`GiftReducer`.
 
     1. Node stage: an all-to-all among the node's ranks in the bucket's own dtype (no codec:
-       the fast links inside a node). Each local rank receives the part of the bucket it
-       carries from every local rank and sums it in fp32 in local rank order: the node
-       partial, with no rounding beyond the gradients' own. The part: every slice to its
+       the fast links inside a node), or quantized by ``node_codec`` (``gift.node_format``:
+       each part encoded by its sender, decoded by its receiver). Each local rank receives the
+       part of the bucket it carries from every local rank and sums it in fp32 in local rank
+       order, its own part exact: the node partial, with no rounding beyond the gradients' own
+       (and, quantized, the node format's). The part: every slice to its
        owner's slot (``owner_slot``), or an equal share of the bucket's owned elements per local
        rank, its own owner's first (``balanced``; a bucket with few owners would load only their
        slots' NICs).
@@ -361,8 +365,10 @@ class TwoLevelReducer:
     stage and one piece's forwards."""
 
     def __init__(self, node_comm, inner: GiftReducer, ranks_per_node: int, *, pieces: int = 1,
-                 piece_min_elements: int = 1, overlap: bool = True) -> None:
+                 piece_min_elements: int = 1, overlap: bool = True, node_codec: Optional[Codec] = None) -> None:
         self.node_comm = node_comm
+        # the node stage's wire (``gift.node_format``): None sends the bucket's dtype
+        self.node_codec = node_codec
         self.inner = inner
         inner.agrees = False  # the slot groups' plans are agreed with the node plans (_agree)
         self.ranks_per_node = ranks_per_node
@@ -593,7 +599,8 @@ class TwoLevelReducer:
         node_agreed = run.agreed * FINGERPRINT_BYTES * (self.ranks_per_node - 1)
         among_agreed = run.agreed * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
         among_nodes = sum(among for _, among in run.planned)
-        busiest_node = sum(plan.busiest_node_receive(run.tensor.element_size()) for plan, _ in run.planned)
+        stage_nbytes = self.node_codec.nbytes if self.node_codec is not None else None
+        busiest_node = sum(plan.busiest_node_receive(run.tensor.element_size(), stage_nbytes) for plan, _ in run.planned)
         total.recv_max_internode = among_nodes + among_agreed
         total.recv_max = among_nodes + among_agreed + busiest_node + node_agreed
         return total
@@ -609,12 +616,19 @@ class TwoLevelReducer:
         mine = self._gather_runs(tensor, plan.runs_to_slot[me])
         if L == 1:
             return mine, None, head, 0, 0
-        # the runs as they lie in the bucket: sent from there where the comm's point-to-point
-        # sends can (TorchComm), else joined into one send buffer (what leaves is copied once)
-        parts = [[] if j == me else [head] + [tensor.narrow(0, start, numel).view(torch.uint8)
-                                              for start, numel in plan.runs_to_slot[j]] for j in range(L)]
-        # every rank of the node sends this one the runs of its slot, as its own bucket holds them
-        mine_parts = [CONTROL_HEADER_BYTES] + [numel * tensor.element_size() for _, numel in plan.runs_to_slot[me]]
+        if self.node_codec is not None:
+            # quantized (``gift.node_format``): each local rank's runs encoded as one payload, read
+            # run by run as the codec takes its tiles (no staging copy of the runs)
+            parts = [[] if j == me else [head, self._node_encode(tensor, plan.runs_to_slot[j])] for j in range(L)]
+            mine_parts = [CONTROL_HEADER_BYTES, self.node_codec.nbytes(plan.numel_to_slot[me])]
+        else:
+            # the runs as they lie in the bucket: sent from there where the comm's point-to-point
+            # sends can (TorchComm), else joined into one send buffer (what leaves is copied once)
+            parts = [[] if j == me else [head] + [tensor.narrow(0, start, numel).view(torch.uint8)
+                                                  for start, numel in plan.runs_to_slot[j]] for j in range(L)]
+            # every rank of the node sends this one the runs of its slot, as its own bucket holds them
+            mine_parts = [CONTROL_HEADER_BYTES] + [numel * tensor.element_size()
+                                                   for _, numel in plan.runs_to_slot[me]]
         incoming = sum(mine_parts)
         pending = self._begun(self.node_comm.all_to_all_parts_start(
             parts, [[] if i == me else mine_parts for i in range(L)], kind=ByteKind.NODE))
@@ -632,10 +646,17 @@ class TwoLevelReducer:
         messages = recv.view(L - 1, incoming)
         expect_control_header(self.inner.checks, messages[:, :CONTROL_HEADER_BYTES], head,
                               [f"local rank {i}" for i in others], "ranks of a node disagree on the bucket layout")
-        rows = messages[:, CONTROL_HEADER_BYTES:].view(dtype)  # (L - 1, n), a sender a row
         partial = torch.empty(mine.numel(), dtype=torch.float32, device=mine.device)
         # in local rank order on every receiver (copies of a shared parameter agree bit for bit):
-        # the passthrough codec's decode-and-sum, one kernel where compiled
+        # a codec's decode-and-sum (the node format's, or the passthrough's of the bucket's
+        # dtype), one kernel where compiled; this rank's own part exact
+        if self.node_codec is not None:
+            if mine.numel():  # the header was checked with the control header's plan: no read to the host
+                payloads = self.node_codec.bytes_to_payload(messages[:, CONTROL_HEADER_BYTES:], mine.numel(),
+                                                            check_header=False)
+                self.node_codec.decode_sum(payloads, partial, own=mine, own_at=me)
+            return partial, sent
+        rows = messages[:, CONTROL_HEADER_BYTES:].view(dtype)  # (L - 1, n), a sender a row
         codec = self._node_codecs.get(dtype)
         if codec is not None and mine.numel():
             codec.decode_sum(Payload(codec.name, torch.Size((mine.numel(),)), rows), partial, own=mine, own_at=me)
@@ -697,6 +718,12 @@ class TwoLevelReducer:
                 at += n
             pos += size
         return sent
+
+    def _node_encode(self, tensor: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:
+        """The wire bytes of ``runs`` of the bucket (in order, as one tensor) in the node's format."""
+        source = SectionSource(tensor, [Piece(start, numel, -1) for start, numel in runs], None,
+                               tile=self.node_codec.tile_elements)
+        return self.node_codec.payload_to_bytes(self.node_codec.encode_source(source, source.numel))
 
     @staticmethod
     def _gather_runs(tensor: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:
