@@ -212,10 +212,11 @@ class Rates:
     whiten_rank: int = 0
     fp32_flops: float = 1.0
     tile: int = 1 << 24
-    # the node stage's bytes per element: 2, the bucket's dtype (what GIFT sends); less, a node
-    # stage quantized by the main codec (not built: issue 42's "lighter node stage", modelled),
-    # each rank encoding what it sends and the slot decoding and summing the G - 1 parts
+    # the node stage's bytes per element: 2, the bucket's dtype (gift.node_format null); less, the
+    # node stage quantized (gift.node_format), each rank encoding what it sends and the slot
+    # decoding and summing the G - 1 parts, at ``node_codec``'s counted work (None: this codec's)
     node_bpe: float = 2.0
+    node_codec: Optional["Rates"] = None
 
     def encode(self, n: float, whiten: bool = True) -> float:
         """An encode of ``n`` elements, whitened first (``whiten_rank``: a rank-r factor each way;
@@ -303,8 +304,9 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
             if rates.node_bpe == 2:
                 best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g, gathered)
             else:
-                best.node_encode_s = rates.encode(n * (g - 1) / g, whiten=False)
-                best.sum_s = rates.decode(carried, g - 1, inverse=False)
+                codec = rates.node_codec or rates
+                best.node_encode_s = codec.encode(n * (g - 1) / g, whiten=False)
+                best.sum_s = codec.decode(carried, g - 1, inverse=False)
             best.forward, best.forward_steps = forward, (g - 1) if forward else 0
             best.decode_s += rates.cast(forwarded)
             return best
@@ -524,12 +526,14 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
     return rows
 
 
-def traffic_rates(path: str, args) -> Rates:
+def traffic_rates(path: str, args, case: str = "fp8_e4m3/128") -> Rates:
     """``Rates`` with the codec's counted traffic (``benchmarks/codec_traffic.py --json``, the
-    fp8_e4m3/128 rows in ``--kernels`` mode): encode bytes and kernels per element, and the
+    ``case`` rows in ``--kernels`` mode): encode bytes and kernels per element, and the
     decode-and-sum's bytes per element as a line in the senders S (fitted through its rows)."""
     rows = [r for r in json.loads(open(path).read())["rows"]
-            if r["case"] == "fp8_e4m3/128" and r["mode"] == args.kernels]
+            if r["case"] in (case, f"relay {case}") and r["mode"] == args.kernels]
+    if not rows:
+        raise SystemExit(f"{path}: no {case} rows in {args.kernels} mode (codec_traffic.py --cases)")
     encode = next(r for r in rows if r["op"] == "encode")
     decodes = sorted((int(r["op"].split("=")[1]), r["bytes_per_element"]) for r in rows
                      if r["op"].startswith("decode_sum"))
@@ -592,9 +596,10 @@ def main(argv=None) -> List[dict]:
                    help="every element whitened by a rank-r factor on its way out and back (README's kfac rank)")
     c.add_argument("--fp32-tflops", type=float, default=67.0, help="fp32 matmul peak (the whitening)")
     c.add_argument("--fp32-eff", type=float, default=0.7, help="of --fp32-tflops reached")
-    c.add_argument("--node-quantized", action="store_true",
-                   help="two-level's node stage quantized by the main codec (its bytes and counted work), not in the "
-                        "bucket's dtype: not built, a what-if (issue 42's lighter node stage)")
+    c.add_argument("--node-format", default=None, metavar="FORMAT/BLOCK",
+                   help="gift.node_format (and node_block_size): two-level's node stage in this codec, e.g. int8/32 "
+                        "(its bytes, and its counted work where --codec-traffic has its rows; else the main codec's), "
+                        "not in the bucket's dtype")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)
@@ -605,10 +610,20 @@ def main(argv=None) -> List[dict]:
     else:
         rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
                       a2a_s=args.a2a_us * 1e-6)
-    if args.node_quantized:
+    node_work = ""
+    if args.node_format:
         if not rates.hbm_bps:
-            raise SystemExit("--node-quantized needs the codec's work counted: --codec-traffic or --codec-gpu")
-        rates.node_bpe = b
+            raise SystemExit("--node-format needs the codec's work counted: --codec-traffic or --codec-gpu")
+        name, _, block = args.node_format.partition("/")
+        node = get_format(name, block_size=int(block) if block else None)
+        rates.node_bpe = node.nbytes(1 << 24) / (1 << 24)
+        label = f"{name}/{node.block_size}" if node.block_size else name
+        if args.codec_traffic and not args.codec_gpu:
+            rates.node_codec = traffic_rates(args.codec_traffic, args, label)
+            node_work = "its own counted work, an fp32 input: a bf16 bucket reads half"
+        else:
+            node_work = "fp8_e4m3/128's measured work"
+        node_work = f"the node stage in {label}, {rates.node_bpe:.4g} B an element ({node_work})"
     rows = []
     for name, config in MODELS.items():
         rows += model_rows(name, parameter_layout(config), int(args.bucket), b, args.nic_gbit, args.nvlink_gbyte,
@@ -640,8 +655,8 @@ def main(argv=None) -> List[dict]:
         counted = (f"GIFT's compute counted: fp8_e4m3/128 {args.kernels} traffic at {args.hbm_tbs:g} TB/s x "
                    f"{args.hbm_eff:g}, {args.launch_us:g} us a kernel, whitening rank {args.whiten_rank} at "
                    f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}")
-    if args.node_quantized:
-        counted += f"; the node stage quantized, {b:.4g} B an element (a what-if: not built)"
+    if node_work:
+        counted += "; " + node_work
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
           f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole "
           f"buckets with its stages one after another (serial) and as the pipeline of gift.node_pieces "

@@ -367,6 +367,8 @@ class Run:
     carry_buckets: bool = True  # gift.carry_buckets
     node_pieces: Optional[int] = None  # gift.node_pieces (None: gift's default, 4 where carried, else 6)
     node_piece_min_elements: int = 1 << 22  # gift.node_piece_min_elements
+    node_format: Optional[str] = None  # gift.node_format (None: the node stage in the bucket's dtype)
+    node_block_size: Optional[int] = None  # gift.node_block_size
     stage: int = 2  # zero_optimization.stage (3: every parameter partitioned; flat rows only)
     max_live_parameters: int = 1_000_000_000  # stage3_max_live_parameters (DeepSpeed's default)
     prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (DeepSpeed's default)
@@ -380,10 +382,10 @@ def carries(run: Run) -> bool:
     return run.overlap_comm and run.contiguous_gradients and not run.offload and run.carry_buckets
 
 
-def wire_bytes(fmt: str) -> float:
+def wire_bytes(fmt: str, block_size: Optional[int] = None) -> float:
     from deepspeed_gift.core.formats import get_format
 
-    return get_format(fmt).nbytes(1 << 24) / (1 << 24)
+    return get_format(fmt, block_size=block_size).nbytes(1 << 24) / (1 << 24)
 
 
 def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
@@ -426,7 +428,11 @@ def gift_memory(config: dict, run: Run, design: Design) -> Dict[str, float]:
         asked = run.node_pieces or (NODE_PIECES_CARRIED if carries(run) else NODE_PIECES)
         pieces = max(1, min(asked, int(biggest) // run.node_piece_min_elements))
         piece = biggest / pieces
-        node = run.params_bytes * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)
+        # quantized (gift.node_format): what comes in is the node format's payloads, and what goes out
+        # is encoded into payloads of its own, held until its all-to-all is done (the bucket's dtype
+        # leaves from where it lies)
+        node_in = wire_bytes(run.node_format, run.node_block_size) * 2 if run.node_format else run.params_bytes
+        node = node_in * piece * min(pieces, 2) + 4 * piece / run.per_node * min(pieces, FINISH_LAG + 1)
         phases = [x + node for x in phases]
     out["error_feedback"] = design.ef_bytes * ef if run.error_feedback else 0.0
     out["relay_residuals"] = design.ef_bytes * relayed if run.error_feedback else 0.0
@@ -634,14 +640,14 @@ def print_stage3(args, design: Design) -> List[dict]:
 
 # ---- the tables ------------------------------------------------------------------------------
 def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: int,
-             node_pieces: Optional[int] = None) -> List[dict]:
+             node_pieces: Optional[int] = None, node_format: Optional[str] = None) -> List[dict]:
     rows = []
     params = model_shape(config).params
     for world in WORLDS:
         for per_node in (1, PER_NODE):
             for ef in (False, True):
                 run = Run(world=world, per_node=per_node, bucket=bucket, allgather_bucket=allgather,
-                          error_feedback=ef, node_pieces=node_pieces)
+                          error_feedback=ef, node_pieces=node_pieces, **node_format_keys(node_format))
                 gift, zero = gift_memory(config, run, design), zero2_memory(params, run)
                 rows.append({"model": name, "params": params, "world": world, "per_node": per_node,
                              # one node of 8 runs flat (by_topology)
@@ -650,6 +656,14 @@ def rows_for(name: str, config: dict, design: Design, bucket: int, allgather: in
                              "design": design.name, "gift": gift, "zero2": zero,
                              "peak_over_zero2": gift["peak"] / zero["total"]})
     return rows
+
+
+def node_format_keys(spec: Optional[str]) -> dict:
+    """``Run``'s node_format / node_block_size of a ``FORMAT[/BLOCK]`` flag (None: the bucket's dtype)."""
+    if not spec:
+        return {}
+    name, _, block = spec.partition("/")
+    return {"node_format": name, "node_block_size": int(block) if block else None}
 
 
 def print_offload(args, design: Design) -> None:
@@ -721,6 +735,9 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--node-pieces", type=int, default=None,
                         help="gift.node_pieces (two-level's pipeline; 1: whole buckets, the stages one after another; "
                              "default gift's: 6, the tables' overlap_comm being off)")
+    parser.add_argument("--node-format", default=None, metavar="FORMAT/BLOCK",
+                        help="gift.node_format (and node_block_size) of the two-level rows, e.g. int8/32 (default: "
+                             "the node stage in the bucket's dtype)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated among " + ", ".join(MODELS))
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -731,7 +748,7 @@ def main(argv=None) -> List[dict]:
         these = []
         for name in args.models.split(","):
             these += rows_for(name, MODELS[name], design, int(args.bucket), int(args.allgather_bucket),
-                              args.node_pieces)
+                              args.node_pieces, args.node_format)
         print_table(these, before=rows if len(rows) == len(these) else None)
         key = [r for r in these if r["model"] == "7B" and r["world"] == 64 and r["per_node"] == 1
                and not r["error_feedback"]]

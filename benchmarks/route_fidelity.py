@@ -43,7 +43,9 @@ What it does, in order:
      exactly in fp32, then the nodes' partials go through an inner ``GiftReducer`` of route ``direct``
      (the owner_slot split) or ``relay`` (the balanced split, relayed among the nodes: direct at two
      nodes), its second hop the default config's, as the plugin runs it; ``2L balanced main``: the
-     same with the second hop in the main codec.
+     same with the second hop in the main codec; ``... node int8/32``: the same with the node stage
+     quantized (``gift.node_format: int8``, ``node_block_size: 32``; each rank's gradient in gradient
+     coordinates, the receiver's own part exact).
 
    One bucket, not one per layer: an element's error depends only on its own path (which ranks
    quantize it, how often, whose contribution is exact), which is the same, and the reducer's work per
@@ -147,6 +149,12 @@ class RouteSpec:
     second_hop: Optional[str] = None  # a SECOND_HOPS key, DEFAULT_HOP (the default config's); None: the main codec
     two_level: bool = False
     reduced: bool = True  # False: planned only (its choice depends on the bucket layout; see the docstring)
+    node_hop: Optional[str] = None  # two-level: the node stage in this SECOND_HOPS codec (gift.node_format); None: exact
+
+
+def node_hop_codec(spec: RouteSpec):
+    """The node stage's codec of ``spec`` (``gift.node_format``), None for the exact fp32 stage."""
+    return second_hop_codec(spec.node_hop) if spec.node_hop is not None else None
 
 
 ROUTES: Tuple[RouteSpec, ...] = (
@@ -159,6 +167,11 @@ ROUTES: Tuple[RouteSpec, ...] = (
     RouteSpec("two_level_owner_slot", "2L owner_slot", two_level=True, second_hop=DEFAULT_HOP),
     RouteSpec("two_level_balanced", "2L balanced", route="relay", two_level=True, second_hop=DEFAULT_HOP),
     RouteSpec("two_level_balanced_main", "2L balanced main", route="relay", two_level=True),
+    # the same with the node stage quantized (gift.node_format int8, node_block_size 32)
+    RouteSpec("two_level_owner_slot_node_int8_32", "2L owner_slot, node int8/32", two_level=True,
+              second_hop=DEFAULT_HOP, node_hop="int8/32"),
+    RouteSpec("two_level_balanced_node_int8_32", "2L balanced, node int8/32", route="relay", two_level=True,
+              second_hop=DEFAULT_HOP, node_hop="int8/32"),
     RouteSpec("by_layout", "by_layout", route="by_layout", second_hop=DEFAULT_HOP, reduced=False),
     RouteSpec("two_level_by_layout", "2L by_layout", route="by_layout", two_level=True, second_hop=DEFAULT_HOP,
               reduced=False),
@@ -298,7 +311,7 @@ def make_reducer(spec: RouteSpec, comm, codec, relay_codec, per_node: int, group
     else:
         node_comm, slot_comm = split_by_node(LocalSplitter(comm, groups), per_node)
     inner = GiftReducer(slot_comm, codec, route=spec.route, relay_codec=relay_codec)
-    return TwoLevelReducer(node_comm, inner, per_node)
+    return TwoLevelReducer(node_comm, inner, per_node, node_codec=node_hop_codec(spec))
 
 
 def reduce_model(grads: Dict[str, Tensor], shapes: Dict[str, Tuple[int, int]], names: List[str], spec: RouteSpec,
@@ -654,6 +667,8 @@ def parse_args(argv):
     p.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size of the layout rules")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--routes", nargs="+", default=None, choices=[r.key for r in ROUTES],
+                   help="only these routes (JSON keys; default: all; ratios are against direct, so keep it)")
     p.add_argument("--json", default=None, help="also write every number here")
     args = p.parse_args(argv)
     if min(args.worlds) < 2 or args.ranks_per_node < 2 or min(args.owners, args.micro, args.train_ranks,
@@ -693,7 +708,7 @@ def _run(args, argv) -> dict:
     G = args.ranks_per_node
     hops = Hops(fmts)
     codecs = hops.main
-    routes = list(ROUTES)
+    routes = [r for r in ROUTES if args.routes is None or r.key in args.routes]
 
     cap = train_and_capture(args, max(worlds))
     names = cap.names

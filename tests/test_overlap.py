@@ -527,10 +527,11 @@ def test_the_layout_models_bound_for_a_pipeline_across_buckets():
     assert scheme_seconds([relay] * P, rates, overlap=True) >= max(busy_seconds([relay] * P, rates).values())
 
 
-def test_the_layout_models_quantized_node_stage_what_if():
-    # --node-quantized (not built; a what-if): the node stage's NVLink bytes scale from the bucket's
-    # 2 B to the codec's, and its encode and the slot's decode-and-sum take the GPU's stream
-    # before and after it; a paced piece of T each: the node link waits for the encode
+def test_the_layout_models_quantized_node_stage():
+    # --node-format (gift.node_format): the node stage's NVLink bytes scale from the bucket's 2 B
+    # to the codec's, and its encode and the slot's decode-and-sum take the GPU's stream before
+    # and after it, at the node codec's own counts where given; a paced piece of T each: the node
+    # link waits for the encode
     from benchmarks.layout_model import Rates, Stage, bucket_stages, scheme_seconds
 
     owners = {0: 4 << 20, 1: 4 << 20}  # one node of 2 of 4 nodes owns the bucket
@@ -542,6 +543,13 @@ def test_the_layout_models_quantized_node_stage_what_if():
     sent = (8 << 20) / 2  # a rank of 2 encodes the half of the bucket it sends
     assert b.node_encode_s == pytest.approx(plain.encode(sent, whiten=False))
     assert b.sum_s == pytest.approx(plain.decode(sent, 1, inverse=False))
+    own = Rates(**{**quantized.__dict__, "node_codec": Rates(nic_bps=1.0, nvlink_bps=1.0, hbm_bps=2.7e12,
+                                                              encode_bpe=7.0, decode_a=4.0, decode_b=2.0)})
+    c = bucket_stages(owners, 8, 2, 1.03, own)["two_level_balanced"]
+    assert c.node_encode_s == pytest.approx(own.node_codec.encode(sent, whiten=False))
+    assert c.sum_s == pytest.approx(own.node_codec.decode(sent, 1, inverse=False))
+    assert c.node_encode_s > b.node_encode_s and c.sum_s > b.sum_s
+    assert c.encode_s == b.encode_s  # the exchange among the nodes keeps the main codec
     T = 0.25
     paced = Stage(node=T, node_steps=1, node_encode_s=T, nic=((T, 1),))
     assert scheme_seconds([paced], Rates(nic_bps=1.0, nvlink_bps=1.0), overlap=True) == pytest.approx(3 * T)
