@@ -149,7 +149,8 @@ class RouteSpec:
     second_hop: Optional[str] = None  # a SECOND_HOPS key, DEFAULT_HOP (the default config's); None: the main codec
     two_level: bool = False
     reduced: bool = True  # False: planned only (its choice depends on the bucket layout; see the docstring)
-    node_hop: Optional[str] = None  # two-level: the node stage in this SECOND_HOPS codec (gift.node_format); None: exact
+    # two-level: the node stage in this SECOND_HOPS codec (gift.node_format); None: exact in fp32
+    node_hop: Optional[str] = None
 
 
 def node_hop_codec(spec: RouteSpec):

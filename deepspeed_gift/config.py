@@ -366,11 +366,14 @@ class GiftConfig(_GiftModel):
     partial), and the receiver decodes and sums them in fp32 with its own part exact. Every rank's
     gradient is then quantized once more before the exchange among the nodes, and error feedback
     does not see that error. ``int8`` with a scale per 32 sends 1.125 B an element where a bf16
-    bucket sends 2: where the node's links set the time (13B at W = 64 in nodes of 8,
-    ``benchmarks/layout_model.py --node-format int8/32``) that lightens them by 0.44x, for an
-    encode of 7/8 of each piece on every GPU. Its error against the node stage's own:
-    docs/benchmarks.md, "The quantized node stage". Needs a node stage: refused with ``hierarchy``
-    ``flat``; under ``by_topology`` a job of one node or one rank per node has none (logged)."""
+    bucket sends 2, for an encode of 7/8 of each piece on every GPU: where the node's links set
+    the time (the layout model, 13B at W = 64 in nodes of 8, the codecs at their counted traffic)
+    ZeRO-2's carried pipeline goes from 0.52x to 0.47x DeepSpeed's gradient time; with the codec
+    as last timed on a GPU (host-bound, about 10x its traffic) the GPU sets it at 1.48x. Its error
+    (docs/benchmarks.md, "The quantized node stage"): next to nothing in Euclidean coordinates,
+    +12-20% in GIFT FP8's whitened norm at 32 ranks in nodes of 8. Needs a node stage: refused
+    with ``hierarchy`` ``flat``; under ``by_topology`` a job of one node or one rank per node has
+    none (logged)."""
 
     node_block_size: Optional[int] = Field(None, ge=0)
     """Elements per scale of ``node_format``: ``null`` = the format's default (as ``block_size``);

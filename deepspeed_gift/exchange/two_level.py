@@ -600,7 +600,8 @@ class TwoLevelReducer:
         among_agreed = run.agreed * FINGERPRINT_BYTES * (self.inner.comm.world_size - 1)
         among_nodes = sum(among for _, among in run.planned)
         stage_nbytes = self.node_codec.nbytes if self.node_codec is not None else None
-        busiest_node = sum(plan.busiest_node_receive(run.tensor.element_size(), stage_nbytes) for plan, _ in run.planned)
+        busiest_node = sum(plan.busiest_node_receive(run.tensor.element_size(), stage_nbytes)
+                           for plan, _ in run.planned)
         total.recv_max_internode = among_nodes + among_agreed
         total.recv_max = among_nodes + among_agreed + busiest_node + node_agreed
         return total
