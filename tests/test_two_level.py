@@ -51,9 +51,22 @@ def test_fp8_kfac_trains_two_level_and_the_network_carries_a_third_of_flat():
     flat = dict(base, gift=dict(gift, hierarchy="flat"))
     # by_layout two-level: these buckets reach one or two owners, so the node splits them evenly
     even = dict(base, gift=dict(gift, hierarchy="two_level", ranks_per_node=2, route="by_layout"))
-    results = run_ranks(train_many, 4, [two, flat, even])
+    # the node stage quantized too (gift.node_format): int8 per 32 in place of the fp32 bucket's 4 B
+    node = dict(base, gift=dict(gift, hierarchy="two_level", ranks_per_node=2, node_format="int8",
+                                node_block_size=32))
+    results = run_ranks(train_many, 4, [two, flat, even, node])
     fidelity = {"even": [], "two": []}
-    for t, f, e in results:
+    for t, f, e, q in results:
+        assert q["losses"][-1] < q["losses"][0] - 0.3 and abs(q["losses"][-1] - t["losses"][-1]) < 0.05
+        assert [r["elements_sent"] for r in q["records"]] == [r["elements_sent"] for r in t["records"]]
+        # the same messages inside the node, each part an int8/32 payload of 1.125 B an element (plus
+        # its 16-byte header and a block's padding) where the fp32 bucket sends 4
+        for rq, rt in zip(q["records"], t["records"]):
+            assert 0.28 * rt["bytes_node"] < rq["bytes_node"] < 0.3 * rt["bytes_node"], (rq["bytes_node"],
+                                                                                      rt["bytes_node"])
+        mean_q = sum(r["fidelity_rel_err"] for r in q["records"]) / len(q["records"])
+        mean_t = sum(r["fidelity_rel_err"] for r in t["records"]) / len(t["records"])
+        assert 0 < mean_q < 1.25 * mean_t, (mean_q, mean_t)
         assert t["losses"][-1] < t["losses"][0] - 0.3, t["losses"]
         assert abs(t["losses"][-1] - f["losses"][-1]) < 0.05, (t["losses"], f["losses"])
         assert t["version"] >= 2 and len(t["active"]) > 0  # whitened, refreshed
