@@ -364,8 +364,9 @@ class GiftConfig(_GiftModel):
     format name: each rank encodes each part it sends in that format (rounded to nearest, scales
     per ``node_block_size``, in gradient coordinates: the whitening comes after, on the node
     partial), and the receiver decodes and sums them in fp32 with its own part exact. Every rank's
-    gradient is then quantized once more before the exchange among the nodes, and error feedback
-    does not see that error. ``int8`` with a scale per 32 sends 1.125 B an element where a bf16
+    gradient is then quantized once more before the exchange among the nodes; error feedback
+    does not see that error, nor does telemetry's sampled ``fidelity_rel_err`` (the exchange
+    among the nodes'). ``int8`` with a scale per 32 sends 1.125 B an element where a bf16
     bucket sends 2, for an encode of 7/8 of each piece on every GPU: where the node's links set
     the time (the layout model, 13B at W = 64 in nodes of 8, the codecs at their counted traffic)
     ZeRO-2's carried pipeline goes from 0.52x to 0.47x DeepSpeed's gradient time; with the codec
