@@ -27,6 +27,9 @@ decode, kept in int8 per 128: ``Int8Codec.encode_with_residual``, one kernel a t
 block-scaled fp8 and integer formats where compiled, after a first pass for the amax for those
 with one scale per tensor).
 
+``encode bf16``: the encode of a bf16 tile, a bf16 bucket's gradients as the reducer hands
+them in (a section in gradient coordinates), its floor 2 B read + the payload.
+
 Floors per element: encode, 4 B read + the payload's bytes (data and scales); decode-and-sum,
 S payloads + 4 B written (the owner's own term, when it has one, adds 4 B read; not here);
 encode+feedback, the encode's floor + the old residual read + the new one written. A format
@@ -231,9 +234,13 @@ def operation(kernels: str, fmt: str, options: dict, op: str, senders: int, nume
     out = torch.empty(numel, device=device)
     old = StoredResidual.encode(x * 0.01, feedback.residual_codec(kernels))
 
+    x16 = x.to(torch.bfloat16) if op == "encode_bf16" else None
+
     def run():
         if op == "encode":
             codec.encode(x)
+        elif op == "encode_bf16":  # a bf16 bucket's gradients, as the reducer hands them in
+            codec.encode(x16)
         elif op == "decode_sum":
             codec.decode_sum(payload, out)
         elif op == "feedback":  # error feedback: the old residual in, encode, the new one kept
@@ -252,7 +259,8 @@ def floor_bytes(codec: formats.Codec, op: str, senders: int, numel: int) -> floa
     """What ``op`` must move at least, per element (the module docstring's floors)."""
     payload = payload_bytes_per_element(codec, numel)
     residual = payload_bytes_per_element(feedback.RESIDUAL_CODEC, numel)
-    return {"encode": 4 + payload, "decode_sum": senders * payload + 4, "feedback": 4 + payload + 2 * residual}[op]
+    return {"encode": 4 + payload, "encode_bf16": 2 + payload, "decode_sum": senders * payload + 4,
+            "feedback": 4 + payload + 2 * residual}[op]
 
 
 def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
@@ -281,26 +289,36 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
         with counter:
             run()
     floor = floor_bytes(codec, op, senders, numel)
-    two_pass = floor + 4 if op != "decode_sum" and _per_tensor_scale(codec) else floor
+    second_read = 2 if op == "encode_bf16" else 4  # a per-tensor scale's first pass reads the input once more
+    two_pass = floor + second_read if op != "decode_sum" and _per_tensor_scale(codec) else floor
     moved = (counter.read + counter.written + compiled_bytes) / numel
     return {"kernels": counter.kernels + compiled_kernels, "compiled_kernels": compiled_kernels,
             "eager_ops": counter.kernels, "bytes_per_element": moved, "floor": floor,
             "x_floor": moved / floor, "x_two_pass_floor": moved / two_pass, "host_reads": counter.host_reads}
 
 
-def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled")) -> List[dict]:
+OPS = ("encode", "decode_sum", "encode stochastic", "encode+feedback", "encode bf16")
+
+
+def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled"), ops=OPS) -> List[dict]:
     rows = []
     for label, fmt, options in cases:
         for mode in modes:
-            rows.append(dict(case=label, op="encode", mode=mode, **_measure(mode, fmt, options, "encode", 1)))
-            for s in senders:
+            if "encode" in ops:
+                rows.append(dict(case=label, op="encode", mode=mode, **_measure(mode, fmt, options, "encode", 1)))
+            for s in senders if "decode_sum" in ops else ():
                 rows.append(dict(case=label, op=f"decode_sum S={s}", mode=mode,
                                  **_measure(mode, fmt, options, "decode_sum", s)))
         for mode in modes:
-            rows.append(dict(case=label, op="encode stochastic", mode=mode,
-                             **_measure(mode, fmt, options, "encode", 1, rounding="stochastic")))
-            rows.append(dict(case=label, op="encode+feedback", mode=mode,
-                             **_measure(mode, fmt, options, "feedback", 1)))
+            if "encode stochastic" in ops:
+                rows.append(dict(case=label, op="encode stochastic", mode=mode,
+                                 **_measure(mode, fmt, options, "encode", 1, rounding="stochastic")))
+            if "encode+feedback" in ops:
+                rows.append(dict(case=label, op="encode+feedback", mode=mode,
+                                 **_measure(mode, fmt, options, "feedback", 1)))
+            if "encode bf16" in ops:  # a bf16 input: the floor reads 2 B an element
+                rows.append(dict(case=label, op="encode bf16", mode=mode,
+                                 **_measure(mode, fmt, options, "encode_bf16", 1)))
     return rows
 
 
@@ -308,10 +326,11 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--senders", type=int, nargs="+", default=[3, 7, 31])
     ap.add_argument("--cases", nargs="+", default=None, help="labels of CASES to run (default: all)")
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, help="operations to count (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cases = [c for c in CASES if args.cases is None or c[0] in args.cases]
-    rows = measure_all(args.senders, cases)
+    rows = measure_all(args.senders, cases, ops=args.ops)
     print(f"{'case':<17}{'operation':<19}{'mode':<10}{'kernels':>8}{'B/elem':>9}{'floor':>8}{'x floor':>9}"
           f"{'2-pass':>8}")
     for r in rows:

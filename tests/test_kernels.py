@@ -100,6 +100,36 @@ def test_compiled_encode_equals_eager(name, options, tile, n):
     _same_payloads(eager, eager.encode(x, tile_elements=tile), fused.encode(x, tile_elements=tile), x)
 
 
+@pytest.mark.parametrize("name,options", [("fp8_e4m3", {}), ("fp8_e5m2", {"block_size": 0}),
+                                          ("int8", {"block_size": 32}), ("nvfp4", {})],
+                         ids=["fp8_block", "fp8_tensor", "int8_32", "nvfp4"])
+def test_compiled_encode_reads_bf16_values_as_they_lie(name, options, monkeypatch):
+    """A bf16 tensor (a bf16 bucket's gradients) reaches the compiled kernels as it lies, widened
+    to fp32 inside them (exact), not first copied into an fp32 tile: the same bytes as eager's,
+    which reads every tile into fp32; only a tile of a short last block is still read so. Also
+    through a reducer's section whose tiles straddle its pieces (those are read, the rest not)."""
+    from deepspeed_gift.core.formats import TensorSource
+    from deepspeed_gift.exchange.plan import Piece, SectionSource
+
+    reads = []
+    real_read = TensorSource.read
+    monkeypatch.setattr(TensorSource, "read", lambda self, e0, e1, work: reads.append(e1 - e0)
+                        or real_read(self, e0, e1, work))
+    x = _input().to(torch.bfloat16)
+    eager = get_format(name, kernels="eager", **options)
+    fused = get_format(name, kernels="compiled", **options)
+    pe = eager.encode(x, tile_elements=SMALL_TILE)
+    eager_reads, reads[:] = len(reads), []
+    pf = fused.encode(x, tile_elements=SMALL_TILE)
+    assert eager_reads >= 5 and len(reads) <= 2, (eager_reads, reads)  # the last tile (each pass)
+    _same_payloads(eager, pe, pf, x.float())
+    bucket = torch.cat([x, -x[:5000]])
+    pieces = [Piece(0, 7000, -1), Piece(7000, 9000, -1), Piece(16000, 9037, -1)]
+    ref, got = (codec.encode_source(SectionSource(bucket, pieces, None, tile=SMALL_TILE), 25037,
+                                    tile_elements=SMALL_TILE) for codec in (eager, fused))
+    _same_payloads(eager, ref, got, bucket[:25037].float())
+
+
 STOCHASTIC_CASES = [
     ("fp8_e4m3", {}),  # fp8_block_encode's stochastic variant
     ("fp8_e5m2", {"block_size": 0}),  # scaled_cast's

@@ -303,7 +303,9 @@ def tensor_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool,
     magnitude: the same value, since fp32_scales is nondecreasing in its amax (a correctly
     rounded quotient is; where two amaxes share a quotient, the larger is nudged whenever the
     smaller is) and nan stays nan through both. So the pass is one reduction: the scale as a
-    step of its own after the reduction was a kernel of its own, on a single element."""
+    step of its own after the reduction was a kernel of its own, on a single element. ``x`` may be
+    bf16/fp16 (a source's values as they lie): widened first, exactly."""
+    x = x.float()
     if finite_blocks_only:  # a row's amax first, to leave out the rows that are not finite
         # over the row's columns, each a (rows,) vector: the row amax is then pointwise and the
         # whole pass one reduction, where a reduction per row and one over the rows were two

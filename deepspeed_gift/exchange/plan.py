@@ -340,6 +340,16 @@ class SectionSource:
             at += n
         return out
 
+    def native(self, e0: int, e1: int) -> Optional[torch.Tensor]:
+        """Elements ``e0:e1`` as they lie in one chunk, in its dtype (the bucket's for a piece in
+        gradient coordinates, fp32 for a transformed one), a view; None where they span chunks
+        (``read`` joins them). See ``core.formats.TensorSource.native``."""
+        a, b = self.start + e0, self.start + e1
+        chunk = self._chunk
+        if chunk is None or not chunk[0] <= a < chunk[1]:
+            chunk = self._make_chunk(a)
+        return chunk[2][a - chunk[0] : b - chunk[0]] if b <= chunk[1] else None
+
     def window(self, start: int, numel: int) -> "SourceWindow":
         """Elements ``start:start + numel`` of this source, read through it: windows read one
         after the other (a relay's chunks in order) share the chunk it made last, so a
@@ -361,6 +371,9 @@ class SourceWindow:
 
     def read(self, e0: int, e1: int, work: torch.Tensor) -> torch.Tensor:
         return self.source.read(self.start + e0, self.start + e1, work)
+
+    def native(self, e0: int, e1: int) -> Optional[torch.Tensor]:
+        return self.source.native(self.start + e0, self.start + e1)
 
     def gather(self) -> torch.Tensor:
         return gather_source(self)

@@ -173,6 +173,22 @@ class TensorSource:
             return part
         return work[: e1 - e0].copy_(part)
 
+    def native(self, e0: int, e1: int) -> Optional[Tensor]:
+        """Elements ``e0:e1`` as they lie, in their own dtype (a view), for the compiled kernels,
+        which widen them to fp32 as they load them (exact): no fp32 copy of a bf16 tile first. A
+        source that cannot give a range as one view returns None (``read`` serves it)."""
+        return self.flat[e0:e1]
+
+
+def _native_rows(src, row_len: int, e0: int, e1: int) -> Optional[Tensor]:
+    """Elements ``e0:e1`` of ``src``, whole rows of ``row_len``, as a (rows, row_len) view in
+    their own dtype where the source gives one (``TensorSource.native``), else None."""
+    native = getattr(src, "native", None)
+    if native is None or (e1 - e0) % row_len:
+        return None
+    values = native(e0, e1)
+    return None if values is None else values.view(-1, row_len)
+
 
 def _load_rows(src, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
     """Rows r0:r1 of ``src`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
@@ -228,14 +244,19 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
     (:func:`.kernels.tensor_scale`: the same value)."""
     numel = src.numel
     step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
-    work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
+    work = None  # fp32 values of a tile that the source cannot give as they lie
     best = scale = None  # eager tiles' amax, compiled tiles' scale
     for e0 in range(0, numel, step):
         e1 = min(e0 + step, numel)
-        values = src.read(e0, e1, work)
+        rows = _native_rows(src, row_len, e0, e1) if fused else None
+        if rows is None:
+            if work is None:
+                work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
+            values = src.read(e0, e1, work)
         if fused and (e1 - e0) % row_len == 0:
+            rows = values.view(-1, row_len) if rows is None else rows
             scale = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=finite_blocks_only,
-                                           qmax=qmax)(values.view(-1, row_len), scale)
+                                           qmax=qmax)(rows, scale)
             continue
         amax = _tile_amax(values, row_len)
         if finite_blocks_only:
@@ -894,12 +915,18 @@ class _ScaledCodec(Codec):
             self._put_scales(p, 0, scale)
         divisor = None  # its divisor, made where an eager tile needs it (compiled tiles make it inline)
         step = _tile_rows(n_rows, row_len, tile)
-        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+        work = None  # the fp32 tile, made where one is read (eager, or values the source cannot give as they lie)
         fused = self.compiled_on(src.device)
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
+            e1 = min(r1 * row_len, numel)
+            native = _native_rows(src, row_len, r0 * row_len, e1) if fused else None
+            if native is not None and self._fused_tile(native, p, r0, r1, e1, scale, key):
+                continue
+            if work is None:
+                work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
             x, y = _load_rows(src, row_len, r0, r1, work)
-            if fused and self._fused_tile(x, p, r0, r1, min(r1 * row_len, numel), scale, key):
+            if fused and self._fused_tile(x, p, r0, r1, e1, scale, key):
                 continue
             if scale is None:
                 div = self._tile_divisor(x, p, r0, r1)

@@ -28,7 +28,9 @@ def fp8_block_codes(x: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, fma
                     mant_bits: int = 0, min_normal: float = 0.0) -> Tuple[Tensor, Tensor]:
     """One tile of whole blocks: ``x`` (..., block) fp32, the encode's elements e0.. -> the blocks'
     fp32 scales and the (..., block) elements of the fp8 ``dtype``, round to nearest, or
-    stochastic under ``key`` (``mant_bits``, ``min_normal``: the format's)."""
+    stochastic under ``key`` (``mant_bits``, ``min_normal``: the format's). ``x`` may be bf16/fp16
+    (a source's values as they lie): widened first, exactly."""
+    x = x.float()
     scale = fp32_scales(rows_amax(x), fmax)
     y = _fp8_rounded(x / safe_divisor(scale)[..., None], key, e0, mant_bits, min_normal)
     return scale, y.to(dtype)
@@ -45,8 +47,8 @@ def fp8_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: 
 def fp8_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
                      dtype: torch.dtype, mant_bits: int = 0, min_normal: float = 0.0) -> Tensor:
     """One tile under a per-tensor scale: the fp8 ``dtype`` elements of x / divisor, round to
-    nearest or stochastic under ``key``."""
-    return _fp8_rounded(x / divisor, key, e0, mant_bits, min_normal).to(dtype)
+    nearest or stochastic under ``key`` (``x`` widened to fp32 first, exactly)."""
+    return _fp8_rounded(x.float() / divisor, key, e0, mant_bits, min_normal).to(dtype)
 
 
 def scaled_cast(x: Tensor, scale: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,

@@ -32,7 +32,9 @@ def _pack_int4(codes: Tensor) -> Tensor:
 
 def int_block_codes(x: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int) -> Tuple[Tensor, Tensor]:
     """One tile of whole blocks of a symmetric integer format: the fp32 scales of the blocks of
-    ``x`` (..., block) and their int8 codes in [-qmax, qmax], round half to even or stochastic under ``key``."""
+    ``x`` (..., block; widened to fp32 first, exactly) and their int8 codes in [-qmax, qmax], round
+    half to even or stochastic under ``key``."""
+    x = x.float()
     scale = fp32_scales(rows_amax(x), float(qmax))
     return scale, _int_codes(x / safe_divisor(scale)[..., None], key, e0)
 
@@ -146,8 +148,8 @@ feedback_difference_encode.compile_options = feedback_encode.compile_options
 
 def int_tensor_codes(x: Tensor, divisor: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
     """One tile under a per-tensor scale: the int8 codes of x / divisor (flat ``x``), round half
-    to even or stochastic under ``key``."""
-    return _int_codes(x / divisor, key, e0)
+    to even or stochastic under ``key`` (``x`` widened to fp32 first, exactly)."""
+    return _int_codes(x.float() / divisor, key, e0)
 
 
 def int_scaled_round(x: Tensor, scale: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,

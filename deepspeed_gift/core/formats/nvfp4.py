@@ -11,8 +11,9 @@ from torch import Tensor
 
 from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
-from .base import (Payload, Rounding, _load_rows, _nibble_table, _nibbles, _register, _ScaledCodec, _source_scale,
-                   _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles, device_table)
+from .base import (Payload, Rounding, _load_rows, _native_rows, _nibble_table, _nibbles, _register, _ScaledCodec,
+                   _source_scale, _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles,
+                   device_table)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -151,7 +152,7 @@ def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: i
     # data reach the wire in one copy (NvFp4Codec._encode_into).
     # (A copy, contiguous, on a CPU: C++ vectorizes across rows only where a column's elements
     # are adjacent; a GPU thread takes its row's 16 strided loads from cache.)
-    cols = xt.unbind(0)
+    cols = xt.float().unbind(0)  # a source's bf16/fp16 values as they lie widened here, exactly
     amax = columns_amax(cols)  # max is exact: _rows_amax's value
     target = amax / (safe_divisor(g) * _FP4_MAX)
     up = e4m3_at_least(target)
@@ -304,14 +305,27 @@ class NvFp4Codec(_ScaledCodec):
         step = _tile_rows(n_rows, row_len, tile)
         fused = fused_kernels.compiled(nvfp4_tile_encode, candidates=self.scale_candidates) \
             if compiled else None
-        work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+        work = None  # the fp32 tile, made where one is read (eager, or values the source cannot give as they lie)
+
+        def rows(r0: int, r1: int) -> Tensor:
+            """Rows r0:r1 as the compiled kernels take them (in the source's dtype where it gives
+            them as they lie), else as ``_load_rows`` reads them into the fp32 tile."""
+            nonlocal work
+            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+            native = _native_rows(src, row_len, e0, e1) if fused is not None else None
+            if native is not None:
+                return native
+            if work is None:
+                work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+            return _load_rows(src, row_len, r0, r1, work)[0]
+
         if fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len:
             # one tile of whole blocks, compiled, the header pending: its columns, the global
             # scale taken over them (on a CPU the columns are a copy, which the pass then reads
             # contiguously where it read the rows' columns strided), the tile kernel, and the
             # header, the global scale, the scales and the data, which follow one another in the
             # wire, written by one copy
-            xt = _blocks_as_columns(_load_rows(src, row_len, 0, n_rows, work)[0])
+            xt = _blocks_as_columns(rows(0, n_rows))
             g = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=True,
                                        qmax=_FP4_MAX * _E4M3_MAX)(xt.t(), None)
             self._with_header(p, g, *fused(xt, g, key, 0))
@@ -321,7 +335,7 @@ class NvFp4Codec(_ScaledCodec):
         for r0 in range(0, n_rows, step):
             r1 = min(r0 + step, n_rows)
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            x, _ = _load_rows(src, row_len, r0, r1, work)
+            x = rows(r0, r1)
             if fused is not None and e1 - e0 == x.numel():
                 codes, packed = fused(_blocks_as_columns(x), g, key, e0)
                 p.scales.view(torch.uint8)[r0:r1].copy_(codes)

@@ -45,10 +45,18 @@ class _PassthroughCodec(Codec):
             p.data.copy_(src.flat)
             return
         step = tile
-        work = torch.empty(min(step, src.numel), dtype=torch.float32, device=src.device)
+        work = None  # fp32 values of a tile the source cannot give as they lie
+        native = getattr(src, "native", None)
         for e0 in range(0, src.numel, step):
             e1 = min(e0 + step, src.numel)
-            p.data[e0:e1].copy_(src.read(e0, e1, work))
+            # a cast straight from the source's dtype: a bf16 bucket's values are not widened to
+            # an fp32 tile first (the same bits: the widening is exact)
+            values = native(e0, e1) if native is not None else None
+            if values is None:
+                if work is None:
+                    work = torch.empty(min(step, src.numel), dtype=torch.float32, device=src.device)
+                values = src.read(e0, e1, work)
+            p.data[e0:e1].copy_(values)
 
     def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
         out.copy_(p.data[..., e0:e1])
