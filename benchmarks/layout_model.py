@@ -217,6 +217,7 @@ class Rates:
     # decoding and summing the G - 1 parts, at ``node_codec``'s counted work (None: this codec's)
     node_bpe: float = 2.0
     node_codec: Optional["Rates"] = None
+    encode_op: str = "encode"  # the codec_traffic row the encode counts come from ("encode bf16": a bf16 input)
 
     def encode(self, n: float, whiten: bool = True) -> float:
         """An encode of ``n`` elements, whitened first (``whiten_rank``: a rank-r factor each way;
@@ -526,15 +527,16 @@ def model_rows(name: str, layout_of_model, bucket_size: int, b: float, nic_gbit:
     return rows
 
 
-def traffic_rates(path: str, args, case: str = "fp8_e4m3/128") -> Rates:
+def traffic_rates(path: str, args, case: str = "fp8_e4m3/128", encode_op: str = "encode") -> Rates:
     """``Rates`` with the codec's counted traffic (``benchmarks/codec_traffic.py --json``, the
-    ``case`` rows in ``--kernels`` mode): encode bytes and kernels per element, and the
-    decode-and-sum's bytes per element as a line in the senders S (fitted through its rows)."""
+    ``case`` rows in ``--kernels`` mode): encode bytes and kernels per element (``encode_op``'s
+    row where the file has one, else ``encode``'s: an fp32 input), and the decode-and-sum's bytes
+    per element as a line in the senders S (fitted through its rows)."""
     rows = [r for r in json.loads(open(path).read())["rows"]
             if r["case"] in (case, f"relay {case}") and r["mode"] == args.kernels]
     if not rows:
         raise SystemExit(f"{path}: no {case} rows in {args.kernels} mode (codec_traffic.py --cases)")
-    encode = next(r for r in rows if r["op"] == "encode")
+    encode = next((r for r in rows if r["op"] == encode_op), None) or next(r for r in rows if r["op"] == "encode")
     decodes = sorted((int(r["op"].split("=")[1]), r["bytes_per_element"]) for r in rows
                      if r["op"].startswith("decode_sum"))
     if len(decodes) < 2:
@@ -544,7 +546,8 @@ def traffic_rates(path: str, args, case: str = "fp8_e4m3/128") -> Rates:
     return Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
                  a2a_s=args.a2a_us * 1e-6, hbm_bps=args.hbm_tbs * 1e12 * args.hbm_eff, launch_s=args.launch_us * 1e-6,
                  encode_bpe=encode["bytes_per_element"], encode_kernels=encode["kernels"], decode_a=y0 - slope * s0,
-                 decode_b=slope, whiten_rank=args.whiten_rank, fp32_flops=args.fp32_tflops * 1e12 * args.fp32_eff)
+                 decode_b=slope, whiten_rank=args.whiten_rank, fp32_flops=args.fp32_tflops * 1e12 * args.fp32_eff,
+                 encode_op=encode["op"])
 
 
 def measured_rates(path: str, args) -> Rates:
@@ -619,8 +622,11 @@ def main(argv=None) -> List[dict]:
         rates.node_bpe = node.nbytes(1 << 24) / (1 << 24)
         label = f"{name}/{node.block_size}" if node.block_size else name
         if args.codec_traffic and not args.codec_gpu:
-            rates.node_codec = traffic_rates(args.codec_traffic, args, label)
-            node_work = "its own counted work, an fp32 input: a bf16 bucket reads half"
+            # the node stage encodes the bucket's parts as they lie: a bf16 model's bf16 (the
+            # file's "encode bf16" row, where it has one)
+            rates.node_codec = traffic_rates(args.codec_traffic, args, label, encode_op="encode bf16")
+            node_work = (f"its own counted work, its encode the {rates.node_codec.encode_op!r} row"
+                         + ("" if rates.node_codec.encode_op == "encode bf16" else " (an fp32 input)"))
         else:
             node_work = "fp8_e4m3/128's measured work"
         node_work = f"the node stage in {label}, {rates.node_bpe:.4g} B an element ({node_work})"

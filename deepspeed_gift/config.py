@@ -369,7 +369,7 @@ class GiftConfig(_GiftModel):
     among the nodes'). ``int8`` with a scale per 32 sends 1.125 B an element where a bf16
     bucket sends 2, for an encode of 7/8 of each piece on every GPU: where the node's links set
     the time (the layout model, 13B at W = 64 in nodes of 8, the codecs at their counted traffic)
-    ZeRO-2's carried pipeline goes from 0.52x to 0.47x DeepSpeed's gradient time; with the codec
+    ZeRO-2's carried pipeline goes from 0.52x to 0.46x DeepSpeed's gradient time; with the codec
     as last timed on a GPU (host-bound, about 10x its traffic) the GPU sets it at 1.48x. Its error
     (docs/benchmarks.md, "The quantized node stage"): next to nothing in Euclidean coordinates,
     +12-20% in GIFT FP8's whitened norm at 32 ranks in nodes of 8. Needs a node stage: refused
