@@ -188,6 +188,15 @@ class Stage:
     decode_s: float = 0.0
     forward: float = 0.0
     forward_steps: int = 0
+    # codec calls the host makes to issue each GPU operation above (``Rates.host_call_s`` each):
+    # an encode per section it sends (and per tile past one), one batched decode-and-sum per
+    # section received, a relay's decode-and-sum and encode per owner's chunk, the node stage's
+    # sum (and, quantized, an encode per part it sends)
+    node_encode_calls: int = 0
+    sum_calls: int = 0
+    encode_calls: int = 0
+    relay_calls: int = 0
+    decode_calls: int = 0
 
 
 @dataclass
@@ -218,6 +227,10 @@ class Rates:
     node_bpe: float = 2.0
     node_codec: Optional["Rates"] = None
     encode_op: str = "encode"  # the codec_traffic row the encode counts come from ("encode bf16": a bf16 input)
+    # the host's time per codec call (its Python, the compiled function's dispatch and guards, the
+    # payload's views and header): a GPU runs none of a call's kernels before the host has issued
+    # them, so where calls are many and short the host sets the pace (0: not counted)
+    host_call_s: float = 0.0
 
     def encode(self, n: float, whiten: bool = True) -> float:
         """An encode of ``n`` elements, whitened first (``whiten_rank``: a rank-r factor each way;
@@ -253,20 +266,33 @@ class Rates:
     def _launches(self, n: float, kernels: int) -> float:
         return kernels * max(1, -(-int(n) // self.tile)) * self.launch_s
 
+    def calls(self, n: float, sections: int) -> int:
+        """Codec calls of ``sections`` sections of ``n`` elements in all: one a section, and one
+        a tile past the first (none where nothing moves)."""
+        return max(sections, -(-int(n) // self.tile)) if n > 0 else 0
 
-def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool, rates: Rates) -> Stage:
+    def host(self, calls: int) -> float:
+        return calls * self.host_call_s
+
+
+def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool, rates: Rates,
+                   reached: int = 1) -> Stage:
     """The exchange among ``group`` ranks (all of them, or one slot of every node): the busiest
-    rank encodes ``sent`` elements and owns ``owned``; direct, the owners' parts go straight to
-    them ((group - 1) owned b into the owner's NIC); relayed, chunk j of every part goes to
-    rank j, which sums and re-encodes it for the owner."""
+    rank encodes ``sent`` elements, a section for each of the ``reached`` owners it sends to, and
+    owns ``owned``; direct, the owners' parts go straight to them ((group - 1) owned b into the
+    owner's NIC); relayed, chunk j of every part goes to rank j, which sums and re-encodes it for
+    the owner (a decode-and-sum and an encode per owner's chunk)."""
     k = (group - 1) / group
+    encode_calls = rates.calls(sent, reached)
+    decode_calls = rates.calls(owned, 1)
     if not relay:
         return Stage(encode_s=rates.encode(sent), nic=(((group - 1) * owned * b, group - 1),),
-                     decode_s=rates.decode(owned, group - 1))
+                     decode_s=rates.decode(owned, group - 1), encode_calls=encode_calls, decode_calls=decode_calls)
     chunk = sent / group
     return Stage(encode_s=rates.encode(sent), nic=((k * sent * b, group - 1), (k * owned * b, group - 1)),
                  relay_s=rates.decode(chunk, group - 1, inverse=False) + rates.encode(chunk, whiten=False),
-                 decode_s=rates.decode(owned, 1))
+                 decode_s=rates.decode(owned, 1), encode_calls=encode_calls,
+                 relay_calls=2 * rates.calls(chunk, reached), decode_calls=decode_calls)
 
 
 def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, rates: Rates,
@@ -280,9 +306,9 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
     off_node = world - g
     ring = 2 * (world - 1) / world * n * 2 / (g if nodes > 1 else 1) if nodes > 1 else 0.0
     ring_nvlink = 2 * (world - 1) / world * n * 2 * (g - 1) / g
-    direct = exchange_stage(world, n, biggest, b, False, rates)
+    direct = exchange_stage(world, n, biggest, b, False, rates, len(owners))
     direct.nic = ((off_node * biggest * b, world - 1),)
-    relay = exchange_stage(world, n, biggest, b, True, rates)
+    relay = exchange_stage(world, n, biggest, b, True, rates, len(owners))
     relay.nic = ((off_node / world * n * b, world - 1), (off_node / world * biggest * b, world - 1))
     out = {"bf16": Stage(node=ring_nvlink, nic=((ring, 2 * (world - 1)),)), "direct": direct, "relay": relay,
            "by_layout": min(direct, relay, key=nic_bytes)}
@@ -293,34 +319,46 @@ def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, r
         per_owner_node = node_totals(owners, g)
         busiest_slot, busiest_node = max(slots.values(), default=0), max(per_owner_node.values(), default=0)
         relay_ok = nodes > 2  # a relay among two nodes is the direct route
+        # the owners' nodes a slot sends sections to: those holding an owner of that slot (owner_slot)
+        slot_nodes: Dict[int, set] = {}
+        for d in owners:
+            slot_nodes.setdefault(d % g, set()).add(d // g)
+        slot_reach = max((len(v) for v in slot_nodes.values()), default=0)
 
-        def two_level(carried: float, owned: float, stage: float, forward: float, forwarded: float) -> Stage:
+        def two_level(carried: float, owned: float, stage: float, forward: float, forwarded: float,
+                      reached: int) -> Stage:
             """The lighter route among the nodes after a node stage (``carried``: what the busiest
-            slot sums and sends; ``owned``: what the busiest owner's slot receives for it)."""
-            routes = [exchange_stage(nodes, carried, owned, b, False, rates)]
+            slot sums and sends, in sections to ``reached`` owners' nodes; ``owned``: what the
+            busiest owner's slot receives for it)."""
+            routes = [exchange_stage(nodes, carried, owned, b, False, rates, reached)]
             if relay_ok:
-                routes.append(exchange_stage(nodes, carried, owned, b, True, rates))
+                routes.append(exchange_stage(nodes, carried, owned, b, True, rates, reached))
             best = min(routes, key=nic_bytes)
             best.node, best.node_steps = stage * rates.node_bpe / 2, g - 1
+            best.sum_calls = rates.calls(carried, 1)
             if rates.node_bpe == 2:
                 best.sum_s = rates.node_sum(carried, g, n * (g - 1) / g, gathered)
             else:
                 codec = rates.node_codec or rates
                 best.node_encode_s = codec.encode(n * (g - 1) / g, whiten=False)
+                best.node_encode_calls = rates.calls(n * (g - 1) / g, g - 1)
                 best.sum_s = codec.decode(carried, g - 1, inverse=False)
             best.forward, best.forward_steps = forward, (g - 1) if forward else 0
             best.decode_s += rates.cast(forwarded)
+            best.decode_calls += rates.calls(forwarded, 1)
             return best
 
         # owner_slot: each slot carries what its owners hold; the node stage sums it into that slot
-        owner_slot = two_level(busiest_slot, biggest, (g - 1) * busiest_slot * 2, 0.0, 0.0)
-        direct_slot = exchange_stage(nodes, busiest_slot, biggest, b, False, rates)
+        owner_slot = two_level(busiest_slot, biggest, (g - 1) * busiest_slot * 2, 0.0, 0.0, slot_reach)
+        direct_slot = exchange_stage(nodes, busiest_slot, biggest, b, False, rates, slot_reach)
         direct_slot.node, direct_slot.node_steps = owner_slot.node, owner_slot.node_steps
         direct_slot.sum_s, direct_slot.node_encode_s = owner_slot.sum_s, owner_slot.node_encode_s
+        direct_slot.sum_calls, direct_slot.node_encode_calls = owner_slot.sum_calls, owner_slot.node_encode_calls
         # balanced: every slot carries 1/g of each node's part, its own owner's elements first
         # (``two_level.carried_balanced``); the rest is handed to the owners after
         handed_in, handed_out = balanced_forwards(owners, g)
-        balanced = two_level(n / g, busiest_node / g, (g - 1) * n / g * 2, handed_in * 2, handed_out)
+        balanced = two_level(n / g, busiest_node / g, (g - 1) * n / g * 2, handed_in * 2, handed_out,
+                             len(per_owner_node))
         out.update(two_level_direct=direct_slot, two_level_owner_slot=owner_slot, two_level_balanced=balanced)
         # by_layout: the split whose busiest NIC receives less (owner_slot on a tie)
         out["two_level_by_layout"] = balanced if nic_bytes(balanced) < nic_bytes(owner_slot) else owner_slot
@@ -392,27 +430,34 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag:
     def link(nbytes: float, steps: int, bps: float) -> float:
         return link_seconds(nbytes, steps, bps, rates)
 
-    if not overlap:
+    if not overlap:  # each operation waited for before the next is issued: host and device in turn
         return sum(st.node_encode_s + link(st.node, st.node_steps, rates.nvlink_bps) + st.sum_s + st.encode_s
                    + st.relay_s
                    + sum(link(nb, steps, rates.nic_bps) for nb, steps in st.nic) + st.decode_s
-                   + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages)
-    t = {"nv": 0.0, "nic": 0.0, "gpu": 0.0}
+                   + link(st.forward, st.forward_steps, rates.nvlink_bps) + rates.host(host_calls(st))
+                   for st in stages)
+    t = {"nv": 0.0, "nic": 0.0, "gpu": 0.0, "host": 0.0}
 
     def run(resource: str, ready: float, seconds: float) -> float:
         t[resource] = max(t[resource], ready) + seconds
         return t[resource]
 
+    def gpu(ready: float, seconds: float, calls: int) -> float:
+        """A GPU operation of ``calls`` codec calls: the host issues it (in order, never waiting
+        for the device), then the GPU's stream runs it once its input is ready."""
+        issued = run("host", 0.0, rates.host(calls)) if calls else 0.0
+        return run("gpu", max(ready, issued), seconds)
+
     def last_exchange(st: Stage, first_done: float) -> float:
         if len(st.nic) < 2:
             return first_done
-        return run("nic", run("gpu", first_done, st.relay_s), link(*st.nic[1], rates.nic_bps))
+        return run("nic", gpu(first_done, st.relay_s, st.relay_calls), link(*st.nic[1], rates.nic_bps))
 
     def rest(st: Stage, last_done: float) -> None:
-        run("nv", run("gpu", last_done, st.decode_s), link(st.forward, st.forward_steps, rates.nvlink_bps))
+        run("nv", gpu(last_done, st.decode_s, st.decode_calls), link(st.forward, st.forward_steps, rates.nvlink_bps))
 
     def node_stage(st: Stage) -> float:  # a quantized node stage is encoded on the GPU's stream first
-        ready = run("gpu", 0.0, st.node_encode_s) if st.node_encode_s else 0.0
+        ready = gpu(0.0, st.node_encode_s, st.node_encode_calls) if st.node_encode_s else 0.0
         return run("nv", ready, link(st.node, st.node_steps, rates.nvlink_bps))
 
     node_done = [node_stage(stages[0])]
@@ -420,10 +465,11 @@ def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag:
     for k, st in enumerate(stages):
         if k + 1 < len(stages):
             node_done.append(node_stage(stages[k + 1]))
-        run("gpu", node_done[k], st.sum_s)
+        gpu(node_done[k], st.sum_s, st.sum_calls)
         if waiting:
             waiting[-1] = (waiting[-1][0], last_exchange(*waiting[-1]))
-        first = run("nic", run("gpu", 0.0, st.encode_s), link(*st.nic[0], rates.nic_bps)) if st.nic else t["gpu"]
+        first = (run("nic", gpu(0.0, st.encode_s, st.encode_calls), link(*st.nic[0], rates.nic_bps)) if st.nic
+                 else t["gpu"])
         if len(waiting) == finish_lag:
             rest(*waiting.pop(0))
         waiting.append((st, first))
@@ -442,7 +488,13 @@ def busy_seconds(stages: List[Stage], rates: Rates) -> Dict[str, float]:
     return {"nv": sum(link(st.node, st.node_steps, rates.nvlink_bps)
                       + link(st.forward, st.forward_steps, rates.nvlink_bps) for st in stages),
             "nic": sum(link(nb, steps, rates.nic_bps) for st in stages for nb, steps in st.nic),
-            "gpu": sum(st.node_encode_s + st.sum_s + st.encode_s + st.relay_s + st.decode_s for st in stages)}
+            "gpu": sum(st.node_encode_s + st.sum_s + st.encode_s + st.relay_s + st.decode_s for st in stages),
+            "host": sum(rates.host(host_calls(st)) for st in stages)}
+
+
+def host_calls(st: Stage) -> int:
+    """Every codec call the host makes for a piece's GPU work."""
+    return st.node_encode_calls + st.sum_calls + st.encode_calls + st.relay_calls + st.decode_calls
 
 
 def ring_seconds(stage: Stage, rates: Rates) -> float:
@@ -599,6 +651,11 @@ def main(argv=None) -> List[dict]:
                    help="every element whitened by a rank-r factor on its way out and back (README's kfac rank)")
     c.add_argument("--fp32-tflops", type=float, default=67.0, help="fp32 matmul peak (the whitening)")
     c.add_argument("--fp32-eff", type=float, default=0.7, help="of --fp32-tflops reached")
+    c.add_argument("--host-us", type=float, default=0.0,
+                   help="host time per codec call, microseconds: an encode per section sent (and per tile past "
+                        "one), a decode-and-sum per section received, a relay's two per owner's chunk, the node "
+                        "stage's sum; the GPU runs a call's kernels only once the host has issued them "
+                        "(benchmarks/codec_speed.py at a small --numel times a call; 0: not counted)")
     c.add_argument("--node-format", default=None, metavar="FORMAT/BLOCK",
                    help="gift.node_format (and node_block_size): two-level's node stage in this codec, e.g. int8/32 "
                         "(its bytes, and its counted work where --codec-traffic has its rows; else the main codec's), "
@@ -613,6 +670,7 @@ def main(argv=None) -> List[dict]:
     else:
         rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
                       a2a_s=args.a2a_us * 1e-6)
+    rates.host_call_s = args.host_us * 1e-6
     node_work = ""
     if args.node_format:
         if not rates.hbm_bps:
@@ -663,6 +721,8 @@ def main(argv=None) -> List[dict]:
                    f"{args.fp32_tflops:g} TFLOPS x {args.fp32_eff:g}")
     if node_work:
         counted += "; " + node_work
+    if args.host_us:
+        counted += f"; {args.host_us:g} us of host time a codec call"
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
           f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole "
           f"buckets with its stages one after another (serial) and as the pipeline of gift.node_pieces "
@@ -684,13 +744,14 @@ def main(argv=None) -> List[dict]:
           "node stage), against each bucket's own pipeline (carry_buckets false, or overlap_comm false), and the "
           f"busy time of each resource over the step, carried (no pipeline beats the largest); pieces a bucket: "
           f"{args.node_pieces} bucket by bucket, {args.carried_pieces} carried:")
-    print("| model | W | G | bucket by bucket | carried (default) | node links busy | NICs busy | GPU busy |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | W | G | bucket by bucket | carried (default) | node links busy | NICs busy | GPU busy |"
+          " host busy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in tables:
         if "two_level_across_time_vs_bf16" in r:
             cells = [ratio(r, k + "_time_vs_bf16") for k in ("two_level_by_layout", "two_level_across",
                                                              "two_level_busy_nv", "two_level_busy_nic",
-                                                             "two_level_busy_gpu")]
+                                                             "two_level_busy_gpu", "two_level_busy_host")]
             print(f"| {r['model']} | {r['world']} | {r['per_node']} | {' | '.join(cells)} |")
     write_json(args.json, rows)
     return rows

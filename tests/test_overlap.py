@@ -521,9 +521,10 @@ def test_the_layout_models_bound_for_a_pipeline_across_buckets():
     per_bucket = 2 * scheme_seconds(bucket, rates, overlap=True)
     across = scheme_seconds(bucket + bucket, rates, overlap=True)
     assert per_bucket == pytest.approx(2 * (P + 1) * T) and across == pytest.approx((2 * P + 1) * T)
-    assert busy_seconds(bucket + bucket, rates) == pytest.approx({"nv": 2 * P * T, "nic": 2 * P * T, "gpu": 0.0})
+    assert busy_seconds(bucket + bucket, rates) == pytest.approx({"nv": 2 * P * T, "nic": 2 * P * T, "gpu": 0.0,
+                                                                  "host": 0.0})
     relay = Stage(node=T, node_steps=1, nic=((T, 1), (2 * T, 1)), relay_s=T, encode_s=T, forward=T, forward_steps=1)
-    assert busy_seconds([relay], rates) == pytest.approx({"nv": 2 * T, "nic": 3 * T, "gpu": 2 * T})
+    assert busy_seconds([relay], rates) == pytest.approx({"nv": 2 * T, "nic": 3 * T, "gpu": 2 * T, "host": 0.0})
     assert scheme_seconds([relay] * P, rates, overlap=True) >= max(busy_seconds([relay] * P, rates).values())
 
 
@@ -553,6 +554,32 @@ def test_the_layout_models_quantized_node_stage():
     T = 0.25
     paced = Stage(node=T, node_steps=1, node_encode_s=T, nic=((T, 1),))
     assert scheme_seconds([paced], Rates(nic_bps=1.0, nvlink_bps=1.0), overlap=True) == pytest.approx(3 * T)
+
+
+def test_the_layout_models_host_issues_every_codec_call():
+    # --host-us: each codec call costs the host its time before the GPU can run it; the host issues
+    # in order and never waits for the device. A bucket's owners give the calls: flat, an encode
+    # per owner's section; two-level owner_slot, one per node holding an owner of the busiest slot
+    from benchmarks.layout_model import Rates, Stage, bucket_stages, busy_seconds, scheme_seconds
+
+    owners = {0: 1 << 20, 2: 1 << 20, 4: 1 << 20, 5: 1 << 20}  # W = 8 in nodes of 2: slot 0 on nodes 0-2
+    rates = Rates(nic_bps=5e10, nvlink_bps=4.5e11, hbm_bps=2.7e12, encode_bpe=5.3, decode_a=4.0, decode_b=1.1,
+                  host_call_s=1e-4)
+    stages = bucket_stages(owners, 8, 2, 1.03, rates)
+    assert (stages["direct"].encode_calls, stages["direct"].decode_calls) == (4, 1)
+    assert stages["relay"].relay_calls == 2 * 4  # a decode-and-sum and an encode per owner's chunk
+    slot = stages["two_level_owner_slot"]
+    assert (slot.encode_calls, slot.sum_calls, slot.decode_calls) == (3, 1, 1)
+    # paced: P pieces of T on each link, k calls of H each; the host's k H a piece sets the pace
+    # once it exceeds T, and adds nothing where it is 0
+    T, P, k = 0.25, 4, 5
+    paced = [Stage(node=T, node_steps=1, nic=((T, 1),), encode_calls=k) for _ in range(P)]
+    free = scheme_seconds(paced, Rates(nic_bps=1.0, nvlink_bps=1.0), overlap=True)
+    assert free == pytest.approx((P + 1) * T)
+    slow = Rates(nic_bps=1.0, nvlink_bps=1.0, host_call_s=T / 2)
+    assert busy_seconds(paced, slow)["host"] == pytest.approx(P * k * T / 2)
+    assert scheme_seconds(paced, slow, overlap=True) == pytest.approx(P * k * T / 2 + T)
+    assert scheme_seconds(paced, slow, overlap=False) == pytest.approx(P * (2 * T + k * T / 2))
 
 
 # overlap_comm: DeepSpeed's double ipg buffer keeps a bucket's buffer through the next bucket, so
