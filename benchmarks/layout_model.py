@@ -39,7 +39,8 @@ max (N_d - min(N_d, N_m/G)) 2 B (each slot carries its own owner's elements firs
 columns count DeepSpeed's ring with its NVLink and NIC traffic at once (the slower link sets
 it), and GIFT's two-level stages one after the other (``serial``) and as the pipeline of
 ``gift.node_pieces`` pieces the reducer runs (``scheme_seconds``); with ``--codec-traffic``
-GIFT's work on the GPU too, and with ``--alpha-us``/``--a2a-us`` latencies. Memory the new
+GIFT's work on the GPU too, with ``--host-us`` the host's time to issue each codec call, and
+with ``--alpha-us``/``--a2a-us`` latencies. Memory the new
 exchange holds per GPU while a bucket is reduced: flat, the relay's chunk sums (4 N/W B);
 two-level, the fp32 node partial of its slot's share (4 N/G B) and the chunk sums; with error
 feedback, the relayed residuals too (4/W B per parameter).
@@ -420,7 +421,8 @@ def link_seconds(nbytes: float, steps: int, bps: float, rates: Rates) -> float:
 
 def scheme_seconds(stages: List[Stage], rates: Rates, overlap: bool, finish_lag: int = FINISH_LAG) -> float:
     """Time of one bucket's pieces, in the order ``TwoLevelReducer.reduce`` issues their work.
-    Three resources, each in issue order: the node's links (node stages and forwards), the NICs
+    Three resources, each in issue order (and the host, whose codec calls each GPU operation
+    waits for, ``Rates.host_call_s``): the node's links (node stages and forwards), the NICs
     (the exchanges), the GPU's stream (sum, encode, relay, decode); an operation starts when its
     resource is free and its input is ready. Issued per piece k: piece k+1's node stage, piece
     k's sum (after its node stage), piece k-1's last exchange (a relay's sums and second
@@ -658,8 +660,9 @@ def main(argv=None) -> List[dict]:
                         "(benchmarks/codec_speed.py at a small --numel times a call; 0: not counted)")
     c.add_argument("--node-format", default=None, metavar="FORMAT/BLOCK",
                    help="gift.node_format (and node_block_size): two-level's node stage in this codec, e.g. int8/32 "
-                        "(its bytes, and its counted work where --codec-traffic has its rows; else the main codec's), "
-                        "not in the bucket's dtype")
+                        "(its bytes, and with --codec-traffic its counted work, from that file's rows of this codec, "
+                        "which it must have; with --codec-gpu the main codec's measured work), not in the bucket's "
+                        "dtype")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b = get_format("fp8_e4m3").nbytes(1 << 24) / (1 << 24)

@@ -678,6 +678,8 @@ def parse_args(argv):
                          "--refresh-interval, --collect-interval >= 1")
     if args.seq < 2 or args.train_steps < 0:
         raise SystemExit(f"need --seq >= 2 and --train-steps >= 0, got {args.seq} and {args.train_steps}")
+    if args.routes is not None and "direct" not in args.routes:
+        raise SystemExit(f"--routes {' '.join(args.routes)}: every ratio is against 'direct'; name it too")
     # what fidelity.build_model and fidelity.Training read besides the above
     args.hf_model = args.model_config = None
     args.optimizer, args.muon_lr, args.muon_momentum = "adamw", 0.02, 0.95

@@ -374,7 +374,8 @@ class GiftConfig(_GiftModel):
     (docs/benchmarks.md, "The quantized node stage"): next to nothing in Euclidean coordinates,
     +12-20% in GIFT FP8's whitened norm at 32 ranks in nodes of 8. Needs a node stage: refused
     with ``hierarchy`` ``flat``; under ``by_topology`` a job of one node or one rank per node has
-    none (logged)."""
+    none (logged). Refused with DeepSpeed's Muon (a matrix the partitions cut reaches each owner
+    whole, and the copies must agree bit for bit)."""
 
     node_block_size: Optional[int] = Field(None, ge=0)
     """Elements per scale of ``node_format``: ``null`` = the format's default (as ``block_size``);

@@ -71,6 +71,15 @@ def _check_engine(engine, cfg: GiftConfig):
     if not isinstance(opt, DeepSpeedZeroOptimizer):
         raise ValueError(f"gift.enabled: needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}")
     _probe_internals(opt)
+    muon = _muon_optimizer_class()
+    # a Muon matrix that ZeRO's partitions cut travels whole to each owner of a slice, and the
+    # owners' copies must have the same bits; a quantized node stage rounds another rank's part
+    # in each slot's own payload (on that slot's block boundaries) and adds the slot's own part
+    # exact, so the copies would differ
+    _require(cfg.node_format is None or muon is None or not isinstance(opt.optimizer, muon),
+             f"gift.node_format: got {cfg.node_format!r} with DeepSpeed's Muon, whose matrices cut by the "
+             "partitions every owner of a slice receives whole, in copies that must agree bit for bit; a quantized "
+             "node stage rounds each copy differently (allowed with Muon: null, the bucket's dtype)")
     if getattr(opt, "has_moe_layers", False):
         _check_moe(opt, cfg)
     _require(not getattr(opt, "zenflow", False), "gift.enabled: ZenFlow is not supported")

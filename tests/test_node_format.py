@@ -150,3 +150,17 @@ def test_node_format_is_checked_and_resolved_at_config():
                      ({"node_format": "fp9"}, "gift.node_format")):
         with pytest.raises(ValueError, match=key):
             get_gift_config({"gift": bad})
+
+
+def test_node_format_with_muon_is_refused_at_initialize():
+    # Muon's matrices cut by the partitions reach every owner of a slice whole, and the copies must
+    # agree bit for bit: a quantized node stage rounds each slot's copy on its own block
+    # boundaries (and adds the slot's own part exact), so the pair is refused, naming the key
+    from launch.spawn import run_ranks
+    from tests.harness import initialize_error
+
+    gift = {"format": "fp8_e4m3", "hierarchy": "two_level", "ranks_per_node": 2, "node_format": "int8"}
+    per_rank = run_ranks(initialize_error, 2, dict(stage=2, optimizer="muon", gift=gift))
+    assert all("gift.node_format: got 'int8' with DeepSpeed's Muon" in m for m in per_rank), per_rank
+    per_rank = run_ranks(initialize_error, 2, dict(stage=2, optimizer="muon", gift={**gift, "node_format": None}))
+    assert per_rank == ["", ""], per_rank

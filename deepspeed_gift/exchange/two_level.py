@@ -1,6 +1,6 @@
-"""Two-level reduction: inside each node first (the bucket's dtype, the node's own links),
-then among the nodes, by the ranks of one local rank on every node (a *slot group*) with a
-:class:`GiftReducer`. How a bucket is spread over a node's ranks is the node split: every slice
+"""Two-level reduction: inside each node first (the bucket's dtype, or ``gift.node_format``; the
+node's own links), then among the nodes, by the ranks of one local rank on every node (a *slot
+group*) with a :class:`GiftReducer`. How a bucket is spread over a node's ranks is the node split: every slice
 to its owner's slot, or the owned elements in level runs over every slot (see
 :class:`TwoLevelReducer`)."""
 
@@ -648,7 +648,8 @@ class TwoLevelReducer:
         expect_control_header(self.inner.checks, messages[:, :CONTROL_HEADER_BYTES], head,
                               [f"local rank {i}" for i in others], "ranks of a node disagree on the bucket layout")
         partial = torch.empty(mine.numel(), dtype=torch.float32, device=mine.device)
-        # in local rank order on every receiver (copies of a shared parameter agree bit for bit):
+        # in local rank order on every receiver (copies of a shared parameter agree bit for bit;
+        # a quantized node stage would round each slot's copy otherwise, so Muon refuses one):
         # a codec's decode-and-sum (the node format's, or the passthrough's of the bucket's
         # dtype), one kernel where compiled; this rank's own part exact
         if self.node_codec is not None:
