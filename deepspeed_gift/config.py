@@ -495,26 +495,25 @@ class GiftConfig(_GiftModel):
 
     def relay_codec_options(self) -> dict:
         """``formats.get_format`` keywords of the relay's second-hop codec (checked by its class)."""
-        fmt = self.effective_relay_format
-        options = dict(rounding=self.rounding, seed=self.seed, kernels=self.kernels)
-        if fmt not in PASSTHROUGH_FORMATS:
-            block = self.relay_block_size
-            if block is None and self.relay_format is None:
-                block = RELAY_DEFAULT_BLOCK
-            options["block_size"] = resolved_block_size(fmt, block)
-        format_class(fmt)(**options)
-        return dict(options, name=fmt)
+        block = self.relay_block_size
+        if block is None and self.relay_format is None:
+            block = RELAY_DEFAULT_BLOCK
+        return self._codec_options(self.effective_relay_format, block, self.rounding)
 
     def node_codec_options(self) -> Optional[dict]:
         """``formats.get_format`` keywords of the node stage's codec (``node_format``; rounded to
         nearest: its error is every rank's own, summed over the node), None where the node stage
         sends the bucket's dtype."""
-        fmt = self.node_format
-        if fmt is None:
+        if self.node_format is None:
             return None
-        options = dict(rounding="nearest", seed=self.seed, kernels=self.kernels)
+        return self._codec_options(self.node_format, self.node_block_size, "nearest")
+
+    def _codec_options(self, fmt: str, block: Optional[int], rounding: str) -> dict:
+        """``formats.get_format`` keywords of a codec of ``fmt`` (``block``: its block size, None
+        the format's default; none for a passthrough format), checked by its class."""
+        options = dict(rounding=rounding, seed=self.seed, kernels=self.kernels)
         if fmt not in PASSTHROUGH_FORMATS:
-            options["block_size"] = resolved_block_size(fmt, self.node_block_size)
+            options["block_size"] = resolved_block_size(fmt, block)
         format_class(fmt)(**options)
         return dict(options, name=fmt)
 

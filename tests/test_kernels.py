@@ -128,6 +128,13 @@ def test_compiled_encode_reads_bf16_values_as_they_lie(name, options, monkeypatc
     ref, got = (codec.encode_source(SectionSource(bucket, pieces, None, tile=SMALL_TILE), 25037,
                                     tile_elements=SMALL_TILE) for codec in (eager, fused))
     _same_payloads(eager, ref, got, bucket[:25037].float())
+    # pieces at odd elements of the bucket (a two-level node stage's runs: 301, 77, ...): views
+    # of bf16 at every byte alignment reach the kernels
+    odd = [Piece(3, 7001, -1), Piece(7005, 8999, -1), Piece(16009, 9027, -1)]
+    values = torch.cat([bucket[p.bucket_offset:p.bucket_offset + p.numel] for p in odd])
+    ref, got = (codec.encode_source(SectionSource(bucket, odd, None, tile=SMALL_TILE), values.numel(),
+                                    tile_elements=SMALL_TILE) for codec in (eager, fused))
+    _same_payloads(eager, ref, got, values.float())
 
 
 STOCHASTIC_CASES = [

@@ -104,6 +104,42 @@ def test_a_quantized_node_stage_errs_within_the_node_formats_half_step(ranks):
         assert (none - _exact_sums(0, rank, torch.float32, False) / 4).abs().max().item() <= 3 * 4 * amax * 2 ** -24 / 4
 
 
+def _one_piece_reference(step: int, rank: int) -> torch.Tensor:
+    """What owner ``rank`` holds after the int8 node stage in one piece on the direct route (the
+    owner_slot split), made here from the codec itself: on each node, its slot's runs of the bucket
+    (every slice whose owner is on that slot, in bucket order) from the other local rank encoded
+    as one payload and decoded, plus the slot's own runs exact; the two nodes' partials summed in
+    fp32 by the fp32 exchange among them and divided by 4 (sums of two terms and a power of two:
+    no order to choose)."""
+    slices, total = _bucket()
+    codec = formats.get_format("int8", block_size=NODE_BLOCK)
+    slot = rank % 2
+    runs = [s for s in slices if s.dst % 2 == slot]
+
+    def gather(r: int) -> torch.Tensor:
+        g = _grad(r, step, total, torch.float32, False)
+        return torch.cat([g.narrow(0, s.bucket_offset, s.numel) for s in runs])
+
+    partials = [gather(2 * node + slot) + codec.decode(codec.encode(gather(2 * node + 1 - slot)))
+                for node in (0, 1)]
+    reduced = (partials[0] + partials[1]) / 4
+    mine, at = [], 0
+    for s in runs:
+        if s.dst == rank:
+            mine.append(reduced[at:at + s.numel])
+        at += s.numel
+    return torch.cat(mine)
+
+
+def test_a_quantized_node_stage_is_the_codecs_round_trip_of_the_other_ranks_runs(ranks):
+    """Bit for bit, the reference above: each block's own scale (not a bound from the largest
+    gradient), the payload's blocks cut across the runs a rank sends one slot, the receiver's own
+    part exact."""
+    for rank, got in enumerate(ranks):
+        for step in range(2):
+            assert torch.equal(got["int8", 1, True][step][0], _one_piece_reference(step, rank)), (rank, step)
+
+
 def test_the_overlap_never_changes_a_quantized_node_stage_bits(ranks):
     for got in ranks:
         for pieces in (1, 3):
