@@ -517,7 +517,7 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
            "node_pieces": args.node_pieces or (layout_model.NODE_PIECES_CARRIED if args.carry_buckets
                                                else layout_model.NODE_PIECES_BY_BUCKET),
            "node_piece_min_elements": args.node_piece_min_elements,
-           "carry_buckets": args.carry_buckets}
+           "carry_buckets": args.carry_buckets, "host_call_s": args.host_us * 1e-6}
     # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
     # masking not discounted)
     compute = (6 * shapes["matmul"] + 12 * args.layers * args.hidden * args.seq) * tokens \
@@ -581,22 +581,27 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
     (``node_pieces`` 1): stages one after the other. Two-level's pipeline (``gift.node_pieces``):
     the layout model's schedule of its pieces' link stages, each collective its latency steps
     (the codec's work is its own term of the step, not overlapped here), one pipeline per
-    bucket, or carried from bucket to bucket over the step (``gift.carry_buckets``)."""
+    bucket, or carried from bucket to bucket over the step (``gift.carry_buckets``). The host's
+    time per codec call (``host_call_s``, ``--host-us``): a resource of the pipeline, or added
+    call by call where the stages run one after the other."""
     w, g = net["world"], min(net["per_node"], net["world"])
     pieces = net.get("node_pieces", 1)
+    host_call_s = net.get("host_call_s", 0.0)
     links = [layout_model.bucket_link_bytes(o, w, g, b) for o in buckets]
     if path != "two_level" or pieces <= 1 or not all("two_level_by_layout" in x for x in links):
         scheme = "two_level_by_layout" if path == "two_level" and all("two_level_by_layout" in x for x in links) \
             else "by_layout"
         steps = collective_bytes("two_level" if scheme != "by_layout" else "alltoall", 1.0, w, g)["steps"]
-        return sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
-                   + x[scheme][1] * 8 / net["nvlink_bps"] / net["ring_eff"] for x in links)
+        calls = sum(layout_model.host_calls(layout_model.bucket_stages(o, w, g, b, layout_model.Rates(1.0, 1.0))[scheme])
+                    for o in buckets) if host_call_s else 0
+        return calls * host_call_s + sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
+                                         + x[scheme][1] * 8 / net["nvlink_bps"] / net["ring_eff"] for x in links)
     # each collective its own latency steps, as whole buckets (``collective_bytes``): a node
     # stage's or forward's G - 1, an exchange's one a node less (until the commit after
     # 5dd1139 every one of them was charged the larger count, a 4-GPU node stage 15 steps at
     # the paper's shape)
     rates = layout_model.Rates(net["nic_bps"] / 8 * net["alltoall_eff"], net["nvlink_bps"] / 8 * net["ring_eff"],
-                               a2a_step_s=net["alpha_s"])
+                               a2a_step_s=net["alpha_s"], host_call_s=host_call_s)
     per_bucket = [[layout_model.bucket_stages(o, w, g, b, rates)["two_level_by_layout"]
                    for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
                   for owners in buckets]
@@ -669,6 +674,10 @@ def main(argv=None) -> dict:
     p.add_argument("--traffic-senders", type=int, default=7, choices=(3, 7, 31),
                    help="senders of the decode-and-sum row taken from --codec-traffic")
     p.add_argument("--launch-us", type=float, default=5.0, help="launch latency per kernel, microseconds")
+    p.add_argument("--host-us", type=float, default=0.0,
+                   help="host time per codec call of GIFT's exchange, microseconds (benchmarks/layout_model.py's "
+                        "--host-us: an encode per section sent, a decode-and-sum per section received; 0: not "
+                        "counted)")
     g = p.add_argument_group("target cluster (defaults: Llama-600M, 64 H100-class GPUs, 8 per node)")
     g.add_argument("--world", type=int, default=64)
     g.add_argument("--bucket", type=float, default=DEEPSPEED_BUCKET, help="reduce_bucket_size (DeepSpeed's default)")
