@@ -137,6 +137,30 @@ def test_compiled_encode_reads_bf16_values_as_they_lie(name, options, monkeypatc
     _same_payloads(eager, ref, got, values.float())
 
 
+@pytest.mark.parametrize("name,options", [("fp8_e4m3", {}), ("int8", {"block_size": 32}), ("int4", {}),
+                                          ("nvfp4", {})], ids=["fp8_block", "int8_32", "int4", "nvfp4"])
+def test_a_tile_ending_in_a_short_block_is_compiled_but_that_block(name, options, monkeypatch):
+    """A section shorter than a tile whose length is not a multiple of the block (most of them:
+    on a GPU a tile is 2^24 elements): its whole blocks go through the compiled kernel, and only
+    the short block is read into fp32 for the eager chain (a bf16 input shows what is read); the
+    same bytes as eager. Until the short block was split off, the whole tile went eager."""
+    from deepspeed_gift.core.formats import TensorSource
+
+    reads = []
+    real_read = TensorSource.read
+    monkeypatch.setattr(TensorSource, "read", lambda self, e0, e1, work: reads.append((e0, e1))
+                        or real_read(self, e0, e1, work))
+    eager = get_format(name, kernels="eager", **options)
+    fused = get_format(name, kernels="compiled", **options)
+    x = _input(3 * 1024 + 7).to(torch.bfloat16)  # one tile, a short block of 7 at its end
+    pe = eager.encode(x, tile_elements=SMALL_TILE)
+    reads.clear()
+    pf = fused.encode(x, tile_elements=SMALL_TILE)
+    last = x.numel() - x.numel() % eager.block_size
+    assert reads and all(e0 >= last for e0, _ in reads), (reads, last)  # each pass reads the short block alone
+    _same_payloads(eager, pe, pf, x.float())
+
+
 STOCHASTIC_CASES = [
     ("fp8_e4m3", {}),  # fp8_block_encode's stochastic variant
     ("fp8_e5m2", {"block_size": 0}),  # scaled_cast's

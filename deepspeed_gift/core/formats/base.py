@@ -190,6 +190,20 @@ def _native_rows(src, row_len: int, e0: int, e1: int) -> Optional[Tensor]:
     return None if values is None else values.view(-1, row_len)
 
 
+def _row_ranges(n_rows: int, step: int, short_apart: bool) -> Iterator[Tuple[int, int]]:
+    """The encode's tiles as row ranges (r0, r1), ``step`` rows each; with ``short_apart`` the
+    last row (a short block) is a range of its own, so that the compiled kernels, which take
+    whole blocks, serve the tile's other rows: left in its tile, that block sent the whole tile
+    (on a GPU a tile is 2^24 elements, so every section shorter than that whose length is not a
+    multiple of the block) down the eager chain."""
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        if short_apart and r1 == n_rows and r1 - r0 > 1:
+            yield r0, r1 - 1
+            r0 = r1 - 1
+        yield r0, r1
+
+
 def _load_rows(src, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
     """Rows r0:r1 of ``src`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
 
@@ -243,15 +257,17 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
     is left out). ``fused``: tiles of whole rows reduce in one compiled kernel each
     (:func:`.kernels.tensor_scale`: the same value)."""
     numel = src.numel
-    step = _tile_rows(-(-numel // row_len), row_len, tile) * row_len
+    n_rows = -(-numel // row_len)
+    step = _tile_rows(n_rows, row_len, tile)
     work = None  # fp32 values of a tile that the source cannot give as they lie
     best = scale = None  # eager tiles' amax, compiled tiles' scale
-    for e0 in range(0, numel, step):
-        e1 = min(e0 + step, numel)
+    for r0, r1 in _row_ranges(n_rows, step, fused and numel % row_len != 0):
+        e0, e1 = r0 * row_len, min(r1 * row_len, numel)
         rows = _native_rows(src, row_len, e0, e1) if fused else None
         if rows is None:
-            if work is None:
-                work = torch.empty(min(step, numel), dtype=torch.float32, device=src.device)
+            if work is None or work.numel() < e1 - e0:
+                work = torch.empty(min(step * row_len, numel) if r1 - r0 > 1 else e1 - e0, dtype=torch.float32,
+                                   device=src.device)
             values = src.read(e0, e1, work)
         if fused and (e1 - e0) % row_len == 0:
             rows = values.view(-1, row_len) if rows is None else rows
@@ -917,14 +933,14 @@ class _ScaledCodec(Codec):
         step = _tile_rows(n_rows, row_len, tile)
         work = None  # the fp32 tile, made where one is read (eager, or values the source cannot give as they lie)
         fused = self.compiled_on(src.device)
-        for r0 in range(0, n_rows, step):
-            r1 = min(r0 + step, n_rows)
+        for r0, r1 in _row_ranges(n_rows, step, numel % row_len != 0 and fused and scale is None):
             e1 = min(r1 * row_len, numel)
             native = _native_rows(src, row_len, r0 * row_len, e1) if fused else None
             if native is not None and self._fused_tile(native, p, r0, r1, e1, scale, key):
                 continue
-            if work is None:
-                work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+            if work is None or work.numel() < (r1 - r0) * row_len:
+                work = torch.empty(min(step, n_rows) * row_len if r1 - r0 > 1 else row_len, dtype=torch.float32,
+                                   device=src.device)
             x, y = _load_rows(src, row_len, r0, r1, work)
             if fused and self._fused_tile(x, p, r0, r1, e1, scale, key):
                 continue

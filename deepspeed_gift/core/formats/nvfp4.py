@@ -11,9 +11,9 @@ from torch import Tensor
 
 from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
-from .base import (Payload, Rounding, _load_rows, _native_rows, _nibble_table, _nibbles, _register, _ScaledCodec,
-                   _source_scale, _stochastic_round_bits, _table_on, _tile_amax, _tile_rows, _unpack_nibbles,
-                   device_table)
+from .base import (Payload, Rounding, _load_rows, _native_rows, _nibble_table, _nibbles, _register, _row_ranges,
+                   _ScaledCodec, _source_scale, _stochastic_round_bits, _table_on, _tile_amax, _tile_rows,
+                   _unpack_nibbles, device_table)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -315,8 +315,9 @@ class NvFp4Codec(_ScaledCodec):
             native = _native_rows(src, row_len, e0, e1) if fused is not None else None
             if native is not None:
                 return native
-            if work is None:
-                work = torch.empty(min(step, n_rows) * row_len, dtype=torch.float32, device=src.device)
+            if work is None or work.numel() < (r1 - r0) * row_len:
+                work = torch.empty(min(step, n_rows) * row_len if r1 - r0 > 1 else row_len, dtype=torch.float32,
+                                   device=src.device)
             return _load_rows(src, row_len, r0, r1, work)[0]
 
         if fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len:
@@ -332,8 +333,7 @@ class NvFp4Codec(_ScaledCodec):
             return
         g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)
         self._put_global(p, g)
-        for r0 in range(0, n_rows, step):
-            r1 = min(r0 + step, n_rows)
+        for r0, r1 in _row_ranges(n_rows, step, numel % row_len != 0 and fused is not None):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x = rows(r0, r1)
             if fused is not None and e1 - e0 == x.numel():
