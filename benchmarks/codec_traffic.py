@@ -27,6 +27,9 @@ decode, kept in int8 per 128: ``Int8Codec.encode_with_residual``, one kernel a t
 block-scaled fp8 and integer formats where compiled, after a first pass for the amax for those
 with one scale per tensor).
 
+``encode short``: the encode of a tile less 4 elements, a section whose length is not a
+multiple of the block (most lengths; the floor as ``encode``'s).
+
 ``encode bf16``: the encode of a bf16 tile, a bf16 bucket's gradients as the reducer hands
 them in (a section in gradient coordinates), its floor 2 B read + the payload.
 
@@ -235,10 +238,13 @@ def operation(kernels: str, fmt: str, options: dict, op: str, senders: int, nume
     old = StoredResidual.encode(x * 0.01, feedback.residual_codec(kernels))
 
     x16 = x.to(torch.bfloat16) if op == "encode_bf16" else None
+    short = x[: numel - SHORT_TAIL] if op == "encode_short" else None
 
     def run():
         if op == "encode":
             codec.encode(x)
+        elif op == "encode_short":  # a section that ends in a short block (most lengths)
+            codec.encode(short)
         elif op == "encode_bf16":  # a bf16 bucket's gradients, as the reducer hands them in
             codec.encode(x16)
         elif op == "decode_sum":
@@ -259,8 +265,8 @@ def floor_bytes(codec: formats.Codec, op: str, senders: int, numel: int) -> floa
     """What ``op`` must move at least, per element (the module docstring's floors)."""
     payload = payload_bytes_per_element(codec, numel)
     residual = payload_bytes_per_element(feedback.RESIDUAL_CODEC, numel)
-    return {"encode": 4 + payload, "encode_bf16": 2 + payload, "decode_sum": senders * payload + 4,
-            "feedback": 4 + payload + 2 * residual}[op]
+    return {"encode": 4 + payload, "encode_short": 4 + payload, "encode_bf16": 2 + payload,
+            "decode_sum": senders * payload + 4, "feedback": 4 + payload + 2 * residual}[op]
 
 
 def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, rounding: str = "nearest") -> dict:
@@ -269,6 +275,8 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
     numel, device = (GPU_TILE, "meta") if kernels == "eager" else (CPU_TILE, "cpu")
     compiled_kernels = compiled_bytes = 0
     run, codec = operation(kernels, fmt, options, op, senders, numel, device, rounding, staged=3)
+    if op == "encode_short":
+        numel -= SHORT_TAIL  # the elements encoded
 
     counter = TrafficCounter()
     if kernels == "compiled":
@@ -297,7 +305,8 @@ def _measure(kernels: str, fmt: str, options: dict, op: str, senders: int, round
             "x_floor": moved / floor, "x_two_pass_floor": moved / two_pass, "host_reads": counter.host_reads}
 
 
-OPS = ("encode", "decode_sum", "encode stochastic", "encode+feedback", "encode bf16")
+OPS = ("encode", "decode_sum", "encode stochastic", "encode+feedback", "encode bf16", "encode short")
+SHORT_TAIL = 4  # "encode short": a tile less these elements, so that its last block is short
 
 
 def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled"), ops=OPS) -> List[dict]:
@@ -319,6 +328,9 @@ def measure_all(senders: List[int], cases=CASES, modes=("eager", "compiled"), op
             if "encode bf16" in ops:  # a bf16 input: the floor reads 2 B an element
                 rows.append(dict(case=label, op="encode bf16", mode=mode,
                                  **_measure(mode, fmt, options, "encode_bf16", 1)))
+            if "encode short" in ops:  # a tile that ends in a short block
+                rows.append(dict(case=label, op="encode short", mode=mode,
+                                 **_measure(mode, fmt, options, "encode_short", 1)))
     return rows
 
 

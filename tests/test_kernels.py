@@ -489,12 +489,21 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     for m, (p, q) in got.items():
         assert torch.equal(p.wire, want.wire), m
         assert torch.equal(q.wire, want_residual.wire), m
-    # not whole blocks (a short last block): the eager steps in either mode, the same bytes
+    # not whole blocks (a short last block): compiled, the whole units in the fused kernel and the
+    # tail by the eager steps where rounded to nearest (else the eager steps throughout), the
+    # same bytes as eager's
     tail = x[: n - 37].clone()
     a = store["eager"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]), sent("eager"))
-    b = store["compiled"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]),
-                                               sent("compiled"))
+    calls.clear()
+    kernels.compiled = spy
+    try:
+        b = store["compiled"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]),
+                                                   sent("compiled"))
+    finally:
+        kernels.compiled = real
     assert torch.equal(a[0].wire, b[0].wire) and torch.equal(a[1].wire, b[1].wire)
+    if fused == "feedback_encode" and rounding == "nearest":
+        assert "feedback_encode" in calls, calls
 
 
 def test_feedback_send_keeps_a_nonfinite_block_of_the_residual_as_zeros():

@@ -244,9 +244,11 @@ class _IntCodec(_ScaledCodec):
         fp32, overwritten) plus last step's ``residual`` (this codec's payload of as many
         elements; None: none), and this codec's encode of the new residual (that sum minus the
         payload's decode). Compiled (``sent`` block-scaled fp8 or integer, this codec int8
-        blocks, both compiled, whole blocks), one kernel a tile reads the values and the old
-        residual and writes the payload and the new residual (the sum is never stored; with one
-        scale per tensor after a first pass for the sum's amax: :meth:`_tensor_feedback`); else the
+        blocks, both compiled), one kernel a tile reads the values and the old residual and writes
+        the payload and the new residual over the whole units of both blocks (the sum is never
+        stored; with one scale per tensor after a first pass for the sum's amax:
+        :meth:`_tensor_feedback`), a short tail after them rounded to nearest by the steps below on
+        the tail alone; else the
         residual's decode is added to ``values``, ``sent`` encodes them, and
         :meth:`encode_difference` makes the new residual. The same bytes either way; the new
         residual's blocks that held inf/nan are kept with scale 0."""
@@ -258,7 +260,12 @@ class _IntCodec(_ScaledCodec):
                      or self._global_feedback(values, residual, sent, generator, tile_elements))
             if fused is not None:
                 return fused
-        if (residual is None or encoder is None or numel == 0 or numel % unit
+        # the whole units compiled; a short tail after them (its blocks start at a unit's edge) by
+        # the three eager steps below on the tail alone, where its bytes do not depend on where it
+        # lies (rounded to nearest; a stochastic tail's bits follow its offset: the eager path)
+        done = numel - numel % unit
+        if (residual is None or encoder is None or done == 0
+                or (done < numel and sent.rounding == Rounding.STOCHASTIC)
                 or not self.block_size or self.elements_per_byte != 1
                 or not (self.compiled_on(device) and sent.compiled_on(device))):
             if residual is not None:
@@ -269,12 +276,22 @@ class _IntCodec(_ScaledCodec):
         p, q, key = self._feedback_payloads(values, sent, generator)
         run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
                                      block=block, qmax=self.qmax)
-        for e0, e1 in self._unit_tiles(numel, unit, device, tile_elements):
+        for e0, e1 in self._unit_tiles(done, unit, device, tile_elements):
             scale, res_scale = run(values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width],
                                    p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, block // epb),
                                    q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
             sent._put_scales(p, e0 // block, scale)
             self._put_scales(q, e0 // width, res_scale)
+        if done < numel:
+            tail = values[done:]
+            for e0, e1, part in self.decode_tiles(residual, tile_elements=tile_elements, begin=done):
+                values[e0:e1].add_(part)
+            sent_tail = sent.encode(tail, tile_elements=tile_elements)
+            p.scales[done // block :].copy_(sent_tail.scales)
+            p.data[done // epb :].copy_(sent_tail.data)
+            kept = self.encode_difference(tail, sent, sent_tail, tile_elements=tile_elements)
+            q.scales[done // width :].copy_(kept.scales)
+            q.data[done:].copy_(kept.data)
         return sent._finish_header(p), self._finish_header(q)
 
     def _unit_tiles(self, numel: int, unit: int, device, tile_elements: Optional[int]) -> List[Tuple[int, int]]:
