@@ -142,8 +142,9 @@ def test_compiled_encode_reads_bf16_values_as_they_lie(name, options, monkeypatc
 def test_a_tile_ending_in_a_short_block_is_compiled_but_that_block(name, options, monkeypatch):
     """A section shorter than a tile whose length is not a multiple of the block (most of them:
     on a GPU a tile is 2^24 elements): its whole blocks go through the compiled kernel, and only
-    the short block is read into fp32 for the eager chain (a bf16 input shows what is read); the
-    same bytes as eager. Until the short block was split off, the whole tile went eager."""
+    the short block is read into fp32 (a bf16 input shows what is read), padded, and encoded by
+    the compiled kernel too, never by the eager chain; the same bytes as eager. Until the short
+    block was split off, the whole tile went eager; until it was compiled, it went eager alone."""
     from deepspeed_gift.core.formats import TensorSource
 
     reads = []
@@ -155,6 +156,11 @@ def test_a_tile_ending_in_a_short_block_is_compiled_but_that_block(name, options
     x = _input(3 * 1024 + 7).to(torch.bfloat16)  # one tile, a short block of 7 at its end
     pe = eager.encode(x, tile_elements=SMALL_TILE)
     reads.clear()
+
+    def eager_chain(*args):
+        raise AssertionError("the eager chain ran in the compiled mode")
+
+    monkeypatch.setattr(type(fused), "_candidate_codes" if name == "nvfp4" else "_tile_divisor", eager_chain)
     pf = fused.encode(x, tile_elements=SMALL_TILE)
     last = x.numel() - x.numel() % eager.block_size
     assert reads and all(e0 >= last for e0, _ in reads), (reads, last)  # each pass reads the short block alone
@@ -220,8 +226,8 @@ def test_counter_rng_state_round_trips():
 
 
 def test_compiled_mode_runs_the_compiled_kernels(monkeypatch):
-    """Not the eager fallback: every whole tile goes through a compiled kernel, the short last
-    block through the eager path; ``by_device`` on this CPU and ``eager`` compile nothing."""
+    """Not the eager fallback: every whole tile goes through a compiled kernel, and the short
+    last block too, padded; ``by_device`` on this CPU and ``eager`` compile nothing."""
     used = []
     real = kernels.compiled
 
@@ -235,7 +241,7 @@ def test_compiled_mode_runs_the_compiled_kernels(monkeypatch):
         get_format("fp8_e4m3", kernels=mode).encode(x, tile_elements=SMALL_TILE)
     assert used == []
     get_format("fp8_e4m3", kernels="compiled").encode(x, tile_elements=SMALL_TILE)
-    assert used == ["fp8_block_encode"] * 4  # four whole tiles; the 100 left over are eager
+    assert used == ["fp8_block_encode"] * 5  # four whole tiles and the 100 left over, padded to a block
 
 
 def test_a_compiled_kernel_stays_within_dynamos_recompile_limit_whatever_it_meets():

@@ -204,6 +204,13 @@ def _row_ranges(n_rows: int, step: int, short_apart: bool) -> Iterator[Tuple[int
         yield r0, r1
 
 
+def short_bits_agree(key: Optional[Tensor], e0: int, row_len: int, e1: int) -> bool:
+    """Whether a short block's elements e0:e1, encoded padded to ``row_len``, draw the random
+    bits they draw unpadded: always, but where the padding crosses 2^32 and the block does not
+    (``kernels.random_bits`` hashes twice past it)."""
+    return key is None or not (e1 <= 2**32 < e0 + row_len)
+
+
 def _load_rows(src, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
     """Rows r0:r1 of ``src`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
 
@@ -269,7 +276,13 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
                 work = torch.empty(min(step * row_len, numel) if r1 - r0 > 1 else e1 - e0, dtype=torch.float32,
                                    device=src.device)
             values = src.read(e0, e1, work)
-        if fused and (e1 - e0) % row_len == 0:
+        if fused and (e1 - e0) % row_len and r1 - r0 == 1 and row_len < tile:
+            # the short last block, padded with zeros (they change neither its amax nor whether
+            # it holds an inf or a nan): the compiled pass, not the eager chain, on one block
+            # (not a per-tensor scale's short last tile: its row is a tile)
+            rows = values.new_zeros(1, row_len)
+            rows.view(-1)[: e1 - e0].copy_(values)
+        if fused and (rows is not None or (e1 - e0) % row_len == 0):
             rows = values.view(-1, row_len) if rows is None else rows
             scale = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=finite_blocks_only,
                                            qmax=qmax)(rows, scale)
@@ -944,6 +957,9 @@ class _ScaledCodec(Codec):
             x, y = _load_rows(src, row_len, r0, r1, work)
             if fused and self._fused_tile(x, p, r0, r1, e1, scale, key):
                 continue
+            if (fused and scale is None and r1 - r0 == 1 and short_bits_agree(key, r0 * row_len, row_len, e1)
+                    and self._fused_short(x, p, r0, e1, key)):
+                continue
             if scale is None:
                 div = self._tile_divisor(x, p, r0, r1)
             else:
@@ -971,6 +987,14 @@ class _ScaledCodec(Codec):
         """Encode rows r0:r1 (``x``, padded to whole rows; elements up to ``e1``) with the compiled
         kernels (stochastic under ``key``; ``scale``: one per tensor, already in ``p``); False
         where they do not serve the tile (the eager path does)."""
+        return False
+
+    def _fused_short(self, x: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor]) -> bool:
+        """Encode the short last block r0 (``x``: one row, zero padded, as the eager chain pads
+        it; elements up to ``e1``) by the compiled kernel of a whole block: the zeros change
+        neither the block's amax nor the codes kept, and only the block's own codes are copied
+        into ``p``. One compiled call where the eager chain launches about 20 kernels on one
+        row. False where it does not serve (the eager path does)."""
         return False
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:

@@ -409,6 +409,20 @@ class _IntCodec(_ScaledCodec):
             x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
         return True
 
+    def _fused_short(self, x: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor]) -> bool:
+        row_len, epb = x.shape[1], self.elements_per_byte
+        if epb == 2 and row_len % 2:
+            return False
+        e0 = r0 * row_len
+        codes = torch.empty(1, row_len // epb, dtype=torch.uint8, device=x.device)
+        self._put_scales(p, r0, fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=epb == 2)(
+            x, codes, key, e0))
+        # an odd count of nibbles: the last byte's high nibble is a padding zero's code, 0, as the
+        # eager packing pads it
+        nbytes = -(-(e1 - e0) // epb)
+        p.data[e0 // epb : e0 // epb + nbytes].view(torch.uint8).copy_(codes.view(-1)[:nbytes])
+        return True
+
     def _fused_block_codes(self):
         if not self.block_size or (self.elements_per_byte == 2 and self.block_size % 2):
             return None

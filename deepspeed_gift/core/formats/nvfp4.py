@@ -13,7 +13,7 @@ from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _native_rows, _nibble_table, _nibbles, _register, _row_ranges,
                    _ScaledCodec, _source_scale, _stochastic_round_bits, _table_on, _tile_amax, _tile_rows,
-                   _unpack_nibbles, device_table)
+                   _unpack_nibbles, device_table, short_bits_agree)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -336,10 +336,14 @@ class NvFp4Codec(_ScaledCodec):
         for r0, r1 in _row_ranges(n_rows, step, numel % row_len != 0 and fused is not None):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             x = rows(r0, r1)
-            if fused is not None and e1 - e0 == x.numel():
+            if fused is not None and (e1 - e0 == x.numel()
+                                      or (r1 - r0 == 1 and short_bits_agree(key, e0, row_len, e1))):
+                # whole blocks, or the short last block padded with zeros (as the eager chain pads
+                # it: they change neither its amax nor its candidates' errors) and its codes kept
                 codes, packed = fused(_blocks_as_columns(x), g, key, e0)
                 p.scales.view(torch.uint8)[r0:r1].copy_(codes)
-                p.data[e0 // 2 : e1 // 2].copy_(packed.view(torch.uint8))
+                nbytes = (e1 - e0 + 1) // 2
+                p.data[e0 // 2 : e0 // 2 + nbytes].copy_(packed.view(torch.uint8).reshape(-1)[:nbytes])
                 continue
             amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
             candidates = self._candidate_codes(amax, g)
