@@ -226,7 +226,8 @@ def traffic_timed(device, senders: int, repeats: int, numel: Optional[int] = Non
     rows = []
     ops = [("encode", "encode", 1, "nearest"), (f"decode_sum S={senders}", "decode_sum", senders, "nearest"),
            ("encode stochastic", "encode", 1, "stochastic"), ("encode+feedback", "feedback", 1, "nearest"),
-           ("encode bf16", "encode_bf16", 1, "nearest")]  # a bf16 bucket's values read as they lie
+           ("encode bf16", "encode_bf16", 1, "nearest"),  # a bf16 bucket's values read as they lie
+           ("encode short", "encode_short", 1, "nearest")]  # a section that ends in a short block
     modes = ("eager", "compiled") if device.type == "cuda" else ("eager",)
     for (label, fmt, options), (op_label, op, s, rounding), mode in itertools.product(ct.CASES, ops, modes):
         row = {"case": label, "op": op_label, "mode": mode, "numel": numel}

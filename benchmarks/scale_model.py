@@ -592,10 +592,12 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
         scheme = "two_level_by_layout" if path == "two_level" and all("two_level_by_layout" in x for x in links) \
             else "by_layout"
         steps = collective_bytes("two_level" if scheme != "by_layout" else "alltoall", 1.0, w, g)["steps"]
-        calls = sum(layout_model.host_calls(layout_model.bucket_stages(o, w, g, b, layout_model.Rates(1.0, 1.0))[scheme])
+        unit = layout_model.Rates(1.0, 1.0)  # the calls do not depend on the rates
+        calls = sum(layout_model.host_calls(layout_model.bucket_stages(o, w, g, b, unit)[scheme])
                     for o in buckets) if host_call_s else 0
-        return calls * host_call_s + sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
-                                         + x[scheme][1] * 8 / net["nvlink_bps"] / net["ring_eff"] for x in links)
+        links_s = sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
+                      + x[scheme][1] * 8 / net["nvlink_bps"] / net["ring_eff"] for x in links)
+        return calls * host_call_s + links_s
     # each collective its own latency steps, as whole buckets (``collective_bytes``): a node
     # stage's or forward's G - 1, an exchange's one a node less (until the commit after
     # 5dd1139 every one of them was charged the larger count, a 4-GPU node stage 15 steps at

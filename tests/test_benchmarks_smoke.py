@@ -327,12 +327,12 @@ def test_gpu_check_cpu_part(tmp_path):
 
     assert [(r["case"], r["op"]) for r in out["traffic"]] == [
         (case, op) for case, _, _ in codec_traffic.CASES
-        for op in ("encode", "decode_sum S=7", "encode stochastic", "encode+feedback", "encode bf16")]
+        for op in ("encode", "decode_sum S=7", "encode stochastic", "encode+feedback", "encode bf16", "encode short")]
     for r in out["traffic"]:  # timed, the floor codec_traffic's own, no device kernels seen on a CPU
         assert "error" not in r and r["seconds"] > 0 and r["kernels"] is None, r
         fmt, options = next((f, o) for c, f, o in codec_traffic.CASES if c == r["case"])
         op = {"encode": "encode", "encode stochastic": "encode", "encode+feedback": "feedback",
-              "encode bf16": "encode_bf16"}.get(r["op"], "decode_sum")
+              "encode bf16": "encode_bf16", "encode short": "encode_short"}.get(r["op"], "decode_sum")
         senders = 7 if op == "decode_sum" else 1
         assert r["floor_bytes_per_elem"] == codec_traffic.floor_bytes(
             codec_traffic._codec(fmt, options, "eager"), op, senders, r["numel"])
