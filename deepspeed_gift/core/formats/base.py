@@ -204,6 +204,15 @@ def _row_ranges(n_rows: int, step: int, short_apart: bool) -> Iterator[Tuple[int
         yield r0, r1
 
 
+def _work_tile(work: Optional[Tensor], rows: int, full_rows: int, row_len: int, device) -> Tensor:
+    """The fp32 tile a read of ``rows`` rows fills: ``work`` where it holds them, else a new one
+    of a whole tile (``full_rows``), or of one row for the lone short last row (read last, so
+    nothing larger is needed after it)."""
+    if work is None or work.numel() < rows * row_len:
+        work = torch.empty((full_rows if rows > 1 else 1) * row_len, dtype=torch.float32, device=device)
+    return work
+
+
 def short_bits_agree(key: Optional[Tensor], e0: int, row_len: int, e1: int) -> bool:
     """Whether a short block's elements e0:e1, encoded padded to ``row_len``, draw the random
     bits they draw unpadded: always, but where the padding crosses 2^32 and the block does not
@@ -272,9 +281,7 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
         e0, e1 = r0 * row_len, min(r1 * row_len, numel)
         rows = _native_rows(src, row_len, e0, e1) if fused else None
         if rows is None:
-            if work is None or work.numel() < e1 - e0:
-                work = torch.empty(min(step * row_len, numel) if r1 - r0 > 1 else e1 - e0, dtype=torch.float32,
-                                   device=src.device)
+            work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
             values = src.read(e0, e1, work)
         if fused and (e1 - e0) % row_len and r1 - r0 == 1 and row_len < tile:
             # the short last block, padded with zeros (they change neither its amax nor whether
@@ -951,9 +958,7 @@ class _ScaledCodec(Codec):
             native = _native_rows(src, row_len, r0 * row_len, e1) if fused else None
             if native is not None and self._fused_tile(native, p, r0, r1, e1, scale, key):
                 continue
-            if work is None or work.numel() < (r1 - r0) * row_len:
-                work = torch.empty(min(step, n_rows) * row_len if r1 - r0 > 1 else row_len, dtype=torch.float32,
-                                   device=src.device)
+            work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
             x, y = _load_rows(src, row_len, r0, r1, work)
             if fused and self._fused_tile(x, p, r0, r1, e1, scale, key):
                 continue

@@ -13,7 +13,7 @@ from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _native_rows, _nibble_table, _nibbles, _register, _row_ranges,
                    _ScaledCodec, _source_scale, _stochastic_round_bits, _table_on, _tile_amax, _tile_rows,
-                   _unpack_nibbles, device_table, short_bits_agree)
+                   _unpack_nibbles, _work_tile, device_table, short_bits_agree)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -315,9 +315,7 @@ class NvFp4Codec(_ScaledCodec):
             native = _native_rows(src, row_len, e0, e1) if fused is not None else None
             if native is not None:
                 return native
-            if work is None or work.numel() < (r1 - r0) * row_len:
-                work = torch.empty(min(step, n_rows) * row_len if r1 - r0 > 1 else row_len, dtype=torch.float32,
-                                   device=src.device)
+            work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
             return _load_rows(src, row_len, r0, r1, work)[0]
 
         if fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len:
