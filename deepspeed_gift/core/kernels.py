@@ -14,8 +14,8 @@ Every function here computes exactly what the eager chain computes, operation by
 the same order (the same roundings: ``tests/test_kernels.py`` compares bytes), so the modes
 give the same bits. Stochastic rounding draws from a counter (:mod:`.rng`: a hash of the
 encode's key and the element's offset), so both modes, on any device, draw the same bits.
-What they leave to the eager path: E8M0 scales' encode, rows that are not whole blocks (a
-section's last, short block) and odd rows of 4-bit data.
+What they leave to the eager path: E8M0 scales' encode, odd rows of 4-bit data, and a stochastic
+short block whose padding crosses element 2^32 (``base.short_bits_agree``).
 
 Pure tensor math: no ``torch.distributed``.
 """
@@ -35,7 +35,9 @@ from .rng import counter_bits, offsets_of
 
 __all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pairwise", "row_sum_pairwise",
            "fp32_scales", "finite_or_zero", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits",
-           "stochastic_grid", "stochastic_int", "rows_amax", "columns_amax", "tensor_scale", "fp4_nibbles",
+           "stochastic_grid", "stochastic_int", "rows_amax", "columns_amax", "tensor_scale", "ragged_tensor_scale",
+           "padded_blocks", "int4_bytes",
+           "ragged_block_encode", "fp4_nibbles",
            "decoded_rows", "decode_sum"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
@@ -318,12 +320,64 @@ def tensor_scale(x: Tensor, best: Optional[Tensor], *, finite_blocks_only: bool,
     return top if best is None else torch.maximum(best, top)
 
 
+def padded_blocks(x: Tensor, block: int) -> Tensor:
+    """Flat ``x`` (n,) as (ceil(n / block), block) rows, the last padded with zeros, inside a
+    kernel: the padding is a masked load, not a pass of its own (what the eager chain's padded
+    work tile holds)."""
+    rows = (x.shape[0] + block - 1) // block
+    return torch.nn.functional.pad(x, (0, rows * block - x.shape[0])).view(rows, block)
+
+
+def ragged_tensor_scale(x: Tensor, best: Optional[Tensor], *, block: int, finite_blocks_only: bool,
+                        qmax: float) -> Tensor:
+    """:func:`tensor_scale` of a tile that ends in a short block (``x`` (n,), padded inside to
+    whole rows of ``block``: zeros change neither a row's amax nor whether it holds an inf or a
+    nan): one call where the short block was a padded copy and a call of its own."""
+    return tensor_scale(padded_blocks(x, block), best, finite_blocks_only=finite_blocks_only, qmax=qmax)
+
+
 # Element outputs come as the wire buffer's uint8 bytes and are viewed in their dtype here; fp32
 # scales are returned and the caller copies them (1/32 of the element bytes at block 128, but a
 # launch a tile; the first tile's with the payload's header, ``Codec._put_scales``): a graph input that is a 4-byte view of the uint8 buffer cannot be written
 # under dynamic shapes (torch 2.13: "nbytes % dtype_size == 0" as the compiler regenerates the
 # view from its base; tried again 2026-12-06, tests/test_kernels.py). One-byte scales (NVFP4's
 # E4M3 codes) are written by the kernel that chooses them (nvfp4_tile_encode).
+
+
+def int4_bytes(codes: Tensor) -> Tensor:
+    """int8 codes in [-8, 7] (an even count per row) packed two to a byte, element 2i the low nibble."""
+    nib = codes.view(torch.uint8) & 0x0F
+    pairs = nib.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def ragged_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, block: int,
+                        codes_fn: Callable, codes_kw: tuple, packed: bool) -> Tuple[Tensor, Tensor]:
+    """A tile that ends in a short block, in one call: ``x`` (n,), the encode's elements e0..,
+    n = rows * block plus the short block's 1 .. block - 1, padded inside with zeros to whole
+    blocks (as the eager chain pads the short block: the zeros change neither its amax nor the
+    codes kept, and the padding's random bits are drawn and dropped), quantized by the format
+    family's ``codes_fn`` (a ``Codec._fused_block_codes``, ``codes_kw`` its constants). The
+    whole blocks' codes go into ``data``, the bytes of their (rows, block) codes, or (rows,
+    block / 2) nibbles when ``packed``. Returns the blocks' fp32 scales and the short block's
+    codes (or bytes), padded to a whole block, whose first bytes the caller copies into the
+    payload (an odd count of nibbles ends in a padding zero's code, 0, as eager packs it).
+    Where the short block was a call of its own, padded and copied around it, a tile took 9
+    launches; this is 4 (``benchmarks/codec_traffic.py --ops "encode short"``), at the cost of
+    the codes written to a buffer of inductor's and copied from it (2 B an element more: a
+    second store of them, returned or into an input, cut the kernel or the same).
+
+    Stored as one flat slice of the padded codes, inductor's C++ (torch 2.13, shapes static)
+    wrote the whole rows and dropped the short one (``tests/test_kernels.py`` compares bytes at
+    a first, static compile). The whole rows' count is ``data``'s, an input's size, so a tile of
+    the short block alone is a specialization class of its own (:func:`compiled`), not a
+    symbolic 0 (which failed to lower)."""
+    rows = data.shape[0]
+    scale, codes = codes_fn(padded_blocks(x, block), key, e0, **dict(codes_kw))
+    if packed:
+        codes = int4_bytes(codes)
+    data.view(codes.dtype).copy_(codes[:rows])  # the bytes viewed as the codes' dtype: fp8 codes viewed as bytes failed to lower
+    return scale, codes[rows]
 
 
 def fp4_nibbles(data: Tensor) -> Tensor:

@@ -183,25 +183,30 @@ class TensorSource:
 def _native_rows(src, row_len: int, e0: int, e1: int) -> Optional[Tensor]:
     """Elements ``e0:e1`` of ``src``, whole rows of ``row_len``, as a (rows, row_len) view in
     their own dtype where the source gives one (``TensorSource.native``), else None."""
-    native = getattr(src, "native", None)
-    if native is None or (e1 - e0) % row_len:
-        return None
-    values = native(e0, e1)
+    values = None if (e1 - e0) % row_len else _native_flat(src, e0, e1)
     return None if values is None else values.view(-1, row_len)
 
 
-def _row_ranges(n_rows: int, step: int, short_apart: bool) -> Iterator[Tuple[int, int]]:
-    """The encode's tiles as row ranges (r0, r1), ``step`` rows each; with ``short_apart`` the
-    last row (a short block) is a range of its own, so that the compiled kernels, which take
-    whole blocks, serve the tile's other rows: left in its tile, that block sent the whole tile
-    (on a GPU a tile is 2^24 elements, so every section shorter than that whose length is not a
-    multiple of the block) down the eager chain."""
+def _native_flat(src, e0: int, e1: int) -> Optional[Tensor]:
+    """Elements ``e0:e1`` of ``src`` as a flat view in their own dtype where the source gives one
+    (``TensorSource.native``), else None."""
+    native = getattr(src, "native", None)
+    return None if native is None else native(e0, e1)
+
+
+def _row_ranges(n_rows: int, step: int) -> Iterator[Tuple[int, int]]:
+    """The encode's tiles as row ranges (r0, r1), ``step`` rows each."""
     for r0 in range(0, n_rows, step):
-        r1 = min(r0 + step, n_rows)
-        if short_apart and r1 == n_rows and r1 - r0 > 1:
-            yield r0, r1 - 1
-            r0 = r1 - 1
-        yield r0, r1
+        yield r0, min(r0 + step, n_rows)
+
+
+def _short_apart(r0: int, r1: int, apart: bool) -> List[Tuple[int, int]]:
+    """A tile's rows r0:r1 as the ranges it is encoded in: with ``apart`` (its last row a short
+    block that the compiled call of the whole tile does not serve) its whole rows, then that
+    block alone, so that the compiled kernels, which take whole blocks, still serve the others:
+    left in its tile, the block sent the whole tile (on a GPU 2^24 elements) down the eager
+    chain."""
+    return [(r0, r1 - 1), (r1 - 1, r1)] if apart and r1 - r0 > 1 else [(r0, r1)]
 
 
 def _work_tile(work: Optional[Tensor], rows: int, full_rows: int, row_len: int, device) -> Tensor:
@@ -277,18 +282,22 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
     step = _tile_rows(n_rows, row_len, tile)
     work = None  # fp32 values of a tile that the source cannot give as they lie
     best = scale = None  # eager tiles' amax, compiled tiles' scale
-    for r0, r1 in _row_ranges(n_rows, step, fused and numel % row_len != 0):
+    for r0, r1 in _row_ranges(n_rows, step):
         e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+        if fused and (e1 - e0) % row_len and row_len < tile:
+            # a tile that ends in a short block (not a per-tensor scale's short last tile: its
+            # row is a tile): one compiled call, padded inside
+            values = _native_flat(src, e0, e1)
+            if values is None:
+                work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
+                values = src.read(e0, e1, work)
+            scale = fused_kernels.compiled(fused_kernels.ragged_tensor_scale, block=row_len,
+                                           finite_blocks_only=finite_blocks_only, qmax=qmax)(values, scale)
+            continue
         rows = _native_rows(src, row_len, e0, e1) if fused else None
         if rows is None:
             work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
             values = src.read(e0, e1, work)
-        if fused and (e1 - e0) % row_len and r1 - r0 == 1 and row_len < tile:
-            # the short last block, padded with zeros (they change neither its amax nor whether
-            # it holds an inf or a nan): the compiled pass, not the eager chain, on one block
-            # (not a per-tensor scale's short last tile: its row is a tile)
-            rows = values.new_zeros(1, row_len)
-            rows.view(-1)[: e1 - e0].copy_(values)
         if fused and (rows is not None or (e1 - e0) % row_len == 0):
             rows = values.view(-1, row_len) if rows is None else rows
             scale = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=finite_blocks_only,
@@ -949,30 +958,60 @@ class _ScaledCodec(Codec):
         scale = self._prepare(src, row_len, tile)  # one scale per tensor, else None
         if scale is not None:
             self._put_scales(p, 0, scale)
-        divisor = None  # its divisor, made where an eager tile needs it (compiled tiles make it inline)
         step = _tile_rows(n_rows, row_len, tile)
         work = None  # the fp32 tile, made where one is read (eager, or values the source cannot give as they lie)
         fused = self.compiled_on(src.device)
-        for r0, r1 in _row_ranges(n_rows, step, numel % row_len != 0 and fused and scale is None):
-            e1 = min(r1 * row_len, numel)
-            native = _native_rows(src, row_len, r0 * row_len, e1) if fused else None
-            if native is not None and self._fused_tile(native, p, r0, r1, e1, scale, key):
-                continue
-            work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
-            x, y = _load_rows(src, row_len, r0, r1, work)
-            if fused and self._fused_tile(x, p, r0, r1, e1, scale, key):
-                continue
-            if (fused and scale is None and r1 - r0 == 1 and short_bits_agree(key, r0 * row_len, row_len, e1)
-                    and self._fused_short(x, p, r0, e1, key)):
-                continue
-            if scale is None:
-                div = self._tile_divisor(x, p, r0, r1)
-            else:
-                divisor = _safe_divisor(scale) if divisor is None else divisor
-                div = divisor.expand(r1 - r0)
-            torch.div(x, div[:, None], out=y)
+        ragged = self._fused_block_codes() if fused and scale is None and numel % row_len else None
+        for r0, r1 in _row_ranges(n_rows, step):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            self._store(y.view(-1)[: e1 - e0], p, e0, e1, key)
+            if (e1 - e0) % row_len and ragged is not None and short_bits_agree(key, (r1 - 1) * row_len, row_len, e1):
+                # a tile that ends in a short block: the whole tile in one compiled call
+                values = _native_flat(src, e0, e1)
+                if values is None:
+                    work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
+                    values = src.read(e0, e1, work)
+                self._fused_ragged(values, p, r0, e1, key, ragged)
+                continue
+            # its whole blocks compiled, the short one (an E8M0 scale's, or a stochastic one whose
+            # padding crosses 2^32) by the eager chain
+            for a, b in _short_apart(r0, r1, bool((e1 - e0) % row_len) and fused and scale is None):
+                work = self._encode_rows(src, p, row_len, a, b, scale, key, fused, work, min(step, n_rows))
+
+    def _encode_rows(self, src, p: Payload, row_len: int, r0: int, r1: int, scale: Optional[Tensor],
+                     key: Optional[Tensor], fused: bool, work: Optional[Tensor], full_rows: int) -> Optional[Tensor]:
+        """Rows r0:r1 of ``src`` into ``p``: by the compiled kernels where they serve (whole
+        blocks, or a per-tensor ``scale``'s cast, its divisor inline), else by the eager chain.
+        Returns the fp32 work tile (of ``full_rows`` rows), made where one is read, for the next
+        rows."""
+        e0, e1 = r0 * row_len, min(r1 * row_len, src.numel)
+        native = _native_rows(src, row_len, e0, e1) if fused else None
+        if native is not None and self._fused_tile(native, p, r0, r1, e1, scale, key):
+            return work
+        work = _work_tile(work, r1 - r0, full_rows, row_len, src.device)
+        x, y = _load_rows(src, row_len, r0, r1, work)
+        if fused and self._fused_tile(x, p, r0, r1, e1, scale, key):
+            return work
+        div = self._tile_divisor(x, p, r0, r1) if scale is None else _safe_divisor(scale).expand(r1 - r0)
+        torch.div(x, div[:, None], out=y)
+        self._store(y.view(-1)[: e1 - e0], p, e0, e1, key)
+        return work
+
+    def _fused_ragged(self, values: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor],
+                      codes: Tuple[Callable, tuple, bool]) -> None:
+        """Encode rows r0.. of a tile that ends in a short block (``values``: its elements up to
+        ``e1``, flat, as they lie or in fp32) by :func:`.kernels.ragged_block_encode` over the
+        format's ``codes`` (:meth:`_fused_block_codes`): one compiled call for the whole tile, then
+        its scales and the short block's bytes copied into ``p``."""
+        codes_fn, codes_kw, packed = codes
+        row_len, epb = self.block_size, self.elements_per_byte
+        e0, width = r0 * row_len, row_len // epb
+        whole = (e1 - e0) // row_len
+        run = fused_kernels.compiled(fused_kernels.ragged_block_encode, block=row_len, codes_fn=codes_fn,
+                                     codes_kw=codes_kw, packed=packed)
+        b0, b1 = e0 // epb + whole * width, -(-e1 // epb)  # the short block's bytes
+        scales, short = run(values, p.data.view(torch.uint8)[e0 // epb : b0].view(whole, width), key, e0)
+        self._put_scales(p, r0, scales)
+        p.data.view(torch.uint8)[b0:b1].copy_(short.view(torch.uint8)[: b1 - b0])
 
     def _decode_range(self, p: Payload, out: Tensor, e0: int, e1: int, row_len: int) -> None:
         r0, r1 = e0 // row_len, -(-e1 // row_len)
@@ -992,14 +1031,6 @@ class _ScaledCodec(Codec):
         """Encode rows r0:r1 (``x``, padded to whole rows; elements up to ``e1``) with the compiled
         kernels (stochastic under ``key``; ``scale``: one per tensor, already in ``p``); False
         where they do not serve the tile (the eager path does)."""
-        return False
-
-    def _fused_short(self, x: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor]) -> bool:
-        """Encode the short last block r0 (``x``: one row, zero padded, as the eager chain pads
-        it; elements up to ``e1``) by the compiled kernel of a whole block: the zeros change
-        neither the block's amax nor the codes kept, and only the block's own codes are copied
-        into ``p``. One compiled call where the eager chain launches about 20 kernels on one
-        row. False where it does not serve (the eager path does)."""
         return False
 
     def _tile_divisor(self, x: Tensor, p: Payload, r0: int, r1: int) -> Tensor:

@@ -130,18 +130,6 @@ class _Fp8Codec(_ScaledCodec):
         self._put_scales(p, r0, run(x, p.data[e0:e1].view(torch.uint8).view(r1 - r0, row_len), key, e0))
         return True
 
-    def _fused_short(self, x: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor]) -> bool:
-        if self.scale_kind != "fp32":
-            return False
-        row_len = x.shape[1]
-        e0 = r0 * row_len
-        grid = dict(mant_bits=self.mant_bits, min_normal=self.min_normal) if key is not None else {}
-        codes = torch.empty(1, row_len, dtype=torch.uint8, device=x.device)
-        run = fused_kernels.compiled(fp8_block_encode, fmax=self.fmax, dtype=self.data_dtype, **grid)
-        self._put_scales(p, r0, run(x, codes, key, e0))
-        p.data[e0:e1].view(torch.uint8).copy_(codes.view(-1)[: e1 - e0])
-        return True
-
     def _fused_block_codes(self):
         if self.scale_kind != "fp32" or not self.block_size:
             return None

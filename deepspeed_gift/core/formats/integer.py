@@ -12,6 +12,7 @@ from torch import Tensor
 from .. import kernels as fused_kernels
 from ..kernels import (finite_or_zero, fp32_row_scale, fp32_scales, random_bits, rows_amax, safe_divisor,
                        stochastic_int)
+from ..kernels import int4_bytes as _pack_int4
 from .base import (Codec, Payload, Rounding, _block_amax, _check_block, _chunks, _nibbles, _pack_nibbles,
                    _register, _ScaledCodec)
 
@@ -22,12 +23,6 @@ def _int_codes(y: Tensor, key: Optional[Tensor] = None, e0: int = 0) -> Tensor:
     if key is None:
         return torch.round(y).to(torch.int8)  # half to even, as eager's round_
     return stochastic_int(y, random_bits(key, e0, y, 24)).to(torch.int8)
-
-
-def _pack_int4(codes: Tensor) -> Tensor:
-    nib = codes.view(torch.uint8) & 0x0F
-    pairs = nib.unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def int_block_codes(x: Tensor, key: Optional[Tensor] = None, e0: int = 0, *, qmax: int) -> Tuple[Tensor, Tensor]:
@@ -407,20 +402,6 @@ class _IntCodec(_ScaledCodec):
             return False
         self._put_scales(p, r0, fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=packed)(
             x, p.data[e0 // epb : e1 // epb].view(torch.uint8).view(r1 - r0, row_len // epb), key, e0))
-        return True
-
-    def _fused_short(self, x: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor]) -> bool:
-        row_len, epb = x.shape[1], self.elements_per_byte
-        if epb == 2 and row_len % 2:
-            return False
-        e0 = r0 * row_len
-        codes = torch.empty(1, row_len // epb, dtype=torch.uint8, device=x.device)
-        self._put_scales(p, r0, fused_kernels.compiled(int_block_encode, qmax=self.qmax, packed=epb == 2)(
-            x, codes, key, e0))
-        # an odd count of nibbles: the last byte's high nibble is a padding zero's code, 0, as the
-        # eager packing pads it
-        nbytes = -(-(e1 - e0) // epb)
-        p.data[e0 // epb : e0 // epb + nbytes].view(torch.uint8).copy_(codes.view(-1)[:nbytes])
         return True
 
     def _fused_block_codes(self):

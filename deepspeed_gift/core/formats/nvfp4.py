@@ -11,9 +11,9 @@ from torch import Tensor
 
 from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
-from .base import (Payload, Rounding, _load_rows, _native_rows, _nibble_table, _nibbles, _register, _row_ranges,
-                   _ScaledCodec, _source_scale, _stochastic_round_bits, _table_on, _tile_amax, _tile_rows,
-                   _unpack_nibbles, _work_tile, device_table, short_bits_agree)
+from .base import (Payload, Rounding, _load_rows, _native_flat, _native_rows, _nibble_table, _nibbles, _register,
+                   _row_ranges, _ScaledCodec, _short_apart, _source_scale, _stochastic_round_bits, _table_on, _tile_amax,
+                   _tile_rows, _unpack_nibbles, _work_tile, device_table, short_bits_agree)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -184,6 +184,15 @@ def nvfp4_tile_encode(xt: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: i
     return scales, _bytes_as_int64([codes[2 * k] + codes[2 * k + 1] * 16.0 for k in range(8)])
 
 
+def nvfp4_ragged_encode(x: Tensor, g: Tensor, key: Optional[Tensor] = None, e0: int = 0, *,
+                        candidates: Sequence[str]) -> Tuple[Tensor, Tensor]:
+    """:func:`nvfp4_tile_encode` of a tile that ends in a short block: ``x`` (n,) as it lies,
+    padded inside with zeros to whole 16-blocks (as the eager chain pads it: they change neither
+    the block's amax nor its candidates' errors, and the padding's codes are dropped by the
+    caller), its blocks read as strided columns (a view: the GPU's layout)."""
+    return nvfp4_tile_encode(fused_kernels.padded_blocks(x, 16).t(), g, key, e0, candidates=candidates)
+
+
 def nvfp4_feedback_tile(values: Tensor, res_data: Tensor, res_scales: Tensor, g: Tensor, key: Optional[Tensor] = None,
                         e0: int = 0, *, candidates: Sequence[str], width: int) -> Tuple[Tensor, Tensor]:
     """:func:`nvfp4_tile_encode` of error feedback's sum: ``values`` (n,) plus last step's int8
@@ -318,56 +327,89 @@ class NvFp4Codec(_ScaledCodec):
             work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
             return _load_rows(src, row_len, r0, r1, work)[0]
 
-        if fused is not None and p.header_pending and n_rows <= step and numel == n_rows * row_len:
-            # one tile of whole blocks, compiled, the header pending: its columns, the global
-            # scale taken over them (on a CPU the columns are a copy, which the pass then reads
-            # contiguously where it read the rows' columns strided), the tile kernel, and the
-            # header, the global scale, the scales and the data, which follow one another in the
-            # wire, written by one copy
-            xt = _blocks_as_columns(rows(0, n_rows))
-            g = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=True,
-                                       qmax=_FP4_MAX * _E4M3_MAX)(xt.t(), None)
-            self._with_header(p, g, *fused(xt, g, key, 0))
+        qmax = _FP4_MAX * _E4M3_MAX
+        if (fused is not None and p.header_pending and n_rows <= step
+                and short_bits_agree(key, (n_rows - 1) * row_len, row_len, numel)):
+            # one tile, compiled, the header pending: the global scale's pass, the tile kernel,
+            # and the header, the global scale, the scales and the data, which follow one another
+            # in the wire, written by one copy. A short last block is padded inside both kernels
+            # where the source gives its values as they lie, else by the fp32 tile's read. (On a
+            # CPU whole blocks' columns are a copy, which the pass then reads contiguously where
+            # it read the rows' columns strided.)
+            values = _native_flat(src, 0, numel) if numel % row_len else None
+            if values is not None:
+                g = fused_kernels.compiled(fused_kernels.ragged_tensor_scale, block=row_len, finite_blocks_only=True,
+                                           qmax=qmax)(values, None)
+                codes, packed = fused_kernels.compiled(nvfp4_ragged_encode, candidates=self.scale_candidates)(
+                    values, g, key, 0)
+            else:
+                xt = _blocks_as_columns(rows(0, n_rows))
+                g = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=True, qmax=qmax)(xt.t(), None)
+                codes, packed = fused(xt, g, key, 0)
+            self._with_header(p, g, codes, packed.view(torch.uint8).reshape(-1)[: (numel + 1) // 2])
             return
-        g = _source_scale(src, row_len, tile, _FP4_MAX * _E4M3_MAX, finite_blocks_only=True, fused=compiled)
+        g = _source_scale(src, row_len, tile, qmax, finite_blocks_only=True, fused=compiled)
         self._put_global(p, g)
-        for r0, r1 in _row_ranges(n_rows, step, numel % row_len != 0 and fused is not None):
-            e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            x = rows(r0, r1)
-            if fused is not None and (e1 - e0 == x.numel()
-                                      or (r1 - r0 == 1 and short_bits_agree(key, e0, row_len, e1))):
-                # whole blocks, or the short last block padded with zeros (as the eager chain pads
-                # it: they change neither its amax nor its candidates' errors) and its codes kept
-                codes, packed = fused(_blocks_as_columns(x), g, key, e0)
-                p.scales.view(torch.uint8)[r0:r1].copy_(codes)
-                nbytes = (e1 - e0 + 1) // 2
-                p.data[e0 // 2 : e0 // 2 + nbytes].copy_(packed.view(torch.uint8).reshape(-1)[:nbytes])
+
+        def store(r0: int, e0: int, e1: int, codes: Tensor, packed: Tensor) -> None:
+            p.scales.view(torch.uint8)[r0 : r0 + codes.numel()].copy_(codes)
+            nbytes = (e1 - e0 + 1) // 2  # an odd count's last high nibble: a padding zero's code
+            p.data[e0 // 2 : e0 // 2 + nbytes].copy_(packed.view(torch.uint8).reshape(-1)[:nbytes])
+
+        for t0, t1 in _row_ranges(n_rows, step):
+            e0, e1 = t0 * row_len, min(t1 * row_len, numel)
+            ragged = (e1 - e0) % row_len != 0
+            if fused is not None and ragged and short_bits_agree(key, (t1 - 1) * row_len, row_len, e1):
+                # a tile that ends in a short block, padded with zeros (as the eager chain pads it:
+                # they change neither its amax nor its candidates' errors), in one call: padded
+                # inside the kernel where the source gives its values as they lie, else the fp32
+                # tile the read pads
+                values = _native_flat(src, e0, e1)
+                if values is not None:
+                    store(t0, e0, e1, *fused_kernels.compiled(nvfp4_ragged_encode, candidates=self.scale_candidates)(
+                        values, g, key, e0))
+                else:
+                    store(t0, e0, e1, *fused(_blocks_as_columns(rows(t0, t1)), g, key, e0))
                 continue
-            amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
-            candidates = self._candidate_codes(amax, g)
-            codes = candidates[0].clone()
-            best = best_err = None
-            for cand in candidates:
-                scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
-                y = torch.div(x, safe_divisor(scale)[:, None])
-                keys = _fp4_keys(y)
-                # summed in a fixed order, the compiled kernel's (fused_kernels.row_sum_pairwise)
-                err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(keys).mul_(scale[:, None]).sub_(x).square_())
-                keep = y if key is not None else keys
-                if best is None:
-                    best, best_err = keep, err
-                    continue
-                better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
-                codes = torch.where(better, cand, codes)
-                best_err = torch.where(better, err, best_err)
-                torch.where(better[:, None], keep, best, out=best)
-            best = best.view(-1)[: e1 - e0]
-            if key is not None:
-                best.clamp_(-_FP4_MAX, _FP4_MAX)
-                best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, key, e0))
-            self._pack_keys(best, p, e0, e1)
-            codes.masked_fill_(~torch.isfinite(amax), 0x7F)  # nan scale marks a non-finite block
-            p.scales.view(torch.uint8)[r0:r1].copy_(codes)
+            # a stochastic short block whose padding crosses 2^32 goes eager, alone
+            for r0, r1 in _short_apart(t0, t1, fused is not None and ragged):
+                self._encode_rows(src, p, rows, r0, r1, g, key, fused, store)
+
+    def _encode_rows(self, src, p: Payload, rows, r0: int, r1: int, g: Tensor, key: Optional[Tensor], fused,
+                     store) -> None:
+        """Rows r0:r1 (whole blocks, or the short last one alone): compiled where ``fused``
+        serves them, else the eager chain."""
+        row_len, numel = self.block_size, src.numel
+        e0, e1 = r0 * row_len, min(r1 * row_len, numel)
+        x = rows(r0, r1)
+        if fused is not None and e1 - e0 == x.numel():
+            store(r0, e0, e1, *fused(_blocks_as_columns(x), g, key, e0))
+            return
+        amax = _tile_amax(x.view(-1)[: e1 - e0], row_len)
+        candidates = self._candidate_codes(amax, g)
+        codes = candidates[0].clone()
+        best = best_err = None
+        for cand in candidates:
+            scale = cand.view(torch.float8_e4m3fn).float().mul_(g)
+            y = torch.div(x, safe_divisor(scale)[:, None])
+            keys = _fp4_keys(y)
+            # summed in a fixed order, the compiled kernel's (fused_kernels.row_sum_pairwise)
+            err = fused_kernels.row_sum_pairwise(_e2m1_of_keys(keys).mul_(scale[:, None]).sub_(x).square_())
+            keep = y if key is not None else keys
+            if best is None:
+                best, best_err = keep, err
+                continue
+            better = err < best_err  # nan (non-finite block) never wins: its scale is set apart
+            codes = torch.where(better, cand, codes)
+            best_err = torch.where(better, err, best_err)
+            torch.where(better[:, None], keep, best, out=best)
+        best = best.view(-1)[: e1 - e0]
+        if key is not None:
+            best.clamp_(-_FP4_MAX, _FP4_MAX)
+            best = _fp4_keys(_stochastic_round_bits(best, 1, 1.0, key, e0))
+        self._pack_keys(best, p, e0, e1)
+        codes.masked_fill_(~torch.isfinite(amax), 0x7F)  # nan scale marks a non-finite block
+        p.scales.view(torch.uint8)[r0:r1].copy_(codes)
 
     @staticmethod
     def _pack_keys(key: Tensor, p: Payload, e0: int, e1: int) -> None:
