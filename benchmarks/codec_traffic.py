@@ -189,6 +189,7 @@ def _fresh_inductor():
 
     real = fused_kernels.compiled
     real_columns = formats.nvfp4._blocks_as_columns
+    real_pads = formats.base.pads_inside
 
     def compiled_uncounted(fn, **constants):
         graph = real(fn, **constants)
@@ -213,6 +214,7 @@ def _fresh_inductor():
     torch._logging.set_logs(inductor_metrics=True)
     fused_kernels.compiled = compiled_uncounted
     formats.nvfp4._blocks_as_columns = lambda x: x.t()  # a GPU's layout: a view, no transposed copy
+    formats.base.pads_inside = formats.nvfp4.pads_inside = lambda device: True  # a GPU's short block
     try:
         with inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
             metrics.reset()
@@ -221,6 +223,7 @@ def _fresh_inductor():
     finally:
         fused_kernels.compiled = real
         formats.nvfp4._blocks_as_columns = real_columns
+        formats.base.pads_inside = formats.nvfp4.pads_inside = real_pads
         torch._logging.set_logs(inductor_metrics=False)
 
 

@@ -137,18 +137,21 @@ def test_compiled_encode_reads_bf16_values_as_they_lie(name, options, monkeypatc
     _same_payloads(eager, ref, got, values.float())
 
 
+@pytest.mark.parametrize("inside", [True, False], ids=["one_call", "whole_rows_then_short"])
 @pytest.mark.parametrize("name,options", [("fp8_e4m3", {}), ("int8", {"block_size": 32}), ("int4", {}),
                                           ("nvfp4", {})], ids=["fp8_block", "int8_32", "int4", "nvfp4"])
-def test_a_tile_ending_in_a_short_block_is_one_compiled_call(name, options, monkeypatch):
+def test_a_tile_ending_in_a_short_block_is_compiled_as_it_lies(name, options, inside, monkeypatch):
     """A section shorter than a tile whose length is not a multiple of the block (most of them:
-    on a GPU a tile is 2^24 elements): the whole tile, its short last block padded inside, is one
-    compiled call that reads the bf16 values as they lie (no fp32 read at all), and so is
-    NVFP4's global scale pass over it. Never the eager chain, nor a call per range of rows; the
-    same bytes as eager. Until the short block was split off, the whole tile went eager; until
-    it was compiled, it went eager alone; until it was folded in, it was a call of its own, read
-    into fp32 and padded by a copy."""
-    from deepspeed_gift.core.formats import TensorSource
+    on a GPU a tile is 2^24 elements): read as it lies (the bf16 values, no fp32 read at all) by
+    the compiled kernels, never the eager chain, NVFP4's global scale pass included; the same
+    bytes as eager. Where the kernel pads inside (``base.pads_inside``: a GPU) the whole tile is
+    one call; elsewhere its whole rows are one call and the short block, padded inside, another.
+    Until the short block was split off, the whole tile went eager; until it was compiled, it
+    went eager alone; until it was padded inside, it was read into fp32 and padded by a copy."""
+    from deepspeed_gift.core.formats import TensorSource, base, nvfp4
 
+    monkeypatch.setattr(base, "pads_inside", lambda device: inside)
+    monkeypatch.setattr(nvfp4, "pads_inside", lambda device: inside)
     reads = []
     real_read = TensorSource.read
     monkeypatch.setattr(TensorSource, "read", lambda self, e0, e1, work: reads.append((e0, e1))
@@ -159,12 +162,18 @@ def test_a_tile_ending_in_a_short_block_is_one_compiled_call(name, options, monk
     pe = eager.encode(x, tile_elements=SMALL_TILE)
     reads.clear()
 
-    def per_range(*args):
-        raise AssertionError("a range of rows was encoded apart")
+    def eager_chain(*args):
+        raise AssertionError("the eager chain ran in the compiled mode")
 
-    monkeypatch.setattr(type(fused), "_encode_rows", per_range)
+    monkeypatch.setattr(type(fused), "_candidate_codes" if name == "nvfp4" else "_tile_divisor", eager_chain)
+    ranges = []
+    real_rows = type(fused)._encode_rows
+    monkeypatch.setattr(type(fused), "_encode_rows", lambda self, src, p, rows_or_len, r0, r1, *a:
+                        ranges.append((r0, r1)) or real_rows(self, src, p, rows_or_len, r0, r1, *a))
     pf = fused.encode(x, tile_elements=SMALL_TILE)
     assert not reads, reads  # the tile, as it lies
+    whole = x.numel() // eager.block_size
+    assert ranges == ([] if inside else [(0, whole)]), ranges
     _same_payloads(eager, pe, pf, x.float())
 
 

@@ -194,6 +194,17 @@ def _native_flat(src, e0: int, e1: int) -> Optional[Tensor]:
     return None if native is None else native(e0, e1)
 
 
+def pads_inside(device) -> bool:
+    """Where a tile that ends in a short block is one compiled call that pads the block inside
+    (a GPU: Triton's masked load of the padding is free, and NVFP4's kernel reads the tile's
+    columns as a view, as it reads a whole tile's), rather than the whole blocks' call and then
+    the short block's call, padded inside on its own (a CPU: inductor's C++ vectorizes a masked
+    load poorly and NVFP4's kernel would read strided columns: one call took 2.4x the two at
+    2^20 - 4 elements of fp8, 3.5x for int4, 3.8x for NVFP4, ``benchmarks/codec_speed.py --numel
+    1048572``). The bytes are the same either way."""
+    return torch.device(device).type != "cpu"
+
+
 def _row_ranges(n_rows: int, step: int) -> Iterator[Tuple[int, int]]:
     """The encode's tiles as row ranges (r0, r1), ``step`` rows each."""
     for r0 in range(0, n_rows, step):
@@ -286,7 +297,16 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
         e0, e1 = r0 * row_len, min(r1 * row_len, numel)
         if fused and (e1 - e0) % row_len and row_len < tile:
             # a tile that ends in a short block (not a per-tensor scale's short last tile: its
-            # row is a tile): one compiled call, padded inside
+            # row is a tile): one compiled call, padded inside, or (``pads_inside``) its whole
+            # rows' call and the short block's
+            if not pads_inside(src.device) and r1 - r0 > 1:
+                rows = _native_rows(src, row_len, e0, (r1 - 1) * row_len)
+                if rows is None:
+                    work = _work_tile(work, r1 - r0 - 1, min(step, n_rows), row_len, src.device)
+                    rows = src.read(e0, (r1 - 1) * row_len, work).view(-1, row_len)
+                scale = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=finite_blocks_only,
+                                               qmax=qmax)(rows, scale)
+                e0 = (r1 - 1) * row_len
             values = _native_flat(src, e0, e1)
             if values is None:
                 work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
@@ -965,12 +985,16 @@ class _ScaledCodec(Codec):
         for r0, r1 in _row_ranges(n_rows, step):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
             if (e1 - e0) % row_len and ragged is not None and short_bits_agree(key, (r1 - 1) * row_len, row_len, e1):
-                # a tile that ends in a short block: the whole tile in one compiled call
-                values = _native_flat(src, e0, e1)
+                # a tile that ends in a short block: the whole tile in one compiled call, or
+                # (``pads_inside``) its whole rows' call and the short block's
+                first = r0 if pads_inside(src.device) else r1 - 1
+                if first > r0:
+                    work = self._encode_rows(src, p, row_len, r0, first, scale, key, fused, work, min(step, n_rows))
+                values = _native_flat(src, first * row_len, e1)
                 if values is None:
-                    work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
-                    values = src.read(e0, e1, work)
-                self._fused_ragged(values, p, r0, e1, key, ragged)
+                    work = _work_tile(work, r1 - first, min(step, n_rows), row_len, src.device)
+                    values = src.read(first * row_len, e1, work)
+                self._fused_ragged(values, p, first, e1, key, ragged)
                 continue
             # its whole blocks compiled, the short one (an E8M0 scale's, or a stochastic one whose
             # padding crosses 2^32) by the eager chain

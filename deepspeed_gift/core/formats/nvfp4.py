@@ -13,7 +13,7 @@ from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _native_flat, _native_rows, _nibble_table, _nibbles, _register,
                    _row_ranges, _ScaledCodec, _short_apart, _source_scale, _stochastic_round_bits, _table_on, _tile_amax,
-                   _tile_rows, _unpack_nibbles, _work_tile, device_table, short_bits_agree)
+                   _tile_rows, _unpack_nibbles, _work_tile, device_table, pads_inside, short_bits_agree)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -329,6 +329,7 @@ class NvFp4Codec(_ScaledCodec):
 
         qmax = _FP4_MAX * _E4M3_MAX
         if (fused is not None and p.header_pending and n_rows <= step
+                and (numel % row_len == 0 or pads_inside(src.device))
                 and short_bits_agree(key, (n_rows - 1) * row_len, row_len, numel)):
             # one tile, compiled, the header pending: the global scale's pass, the tile kernel,
             # and the header, the global scale, the scales and the data, which follow one another
@@ -361,15 +362,20 @@ class NvFp4Codec(_ScaledCodec):
             ragged = (e1 - e0) % row_len != 0
             if fused is not None and ragged and short_bits_agree(key, (t1 - 1) * row_len, row_len, e1):
                 # a tile that ends in a short block, padded with zeros (as the eager chain pads it:
-                # they change neither its amax nor its candidates' errors), in one call: padded
-                # inside the kernel where the source gives its values as they lie, else the fp32
-                # tile the read pads
+                # they change neither its amax nor its candidates' errors), in one call, or
+                # (``pads_inside``) its whole rows' call and the short block's: padded inside the
+                # kernel where the source gives its values as they lie, else the fp32 tile the
+                # read pads
+                first = t0 if pads_inside(src.device) else t1 - 1
+                if first > t0:
+                    self._encode_rows(src, p, rows, t0, first, g, key, fused, store)
+                e0 = first * row_len
                 values = _native_flat(src, e0, e1)
                 if values is not None:
-                    store(t0, e0, e1, *fused_kernels.compiled(nvfp4_ragged_encode, candidates=self.scale_candidates)(
-                        values, g, key, e0))
+                    store(first, e0, e1, *fused_kernels.compiled(nvfp4_ragged_encode,
+                                                                 candidates=self.scale_candidates)(values, g, key, e0))
                 else:
-                    store(t0, e0, e1, *fused(_blocks_as_columns(rows(t0, t1)), g, key, e0))
+                    store(first, e0, e1, *fused(_blocks_as_columns(rows(first, t1)), g, key, e0))
                 continue
             # a stochastic short block whose padding crosses 2^32 goes eager, alone
             for r0, r1 in _short_apart(t0, t1, fused is not None and ragged):
