@@ -228,6 +228,30 @@ def test_compiled_stochastic_encode_equals_eager_at_any_tile(name, options):
     _same_payloads(eager, again, fused.encode(finite), finite)
 
 
+def test_an_elements_random_bits_follow_its_offset_alone_across_2_to_the_32():
+    """An offset below 2**32 draws the same bits in a call whose range reaches past 2**32
+    (``wide``) as in one that does not, and an offset past it draws by its high word too; so
+    NVFP4's columns (element (row, j) at e0 + 16 row + j, drawn at a stride of 16) draw what
+    the flat eager range draws, for a tile that ends at 2**32 and for one that crosses it, and
+    a short block padded past 2**32 draws what it draws unpadded. Until the commit after
+    ``ceb486c`` a wide call gave every offset the second round: columns 1..15 of a tile ending
+    at 2**32 drew other bits than the flat range (and a padded short block than an unpadded
+    one)."""
+    key = torch.tensor(CounterRng(9).next_key())
+    below = torch.arange(2**32 - 64, 2**32, dtype=torch.int64)
+    past = below + 64
+    assert torch.equal(counter_bits(key, below), counter_bits(key, below, wide=True))
+    both = counter_bits(key, torch.cat([below, past]), wide=True)
+    assert torch.equal(both[:64], counter_bits(key, below))
+    assert not torch.equal(both[64:], counter_bits(key, past - 2**32))  # the high word counts
+    for e0 in (2**32 - 64, 2**32 - 32):  # a tile ending at 2**32, one crossing it
+        flat = kernels.random_bits(key, e0, torch.empty(64), 22).view(4, 16)
+        for j in range(16):
+            assert torch.equal(kernels.random_bits(key, e0 + j, torch.empty(4), 22, stride=16), flat[:, j]), (e0, j)
+    short = kernels.random_bits(key, 2**32 - 16, torch.empty(11), 22)  # a short block ending before 2**32
+    assert torch.equal(kernels.random_bits(key, 2**32 - 16, torch.empty(16), 22)[:11], short)  # padded past it
+
+
 def test_counter_bits_are_uniform_and_keyed():
     """The hash's bits against a uniform law, by arithmetic: over 2**20 consecutive offsets the
     top and the bottom 8 bits fall in 256 bins with chi-square below its mean + 6 sd (255 + 6 *

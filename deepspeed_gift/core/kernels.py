@@ -14,8 +14,7 @@ Every function here computes exactly what the eager chain computes, operation by
 the same order (the same roundings: ``tests/test_kernels.py`` compares bytes), so the modes
 give the same bits. Stochastic rounding draws from a counter (:mod:`.rng`: a hash of the
 encode's key and the element's offset), so both modes, on any device, draw the same bits.
-What they leave to the eager path: E8M0 scales' encode, odd rows of 4-bit data, and a stochastic
-short block whose padding crosses element 2^32 (``base.short_bits_agree``).
+What they leave to the eager path: E8M0 scales' encode and odd rows of 4-bit data.
 
 Pure tensor math: no ``torch.distributed``.
 """
@@ -263,7 +262,7 @@ def random_bits(key: Tensor, e0: int, like: Tensor, bits: int, stride: int = 1) 
     of :func:`.rng.counter_bits`."""
     n = like.numel()
     offsets = offsets_of(0, n, like.device) * stride + e0 if stride != 1 else offsets_of(e0, n, like.device)
-    wide = e0 + stride * n > 2**32
+    wide = e0 + stride * (n - 1) >= 2**32  # the last offset: a second round only reaches offsets past 2**32
     return (counter_bits(key, offsets.view(like.shape), wide=wide) >> (32 - bits)).to(torch.int32)
 
 

@@ -10,8 +10,8 @@ numbers in the order a kernel asks for them.
 The hash works on int64 holding 32-bit values: every product is of a value below 2**32 and a
 constant below 2**31, so it stays below 2**63 and no signed overflow (undefined in the C++ and
 Triton that inductor writes) ever happens. Two rounds of a multiply-xorshift finalizer (odd
-constants, xorshifts of 15-16 bits) mixes the counter with the key's first word; an encode of
-2**32 elements or more takes a second round for the counter's high word and the key's second.
+constants, xorshifts of 15-16 bits) mixes the counter with the key's first word; an element at offset 2**32 or past it takes a
+second round for the counter's high word and the key's second.
 
 Pure tensor math: no ``torch.distributed``.
 """
@@ -52,12 +52,18 @@ def _mix32(x: Tensor) -> Tensor:
 
 def counter_bits(key: Tensor, offsets: Tensor, wide: bool = False) -> Tensor:
     """32 random bits (int64 in [0, 2**32)) per element offset (int64 >= 0) under ``key`` (an
-    int64 tensor of the key's two 32-bit words). Offsets below 2**32 (every encode of fewer
-    elements) take one round; ``wide`` offsets a second, for their high word."""
+    int64 tensor of the key's two 32-bit words). Offsets below 2**32 take one round; those at
+    or past it a second, for their high word. ``wide``: some offset may be past it (the caller's
+    range reaches 2**32); without it the second round is skipped, which changes no element's
+    bits. So an element's bits depend on (key, offset) alone, never on the range or the tiling
+    that reached it: until the commit after ``ceb486c`` a wide call gave every offset the second
+    round, so a tile reaching 2**32 drew, below it, other bits than a tile ending before it (and
+    NVFP4's columns, drawn at a stride of 16, other bits than its flat eager draw)."""
+    x = _mix32((offsets & _M32) ^ key[0]) if wide else _mix32(offsets ^ key[0])
     if not wide:
-        return _mix32(offsets ^ key[0])
-    x = _mix32((offsets & _M32) ^ key[0])
-    return _mix32(x ^ (offsets >> 32) ^ key[1])
+        return x
+    high = offsets >> 32
+    return torch.where(high == 0, x, _mix32(x ^ high ^ key[1]))
 
 
 def offsets_of(e0: int, n: int, device) -> Tensor:

@@ -229,13 +229,6 @@ def _work_tile(work: Optional[Tensor], rows: int, full_rows: int, row_len: int, 
     return work
 
 
-def short_bits_agree(key: Optional[Tensor], e0: int, row_len: int, e1: int) -> bool:
-    """Whether a short block's elements e0:e1, encoded padded to ``row_len``, draw the random
-    bits they draw unpadded: always, but where the padding crosses 2^32 and the block does not
-    (``kernels.random_bits`` hashes twice past it)."""
-    return key is None or not (e1 <= 2**32 < e0 + row_len)
-
-
 def _load_rows(src, row_len: int, r0: int, r1: int, work: Tensor) -> Tuple[Tensor, Tensor]:
     """Rows r0:r1 of ``src`` as (k, row_len) float32, zero padded, and a same-shaped work tile.
 
@@ -984,7 +977,7 @@ class _ScaledCodec(Codec):
         ragged = self._fused_block_codes() if fused and scale is None and numel % row_len else None
         for r0, r1 in _row_ranges(n_rows, step):
             e0, e1 = r0 * row_len, min(r1 * row_len, numel)
-            if (e1 - e0) % row_len and ragged is not None and short_bits_agree(key, (r1 - 1) * row_len, row_len, e1):
+            if (e1 - e0) % row_len and ragged is not None:
                 # a tile that ends in a short block: the whole tile in one compiled call, or
                 # (``pads_inside``) its whole rows' call and the short block's
                 first = r0 if pads_inside(src.device) else r1 - 1
@@ -996,8 +989,8 @@ class _ScaledCodec(Codec):
                     values = src.read(first * row_len, e1, work)
                 self._fused_ragged(values, p, first, e1, key, ragged)
                 continue
-            # its whole blocks compiled, the short one (an E8M0 scale's, or a stochastic one whose
-            # padding crosses 2^32) by the eager chain
+            # its whole blocks compiled, the short one (an E8M0 scale's, an odd int4 block's) by
+            # the eager chain
             for a, b in _short_apart(r0, r1, bool((e1 - e0) % row_len) and fused and scale is None):
                 work = self._encode_rows(src, p, row_len, a, b, scale, key, fused, work, min(step, n_rows))
 

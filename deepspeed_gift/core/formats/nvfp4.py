@@ -12,8 +12,8 @@ from torch import Tensor
 from .. import kernels as fused_kernels
 from ..kernels import columns_amax, e4m3_at_least, random_bits, safe_divisor, stochastic_grid, sum_pairwise
 from .base import (Payload, Rounding, _load_rows, _native_flat, _native_rows, _nibble_table, _nibbles, _register,
-                   _row_ranges, _ScaledCodec, _short_apart, _source_scale, _stochastic_round_bits, _table_on, _tile_amax,
-                   _tile_rows, _unpack_nibbles, _work_tile, device_table, pads_inside, short_bits_agree)
+                   _row_ranges, _ScaledCodec, _source_scale, _stochastic_round_bits, _table_on, _tile_amax,
+                   _tile_rows, _unpack_nibbles, _work_tile, device_table, pads_inside)
 from .integer import _fed
 
 _FP4_MAX = 6.0
@@ -329,8 +329,7 @@ class NvFp4Codec(_ScaledCodec):
 
         qmax = _FP4_MAX * _E4M3_MAX
         if (fused is not None and p.header_pending and n_rows <= step
-                and (numel % row_len == 0 or pads_inside(src.device))
-                and short_bits_agree(key, (n_rows - 1) * row_len, row_len, numel)):
+                and (numel % row_len == 0 or pads_inside(src.device))):
             # one tile, compiled, the header pending: the global scale's pass, the tile kernel,
             # and the header, the global scale, the scales and the data, which follow one another
             # in the wire, written by one copy. A short last block is padded inside both kernels
@@ -360,7 +359,7 @@ class NvFp4Codec(_ScaledCodec):
         for t0, t1 in _row_ranges(n_rows, step):
             e0, e1 = t0 * row_len, min(t1 * row_len, numel)
             ragged = (e1 - e0) % row_len != 0
-            if fused is not None and ragged and short_bits_agree(key, (t1 - 1) * row_len, row_len, e1):
+            if fused is not None and ragged:
                 # a tile that ends in a short block, padded with zeros (as the eager chain pads it:
                 # they change neither its amax nor its candidates' errors), in one call, or
                 # (``pads_inside``) its whole rows' call and the short block's: padded inside the
@@ -377,14 +376,11 @@ class NvFp4Codec(_ScaledCodec):
                 else:
                     store(first, e0, e1, *fused(_blocks_as_columns(rows(first, t1)), g, key, e0))
                 continue
-            # a stochastic short block whose padding crosses 2^32 goes eager, alone
-            for r0, r1 in _short_apart(t0, t1, fused is not None and ragged):
-                self._encode_rows(src, p, rows, r0, r1, g, key, fused, store)
+            self._encode_rows(src, p, rows, t0, t1, g, key, fused, store)
 
     def _encode_rows(self, src, p: Payload, rows, r0: int, r1: int, g: Tensor, key: Optional[Tensor], fused,
                      store) -> None:
-        """Rows r0:r1 (whole blocks, or the short last one alone): compiled where ``fused``
-        serves them, else the eager chain."""
+        """Rows r0:r1: compiled where ``fused`` serves them (whole blocks), else the eager chain."""
         row_len, numel = self.block_size, src.numel
         e0, e1 = r0 * row_len, min(r1 * row_len, numel)
         x = rows(r0, r1)
