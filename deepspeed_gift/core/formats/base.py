@@ -194,6 +194,18 @@ def _native_flat(src, e0: int, e1: int) -> Optional[Tensor]:
     return None if native is None else native(e0, e1)
 
 
+def _flat_values(src, e0: int, e1: int, work: Optional[Tensor], full_rows: int, row_len: int
+                 ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Elements ``e0:e1`` of ``src``, flat, for a kernel that pads a short block inside: as they
+    lie (:func:`_native_flat`), else read into the fp32 work tile (:func:`_work_tile`, of
+    ``full_rows`` rows); and the work tile for the next reads."""
+    values = _native_flat(src, e0, e1)
+    if values is None:
+        work = _work_tile(work, -(-(e1 - e0) // row_len), full_rows, row_len, src.device)
+        values = src.read(e0, e1, work)
+    return values, work
+
+
 def pads_inside(device) -> bool:
     """Where a tile that ends in a short block is one compiled call that pads the block inside
     (a GPU: Triton's masked load of the padding is free, and NVFP4's kernel reads the tile's
@@ -300,10 +312,7 @@ def _source_scale(src, row_len: int, tile: int, qmax: float, *, finite_blocks_on
                 scale = fused_kernels.compiled(fused_kernels.tensor_scale, finite_blocks_only=finite_blocks_only,
                                                qmax=qmax)(rows, scale)
                 e0 = (r1 - 1) * row_len
-            values = _native_flat(src, e0, e1)
-            if values is None:
-                work = _work_tile(work, r1 - r0, min(step, n_rows), row_len, src.device)
-                values = src.read(e0, e1, work)
+            values, work = _flat_values(src, e0, e1, work, min(step, n_rows), row_len)
             scale = fused_kernels.compiled(fused_kernels.ragged_tensor_scale, block=row_len,
                                            finite_blocks_only=finite_blocks_only, qmax=qmax)(values, scale)
             continue
@@ -983,10 +992,7 @@ class _ScaledCodec(Codec):
                 first = r0 if pads_inside(src.device) else r1 - 1
                 if first > r0:
                     work = self._encode_rows(src, p, row_len, r0, first, scale, key, fused, work, min(step, n_rows))
-                values = _native_flat(src, first * row_len, e1)
-                if values is None:
-                    work = _work_tile(work, r1 - first, min(step, n_rows), row_len, src.device)
-                    values = src.read(first * row_len, e1, work)
+                values, work = _flat_values(src, first * row_len, e1, work, min(step, n_rows), row_len)
                 self._fused_ragged(values, p, first, e1, key, ragged)
                 continue
             # its whole blocks compiled, the short one (an E8M0 scale's, an odd int4 block's) by
