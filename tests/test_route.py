@@ -161,6 +161,51 @@ def test_error_feedback_reduces_the_same_bits_with_compiled_and_eager_kernels(ro
         assert torch.equal(a, b), rank
 
 
+@pytest.mark.parametrize("fmt,options", [("fp8_e4m3", {}), ("int4", {}), ("int8", {"block_size": 32})])
+def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, options):
+    """The direct route, 4 ranks, a bf16 bucket of uneven owners' sections (short last blocks),
+    rounded to nearest, codecs compiled: the sections a rank sends as plain spans of the bucket
+    are encoded by one call for all (``Codec.encode_spans``), none by an encode of its own, and
+    every rank's result equals the eager path's bit for bit, and telemetry counts the same bytes."""
+    from deepspeed_gift.core import kernels
+
+    world, n = 4, 128 * 160
+    sizes = [n // 4 - 37, n // 4 + 61, n // 4 - 5, n // 4 - 19]
+    slices = [ParamSlice(d, sum(sizes[:d]), sizes[d], 0, d) for d in range(4)]
+    grads = torch.randn(world, sum(sizes), generator=torch.Generator().manual_seed(5)).bfloat16()
+
+    def run(mode):
+        def body(comm):
+            reducer = GiftReducer(comm, formats.get_format(fmt, kernels=mode, **options), route="direct")
+            bucket = grads[comm.rank].clone()
+            stats = reducer.reduce(bucket, slices, {}, divisor=world, step=0)
+            return bucket, (stats.bytes_main, stats.bytes_scales, stats.elements_sent, stats.elements)
+        return run_local(world, body)
+
+    calls = []
+    real = kernels.compiled
+
+    def spy(fn, **constants):
+        inner = real(fn, **constants)
+
+        def counted(*args):
+            calls.append(fn.__name__)
+            return inner(*args)
+        return counted
+
+    kernels.compiled = spy
+    try:
+        fused = run("compiled")
+    finally:
+        kernels.compiled = real
+    # per rank one encode of its three sections; the owner's sums are decode_sum's
+    assert calls.count("spans_block_encode") == world, calls
+    assert not {"ragged_block_encode", "fp8_block_encode", "int_block_encode"} & set(calls), calls
+    for rank, ((a, sa), (b, sb)) in enumerate(zip(run("eager"), fused)):
+        assert torch.equal(a, b), rank
+        assert sa == sb, rank
+
+
 BASE = dict(stage=2, steps=2, bucket=20000, dtype="bf16", count_recv=True)
 FP8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 100},
        "telemetry": {"every": 0}}

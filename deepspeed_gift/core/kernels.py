@@ -36,7 +36,7 @@ __all__ = ["KERNEL_MODES", "check_kernels", "uses_compiled", "compiled", "sum_pa
            "fp32_scales", "finite_or_zero", "safe_divisor", "e8m0_to_fp32", "e4m3_at_least", "random_bits",
            "stochastic_grid", "stochastic_int", "rows_amax", "columns_amax", "tensor_scale", "ragged_tensor_scale",
            "padded_blocks", "int4_bytes",
-           "ragged_block_encode", "fp4_nibbles",
+           "ragged_block_encode", "spans_block_encode", "fp4_nibbles",
            "decoded_rows", "decode_sum"]
 
 KERNEL_MODES: Tuple[str, ...] = ("by_device", "eager", "compiled")
@@ -377,6 +377,26 @@ def ragged_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e
         codes = int4_bytes(codes)
     data.view(codes.dtype).copy_(codes[:rows])  # the bytes viewed as the codes' dtype: fp8 codes viewed as bytes failed to lower
     return scale, codes[rows]
+
+
+def spans_block_encode(x: Tensor, starts: Tensor, lens: Tensor, *, block: int, codes_fn: Callable,
+                       codes_kw: tuple, packed: bool) -> Tuple[Tensor, Tensor]:
+    """Several spans of one flat tensor, each quantized as an encode of its own, in one call:
+    ``x`` (the bucket, as it lies), ``starts`` and ``lens`` (int64, one per block of every span,
+    in order: where the block starts in ``x`` and how many of its ``block`` elements are the
+    span's, ``block`` but for a span's last). A block past its span's end is padded inside with
+    zeros, as :func:`ragged_block_encode` pads a short block, so every span gets the bytes an
+    encode of it alone gives (rounded to nearest: a span's random bits would follow its own key
+    and offsets). Returns the blocks' fp32 scales and codes, (blocks, block) or (blocks, block /
+    2) bytes when ``packed``; the caller cuts them into the spans' payloads. Why: a piece of a
+    two-level or ZeRO-1 exchange sends a section to each of up to W/G - 1 or W - 1 owners, and on
+    a GPU every encode call costs the host ~100 us (dynamo's guards, the payload's views): one
+    call for them all is what the layout model's host charge asks for."""
+    j = torch.arange(block, device=x.device)
+    inside = j < lens[:, None]
+    values = x[torch.where(inside, starts[:, None] + j, 0)].float()
+    scale, codes = codes_fn(torch.where(inside, values, 0.0), None, 0, **dict(codes_kw))
+    return scale, int4_bytes(codes) if packed else codes
 
 
 def fp4_nibbles(data: Tensor) -> Tensor:

@@ -199,6 +199,7 @@ class GiftReducer:
         made (key: the section's index) and are not kept in the result."""
         me, enc = self.comm.rank, self.encoder
         packed = [] if not only_shared else {}
+        batch: List[Tuple[int, Section, int]] = []  # sections sent as plain spans, encoded in one call
         for index, sec in enumerate(plan.sections):
             if only_shared and not sec.shared:
                 continue
@@ -210,6 +211,19 @@ class GiftReducer:
             # It is staged whole (the sum starts from it), as is a section with error feedback
             # (its residual is whole); any other is made tile by tile as the codec reads it.
             feedback = not own_section and not sec.high and self.error_feedback
+            start = self._batched_span(tensor, sec, whiteners, outbox) \
+                if not (own_section or feedback or sample) else None
+            if start is not None:
+                # a span of the bucket as it lies, sent to one rank: with the others of its codec,
+                # one encode for all (Codec.encode_spans; a call each cost the host ~100 us)
+                if batch and (enc.codec_of(batch[0][1]) is not enc.codec_of(sec)
+                              or sum(b[1].numel for b in batch) + sec.numel > self.tile_elements):
+                    self._encode_batch(tensor, batch, outbox, stats)
+                    batch = []
+                batch.append((index, sec, start))
+                stats.elements += sec.numel
+                packed.append(Packed())
+                continue
             if own_section or feedback:
                 values = gather_pieces(tensor, sec.pieces, sec.numel, None if own_section else whiteners,
                                        self.tile_elements)
@@ -246,7 +260,38 @@ class GiftReducer:
                 packed[index] = Packed(own=own, wire=wire)
             else:
                 packed.append(Packed(own=own, wire=wire))
+        if batch:
+            self._encode_batch(tensor, batch, outbox, stats)
         return packed
+
+    def _batched_span(self, tensor: torch.Tensor, sec: Section, whiteners, outbox) -> Optional[int]:
+        """Where section ``sec`` starts in the bucket if it is a plain span of it that the batched
+        encode serves: its pieces in gradient coordinates and one after another in ``tensor``
+        (1-D, contiguous), sent to one rank that is not this one, through ``outbox``, at most a
+        tile long, in a codec that encodes spans (compiled block scales rounded to nearest);
+        else None (the section is encoded on its own)."""
+        if (outbox is None or sec.shared or self.comm.rank in sec.dests or not 0 < sec.numel <= self.tile_elements
+                or tensor.dim() != 1 or not tensor.is_contiguous()
+                or not self.encoder.codec_of(sec).encodes_spans(tensor.device)):
+            return None
+        at = sec.pieces[0].bucket_offset
+        for p in sec.pieces:
+            if (p.rows and whiteners is not None) or p.bucket_offset != at:
+                return None
+            at += p.numel
+        return sec.pieces[0].bucket_offset
+
+    def _encode_batch(self, tensor: torch.Tensor, batch: Sequence[Tuple[int, Section, int]], outbox: "Outbox",
+                      stats: StepStats) -> None:
+        """The sections of ``batch`` (index, section, start: plain spans of ``tensor`` in one codec)
+        encoded in one call, each joined into its place in ``outbox``."""
+        t0, enc = self.now(), self.encoder
+        codec = enc.codec_of(batch[0][1])
+        parts = codec.encode_spans(tensor, [(start, sec.numel) for _, sec, start in batch])
+        for (index, sec, _), wire in zip(batch, parts):
+            outbox.put_parts(index, wire)
+            enc.count_sent(sec, sum(t.numel() for t in wire), sec.numel, 1, stats)
+        stats.codec_s += self.now() - t0
 
     def outbox(self, layout: Dict[int, List[Tuple[object, int]]], expected: Sequence[int], head: torch.Tensor,
                stats: StepStats) -> "Outbox":
@@ -424,11 +469,21 @@ class Outbox:
         self._missing = set(self.slots)
 
     def put(self, key, wire: torch.Tensor) -> None:
+        self.put_parts(key, [wire])
+
+    def put_parts(self, key, parts: Sequence[torch.Tensor]) -> None:
+        """Part ``key``'s wire bytes, given as uint8 pieces in order (a header, scales, data:
+        ``Codec.encode_spans``), joined straight into each of its places (one ``cat`` a place)."""
+        size = sum(t.numel() for t in parts)
         for offset, nbytes in self.slots.get(key, ()):  # none: a part no other rank receives
-            if wire.numel() != nbytes:
-                raise RuntimeError(f"deepspeed_gift: part {key!r} encoded to {wire.numel()} bytes, the plan laid "
+            if size != nbytes:
+                raise RuntimeError(f"deepspeed_gift: part {key!r} encoded to {size} bytes, the plan laid "
                                    f"out {nbytes}; codec byte count is inconsistent")
-            self.buffer.narrow(0, offset, nbytes).copy_(wire)
+            place = self.buffer.narrow(0, offset, nbytes)
+            if len(parts) == 1:
+                place.copy_(parts[0])
+            else:
+                torch.cat(list(parts), out=place)
         self._missing.discard(key)
 
     def rows(self, keys: Sequence[object]) -> torch.Tensor:

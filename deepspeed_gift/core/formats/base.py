@@ -10,7 +10,7 @@ import enum
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Dict, Iterator, List, Optional, Tuple, Type, Union
+from typing import Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor
@@ -507,6 +507,8 @@ class Codec:
         self.block_size, self.scale_kind = self._check_options(block_size, scale)
         self._rng = CounterRng(seed)  # stochastic rounding's keys when no generator is passed
         self._headers: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> header bytes there
+        self._span_tables: Dict[tuple, Tuple[Tensor, Tensor]] = {}  # (spans, device) -> blocks' starts, lens
+        self._span_table_bytes = 0
 
     # -- options ---------------------------------------------------------------
 
@@ -884,6 +886,20 @@ class Codec:
         rows[:, d:end].copy_(p.data.view(torch.uint8).view(parts, -1))
         return rows
 
+    def encodes_spans(self, device) -> bool:
+        """Whether :meth:`encode_spans` serves this codec on ``device``: compiled block scales
+        (fp32), rounded to nearest; else the caller encodes each span on its own."""
+        return False
+
+    def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]]) -> List[List[Tensor]]:
+        """The wire bytes of each span ``(start, numel)`` of the flat ``x`` (as it lies: fp32 or
+        the bucket's bf16) encoded on its own, as the uint8 parts that make it in order (header,
+        scales, data), from one compiled call for all the spans (:func:`.kernels.spans_block_encode`);
+        the caller joins each into its place in a send buffer (one ``cat``). The same bytes as
+        ``encode_to_bytes(x[start:start + numel])`` span by span (``tests/test_kernels.py``).
+        Only where :meth:`encodes_spans`."""
+        raise NotImplementedError(f"{self.name}: no encode of several spans in one call; see encodes_spans")
+
     def encode_to_bytes(self, x: Tensor, *, generator: Optional[CounterRng] = None) -> Tensor:
         return self.payload_to_bytes(self.encode(x, generator=generator))
 
@@ -1018,6 +1034,50 @@ class _ScaledCodec(Codec):
         torch.div(x, div[:, None], out=y)
         self._store(y.view(-1)[: e1 - e0], p, e0, e1, key)
         return work
+
+    def encodes_spans(self, device) -> bool:
+        return (self.block_size > 0 and self.rounding == Rounding.NEAREST and self.compiled_on(device)
+                and self._fused_block_codes() is not None)
+
+    # The spans' block tables kept on the device (a bucket's plan sends the same spans every step:
+    # no host-to-device copy then), at most this many bytes of them per codec.
+    SPAN_TABLE_BYTES: ClassVar[int] = 1 << 25
+
+    def _span_table(self, spans: Tuple[Tuple[int, int], ...], device) -> Tuple[Tensor, Tensor]:
+        """Every block of ``spans``: where it starts in the flat source and how many of its
+        elements are its span's (int64 each), on ``device``."""
+        key = (spans, str(device))
+        got = self._span_tables.get(key)
+        if got is None:
+            starts = torch.cat([torch.arange(a, a + n, self.block_size, dtype=torch.int64) for a, n in spans])
+            ends = torch.cat([torch.full((self.num_blocks(n),), a + n, dtype=torch.int64) for a, n in spans])
+            got = (host_to_device(starts, device), host_to_device((ends - starts).clamp_(max=self.block_size), device))
+            if self._span_table_bytes + 16 * starts.numel() > self.SPAN_TABLE_BYTES:
+                self._span_tables.clear()  # earlier layouts'
+                self._span_table_bytes = 0
+            self._span_tables[key] = got
+            self._span_table_bytes += 16 * starts.numel()
+        return got
+
+    def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]]) -> List[List[Tensor]]:
+        if not self.encodes_spans(x.device) or x.dim() != 1:
+            raise ValueError(f"{self!r} cannot encode spans of a {x.dim()}-D tensor on {x.device} in one call")
+        spans = tuple((int(a), int(n)) for a, n in spans)
+        if any(n <= 0 or a < 0 or a + n > x.numel() for a, n in spans):
+            raise ValueError(f"spans {spans[:4]} do not lie inside a tensor of {x.numel()} elements, each non-empty")
+        codes_fn, codes_kw, packed = self._fused_block_codes()
+        starts, lens = self._span_table(spans, x.device)
+        run = fused_kernels.compiled(fused_kernels.spans_block_encode, block=self.block_size, codes_fn=codes_fn,
+                                     codes_kw=codes_kw, packed=packed)
+        scales, codes = run(x, starts, lens)
+        scale_bytes, code_bytes = scales.view(torch.uint8), codes.view(torch.uint8).reshape(-1)
+        row_bytes, parts, b0 = self.block_size // self.elements_per_byte, [], 0
+        for _, numel in spans:
+            blocks = self.num_blocks(numel)
+            parts.append([self.header_on(numel, x.device), scale_bytes[4 * b0 : 4 * (b0 + blocks)],
+                          code_bytes[b0 * row_bytes : b0 * row_bytes + self._data_bytes(numel)]])
+            b0 += blocks
+        return parts
 
     def _fused_ragged(self, values: Tensor, p: Payload, r0: int, e1: int, key: Optional[Tensor],
                       codes: Tuple[Callable, tuple, bool]) -> None:
