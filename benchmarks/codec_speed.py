@@ -24,6 +24,9 @@ dimension N; the defaults are Llama-600M's attention/up and down projections), t
 geometry's whitener (fitted to a random input covariance: the cost does not depend on the
 values) applied to the gradient and inverted again, per solver (``structured`` rank
 ``--rank``, ``cholesky``, ``hadamard``), against a ``clone()`` of the same gradient.
+``--sections S``: the host's time to encode S sections of ``--section-numel`` elements of a bf16
+bucket into a send buffer, an encode each against one ``Codec.encode_spans`` call for all (what
+the reducer does for a rank's plain sections), per compiled block-scaled codec, per section.
 Smoke run: ``--numel 100000 --repeats 2 --shapes 64x32``.
 """
 
@@ -97,6 +100,41 @@ def transform_rows(shapes, rank: int, repeats: int, device: torch.device, timer)
     return rows
 
 
+def section_rows(variants, sections: int, numel: int, repeats: int, device: torch.device, timer) -> List[dict]:
+    """Per codec that encodes spans (compiled block scales, nearest): ``sections`` spans of a bf16
+    bucket (as a rank's sends of a piece lie) encoded into their places in a send buffer, as the
+    reducer's pack did (an encode each, then a copy into its place) and as it does now (one
+    ``encode_spans`` call, then a cat into each place), in microseconds per section."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    bucket = torch.randn(sections * numel, generator=gen, device=device).bfloat16()
+    spans = [(i * numel, numel) for i in range(sections)]
+    rows = []
+    for label, codec in variants:
+        if not codec.encodes_spans(device):
+            continue
+        size = codec.nbytes(numel)
+        buf = torch.empty(sections * size, dtype=torch.uint8, device=device)
+
+        def each():
+            for i, (a, n) in enumerate(spans):
+                buf.narrow(0, i * size, size).copy_(codec.encode_to_bytes(bucket[a:a + n]))
+
+        def batched():
+            for i, parts in enumerate(codec.encode_spans(bucket, spans)):
+                torch.cat(parts, out=buf.narrow(0, i * size, size))
+
+        each()
+        want = buf.clone()
+        batched()
+        if not torch.equal(buf, want):
+            raise AssertionError(f"{label}: encode_spans gave other bytes than an encode per section")
+        t_each = _median(each, repeats, timer) / sections
+        t_batched = _median(batched, repeats, timer) / sections
+        rows.append({"format": label, "sections": sections, "numel": numel, "each_us": t_each * 1e6,
+                     "batched_us": t_batched * 1e6, "ratio": t_each / t_batched})
+    return rows
+
+
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Encode/decode speed of every wire format and the time of "
                                                  "each whitening transform, against a copy (see the docstring).")
@@ -112,6 +150,10 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="*", type=parse_shape, default=[(1280, 1280), (3456, 1280), (1280, 3456)],
                         help="layer gradient shapes MxN for the transform table (none: skip it)")
     parser.add_argument("--rank", type=int, default=32, help="rank of the structured whitener")
+    parser.add_argument("--sections", type=int, default=0,
+                        help="also time the host's encode of this many sections of --section-numel elements "
+                             "into a send buffer, one call each against one call for all (Codec.encode_spans)")
+    parser.add_argument("--section-numel", type=int, default=4096 + 17, help="elements of each of --sections")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -180,6 +222,16 @@ def main(argv: List[str] | None = None) -> int:
             f"{r['encode_gelem_s']:>9.3f} {r['decode_gelem_s']:>9.3f} {r['encode_vs_clone']:>9.2f} "
             f"{r['decode_vs_clone']:>9.2f} {r['decode_add_vs_clone']:>9.2f} {r['rel_l2_error']:>8.4f}"
         )
+    spans = section_rows(variants, args.sections, args.section_numel, args.repeats, device, timer) \
+        if args.sections else []
+    if spans:
+        print(f"\n{args.sections} sections of {args.section_numel} elements encoded into a send buffer "
+              f"(a rank's sends of one piece): host time per section")
+        head = f"{'format':<11} {'each us':>9} {'one call us':>12} {'ratio':>7}"
+        print(head)
+        print("-" * len(head))
+        for r in spans:
+            print(f"{r['format']:<11} {r['each_us']:>9.1f} {r['batched_us']:>12.1f} {r['ratio']:>7.2f}")
     transforms = transform_rows(args.shapes, args.rank, args.repeats, device, timer)
     if transforms:
         print(f"\nwhitening + inverse of one layer gradient (structured rank {args.rank})")
@@ -202,6 +254,7 @@ def main(argv: List[str] | None = None) -> int:
             "copy_into_ms": copy_s * 1e3,
             "formats": rows,
             "transforms": transforms,
+            "sections": spans,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -232,6 +232,10 @@ class Rates:
     # payload's views and header): a GPU runs none of a call's kernels before the host has issued
     # them, so where calls are many and short the host sets the pace (0: not counted)
     host_call_s: float = 0.0
+    # the host's time per section where a rank's sections to its owners are plain spans of the
+    # bucket (no layer whitened: ``whiten_rank`` 0) encoded by one call for all of a piece
+    # (``Codec.encode_spans``) and each joined into its place (a cat): 0, a call per section
+    section_join_s: float = 0.0
 
     def encode(self, n: float, whiten: bool = True) -> float:
         """An encode of ``n`` elements, whitened first (``whiten_rank``: a rank-r factor each way;
@@ -267,10 +271,17 @@ class Rates:
     def _launches(self, n: float, kernels: int) -> float:
         return kernels * max(1, -(-int(n) // self.tile)) * self.launch_s
 
-    def calls(self, n: float, sections: int) -> int:
+    def calls(self, n: float, sections: int, spans: bool = False) -> float:
         """Codec calls of ``sections`` sections of ``n`` elements in all: one a section, and one
-        a tile past the first (none where nothing moves)."""
-        return max(sections, -(-int(n) // self.tile)) if n > 0 else 0
+        a tile past the first (none where nothing moves). ``spans``: sections that are plain spans
+        of the bucket, one call a tile for them all and (``section_join_s``) a join each, counted
+        in calls' worth of host time."""
+        if n <= 0:
+            return 0
+        tiles = -(-int(n) // self.tile)
+        if spans and self.section_join_s and self.host_call_s and not self.whiten_rank:
+            return tiles + sections * self.section_join_s / self.host_call_s
+        return max(sections, tiles)
 
     def host(self, calls: int) -> float:
         return calls * self.host_call_s
@@ -284,7 +295,7 @@ def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool,
     owner's NIC); relayed, chunk j of every part goes to rank j, which sums and re-encodes it for
     the owner (a decode-and-sum and an encode per owner's chunk)."""
     k = (group - 1) / group
-    encode_calls = rates.calls(sent, reached)
+    encode_calls = rates.calls(sent, reached, spans=True)
     decode_calls = rates.calls(owned, 1)
     if not relay:
         return Stage(encode_s=rates.encode(sent), nic=(((group - 1) * owned * b, group - 1),),
@@ -658,6 +669,11 @@ def main(argv=None) -> List[dict]:
                         "one), a decode-and-sum per section received, a relay's two per owner's chunk, the node "
                         "stage's sum; the GPU runs a call's kernels only once the host has issued them "
                         "(benchmarks/codec_speed.py at a small --numel times a call; 0: not counted)")
+    c.add_argument("--join-us", type=float, default=0.0,
+                   help="with --host-us and --whiten-rank 0 (no layer whitened): a rank's sections to its owners "
+                        "are plain spans of the bucket, encoded by one call a tile for all of them and joined "
+                        "into their places, this many microseconds each (codec_speed.py --sections times it; "
+                        "0: a call per section, as before the batched encode)")
     c.add_argument("--node-format", default=None, metavar="FORMAT/BLOCK",
                    help="gift.node_format (and node_block_size): two-level's node stage in this codec, e.g. int8/32 "
                         "(its bytes, and with --codec-traffic its counted work, from that file's rows of this codec, "
@@ -674,6 +690,7 @@ def main(argv=None) -> List[dict]:
         rates = Rates(args.nic_gbit * 1e9 / 8, args.nvlink_gbyte * 1e9, alpha_s=args.alpha_us * 1e-6,
                       a2a_s=args.a2a_us * 1e-6)
     rates.host_call_s = args.host_us * 1e-6
+    rates.section_join_s = args.join_us * 1e-6
     node_work = ""
     if args.node_format:
         if not rates.hbm_bps:
@@ -726,6 +743,8 @@ def main(argv=None) -> List[dict]:
         counted += "; " + node_work
     if args.host_us:
         counted += f"; {args.host_us:g} us of host time a codec call"
+        if args.join_us and not args.whiten_rank:
+            counted += f", plain sections one call a piece and {args.join_us:g} us each to join"
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
           f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole "
           f"buckets with its stages one after another (serial) and as the pipeline of gift.node_pieces "
