@@ -202,7 +202,8 @@ def test_the_ragged_tile_kernel_is_right_at_its_first_static_compile(name, optio
     assert len(fresh.graphs) == len({(min(n // codec.block_size, 2), min(n, 2)) for n in lengths})
 
 
-SPAN_CASES = [("fp8_e4m3", {}), ("int8", {"block_size": 32}), ("int4", {}), ("fp8_e5m2", {})]
+SPAN_CASES = [("fp8_e4m3", {}), ("int8", {"block_size": 32}), ("int4", {}), ("fp8_e5m2", {}),
+              ("fp8_e4m3", {"rounding": "stochastic"}), ("int4", {"rounding": "stochastic"})]
 
 
 @pytest.mark.parametrize("name,options", SPAN_CASES, ids=[f"{n}-{o}" for n, o in SPAN_CASES])
@@ -210,10 +211,12 @@ def test_spans_encoded_in_one_call_give_each_span_its_own_bytes(name, options, m
     """``Codec.encode_spans``: spans of one tensor (as it lies, fp32 and bf16) of whole blocks,
     short ones, one element, apart and adjacent, encoded by one compiled call, each cut into its
     wire: every byte the compiled encode of that span alone gives (non-finite blocks included),
-    and eager's bytes where blocks are finite. Stochastic rounding and the eager mode do not
-    take this path (a span's bits would follow its own key)."""
-    eager = get_format(name, kernels="eager", **options)
-    fused = get_format(name, kernels="compiled", **options)
+    and eager's bytes where blocks are finite; stochastic rounding under each span's own key
+    (drawn in the spans' order, as their own encodes draw them), so a second call differs. The
+    eager mode, E8M0 scales and odd int4 blocks do not take this path."""
+    eager = get_format(name, kernels="eager", seed=7, **options)
+    fused = get_format(name, kernels="compiled", seed=7, **options)
+    stochastic = options.get("rounding") == "stochastic"
     x = _input()
     spans = [(0, 300), (300, 4133), (4433, 128), (6000, 1), (7001, 2000), (12000, 257), (12257, N - 12257)]
     calls, real = [], kernels.compiled
@@ -227,19 +230,31 @@ def test_spans_encoded_in_one_call_give_each_span_its_own_bytes(name, options, m
         return counted
 
     for src in (x, x.bfloat16()):
+        rng = CounterRng(3)
+        keys = [fused.next_key(rng) for _ in spans] if stochastic else None
         monkeypatch.setattr(kernels, "compiled", spy)
-        parts = fused.encode_spans(src, spans)
+        parts = fused.encode_spans(src, spans, keys=keys)
         monkeypatch.setattr(kernels, "compiled", real)
+        rng, first = CounterRng(3), None
         for (a, n), ps in zip(spans, parts):
             wire = torch.cat(ps)
-            assert torch.equal(wire, fused.encode_to_bytes(src[a:a + n])), (a, n)
+            first = wire if first is None else first
+            state = rng.get_state()
+            assert torch.equal(wire, fused.encode_to_bytes(src[a:a + n], generator=rng)), (a, n)
+            rng.set_state(state)
             seg = src[a:a + n]
-            _same_payloads(eager, eager.encode(seg), eager.bytes_to_payload(wire, (n,)), seg.float())
+            _same_payloads(eager, eager.encode(seg, generator=rng), eager.bytes_to_payload(wire, (n,)), seg.float())
     assert calls == ["spans_block_encode"] * 2  # one compiled call for all the spans
+    if stochastic:  # the next keys: other bits
+        again = fused.encode_spans(x, spans, keys=[fused.next_key(rng) for _ in spans])
+        assert not torch.equal(torch.cat(again[0]), torch.cat(fused.encode_spans(x, spans, keys=keys)[0]))
+        with pytest.raises(ValueError, match="a key per span"):
+            fused.encode_spans(x, spans)
     assert not eager.encodes_spans(x.device)
-    assert not get_format(name, kernels="compiled", rounding="stochastic", **options).encodes_spans(x.device)
+    assert not get_format("fp8_e4m3", kernels="compiled", scale="e8m0").encodes_spans(x.device)
+    assert not get_format("int4", kernels="compiled", block_size=33).encodes_spans(x.device)
     with pytest.raises(ValueError, match="do not lie inside"):
-        fused.encode_spans(x, [(N - 10, 11)])
+        fused.encode_spans(x, [(N - 10, 11)], keys=[(1, 2)] if stochastic else None)
 
 
 STOCHASTIC_CASES = [

@@ -161,12 +161,15 @@ def test_error_feedback_reduces_the_same_bits_with_compiled_and_eager_kernels(ro
         assert torch.equal(a, b), rank
 
 
-@pytest.mark.parametrize("fmt,options", [("fp8_e4m3", {}), ("int4", {}), ("int8", {"block_size": 32})])
+@pytest.mark.parametrize("fmt,options", [("fp8_e4m3", {}), ("int4", {}), ("int8", {"block_size": 32}),
+                                         ("fp8_e4m3", {"rounding": "stochastic", "seed": 4}),
+                                         ("int8", {"rounding": "stochastic", "seed": 4})])
 def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, options):
     """The direct route, 4 ranks, a bf16 bucket of uneven owners' sections (short last blocks),
-    rounded to nearest, codecs compiled: the sections a rank sends as plain spans of the bucket
-    are encoded by one call for all (``Codec.encode_spans``), none by an encode of its own, and
-    every rank's result equals the eager path's bit for bit, and telemetry counts the same bytes."""
+    codecs compiled, two steps: the sections a rank sends as plain spans of the bucket are
+    encoded by one call for all (``Codec.encode_spans``), none by an encode of its own, and
+    every rank's result equals the eager path's bit for bit (stochastic rounding: each section
+    under the key its own encode draws, step after step), and telemetry counts the same bytes."""
     from deepspeed_gift.core import kernels
 
     world, n = 4, 128 * 160
@@ -177,9 +180,12 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
     def run(mode):
         def body(comm):
             reducer = GiftReducer(comm, formats.get_format(fmt, kernels=mode, **options), route="direct")
-            bucket = grads[comm.rank].clone()
-            stats = reducer.reduce(bucket, slices, {}, divisor=world, step=0)
-            return bucket, (stats.bytes_main, stats.bytes_scales, stats.elements_sent, stats.elements)
+            out = []
+            for step in range(2):
+                bucket = grads[comm.rank].clone()
+                stats = reducer.reduce(bucket, slices, {}, divisor=world, step=step)
+                out.append((bucket, (stats.bytes_main, stats.bytes_scales, stats.elements_sent, stats.elements)))
+            return out
         return run_local(world, body)
 
     calls = []
@@ -198,12 +204,15 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
         fused = run("compiled")
     finally:
         kernels.compiled = real
-    # per rank one encode of its three sections; the owner's sums are decode_sum's
-    assert calls.count("spans_block_encode") == world, calls
+    # per rank and step one encode of its three sections; the owner's sums are decode_sum's
+    assert calls.count("spans_block_encode") == 2 * world, calls
     assert not {"ragged_block_encode", "fp8_block_encode", "int_block_encode"} & set(calls), calls
-    for rank, ((a, sa), (b, sb)) in enumerate(zip(run("eager"), fused)):
-        assert torch.equal(a, b), rank
-        assert sa == sb, rank
+    for rank, (eager, compiled) in enumerate(zip(run("eager"), fused)):
+        for step, ((a, sa), (b, sb)) in enumerate(zip(eager, compiled)):
+            assert torch.equal(a, b), (rank, step)
+            assert sa == sb, (rank, step)
+    if options.get("rounding") == "stochastic":  # the second step drew other keys
+        assert not torch.equal(fused[0][0][0], fused[0][1][0])
 
 
 BASE = dict(stage=2, steps=2, bucket=20000, dtype="bf16", count_recv=True)

@@ -256,10 +256,16 @@ def e4m3_at_least(target: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- stochastic rounding
 
 
-def random_bits(key: Tensor, e0: int, like: Tensor, bits: int, stride: int = 1) -> Tensor:
+def random_bits(key: Tensor, e0, like: Tensor, bits: int, stride: int = 1) -> Tensor:
     """``bits`` (<= 24) random bits (int32) per element of ``like``, whose flat element i is the
     encode's element e0 + i * ``stride`` (a column of blocks: the block's length): the top bits
-    of :func:`.rng.counter_bits`."""
+    of :func:`.rng.counter_bits`. Spans (:func:`spans_block_encode`): ``e0`` a tensor, a row's
+    first offset in its own encode per row of ``like`` (rows, block), and ``key`` (rows, 2), the
+    row's encode's key: each element draws what the encode of its span alone draws for it (an
+    offset below 2**32: a span is at most a tile)."""
+    if isinstance(e0, Tensor):
+        offsets = e0[:, None] + torch.arange(like.shape[-1], dtype=torch.int64, device=like.device)
+        return (counter_bits(key.t().unsqueeze(-1), offsets) >> (32 - bits)).to(torch.int32)
     n = like.numel()
     offsets = offsets_of(0, n, like.device) * stride + e0 if stride != 1 else offsets_of(e0, n, like.device)
     wide = e0 + stride * (n - 1) >= 2**32  # the last offset: a second round only reaches offsets past 2**32
@@ -379,23 +385,27 @@ def ragged_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e
     return scale, codes[rows]
 
 
-def spans_block_encode(x: Tensor, starts: Tensor, lens: Tensor, *, block: int, codes_fn: Callable,
-                       codes_kw: tuple, packed: bool) -> Tuple[Tensor, Tensor]:
+def spans_block_encode(x: Tensor, starts: Tensor, lens: Tensor, keys: Optional[Tensor] = None,
+                       offsets: Optional[Tensor] = None, *, block: int, codes_fn: Callable, codes_kw: tuple,
+                       packed: bool) -> Tuple[Tensor, Tensor]:
     """Several spans of one flat tensor, each quantized as an encode of its own, in one call:
     ``x`` (the bucket, as it lies), ``starts`` and ``lens`` (int64, one per block of every span,
     in order: where the block starts in ``x`` and how many of its ``block`` elements are the
     span's, ``block`` but for a span's last). A block past its span's end is padded inside with
     zeros, as :func:`ragged_block_encode` pads a short block, so every span gets the bytes an
-    encode of it alone gives (rounded to nearest: a span's random bits would follow its own key
-    and offsets). Returns the blocks' fp32 scales and codes, (blocks, block) or (blocks, block /
-    2) bytes when ``packed``; the caller cuts them into the spans' payloads. Why: a piece of a
-    two-level or ZeRO-1 exchange sends a section to each of up to W/G - 1 or W - 1 owners, and on
-    a GPU every encode call costs the host ~100 us (dynamo's guards, the payload's views): one
-    call for them all is what the layout model's host charge asks for."""
+    encode of it alone gives; stochastic rounding under ``keys`` (blocks, 2), each block its
+    span's encode key, and ``offsets`` (blocks,), where the block starts in its span, so each
+    element draws the bits its span's own encode draws (:func:`random_bits`). Returns the blocks'
+    fp32 scales and codes, (blocks, block) or (blocks, block / 2) bytes when ``packed``; the
+    caller cuts them into the spans' payloads. Why: a piece of a two-level or ZeRO-1 exchange
+    sends a section to each of up to W/G - 1 or W - 1 owners, and on a GPU every encode call costs
+    the host ~100 us (dynamo's guards, the payload's views): one call for them all is what the
+    layout model's host charge asks for."""
     j = torch.arange(block, device=x.device)
     inside = j < lens[:, None]
     values = x[torch.where(inside, starts[:, None] + j, 0)].float()
-    scale, codes = codes_fn(torch.where(inside, values, 0.0), None, 0, **dict(codes_kw))
+    scale, codes = codes_fn(torch.where(inside, values, 0.0), keys, 0 if keys is None else offsets,
+                            **dict(codes_kw))
     return scale, int4_bytes(codes) if packed else codes
 
 

@@ -199,7 +199,7 @@ class GiftReducer:
         made (key: the section's index) and are not kept in the result."""
         me, enc = self.comm.rank, self.encoder
         packed = [] if not only_shared else {}
-        batch: List[Tuple[int, Section, int]] = []  # sections sent as plain spans, encoded in one call
+        batch: List[tuple] = []  # (index, section, start, key): plain spans sent, encoded in one call
         for index, sec in enumerate(plan.sections):
             if only_shared and not sec.shared:
                 continue
@@ -215,12 +215,13 @@ class GiftReducer:
                 if not (own_section or feedback or sample) else None
             if start is not None:
                 # a span of the bucket as it lies, sent to one rank: with the others of its codec,
-                # one encode for all (Codec.encode_spans; a call each cost the host ~100 us)
+                # one encode for all (Codec.encode_spans; a call each cost the host ~100 us), its
+                # stochastic rounding key drawn here, where its own encode would have drawn it
                 if batch and (enc.codec_of(batch[0][1]) is not enc.codec_of(sec)
                               or sum(b[1].numel for b in batch) + sec.numel > self.tile_elements):
                     self._encode_batch(tensor, batch, outbox, stats)
                     batch = []
-                batch.append((index, sec, start))
+                batch.append((index, sec, start, enc.codec_of(sec).next_key(enc.generator_for(sec, step))))
                 stats.elements += sec.numel
                 packed.append(Packed())
                 continue
@@ -268,8 +269,8 @@ class GiftReducer:
         """Where section ``sec`` starts in the bucket if it is a plain span of it that the batched
         encode serves: its pieces in gradient coordinates and one after another in ``tensor``
         (1-D, contiguous), sent to one rank that is not this one, through ``outbox``, at most a
-        tile long, in a codec that encodes spans (compiled block scales rounded to nearest);
-        else None (the section is encoded on its own)."""
+        tile long, in a codec that encodes spans (compiled block scales); else None (the section
+        is encoded on its own)."""
         if (outbox is None or sec.shared or self.comm.rank in sec.dests or not 0 < sec.numel <= self.tile_elements
                 or tensor.dim() != 1 or not tensor.is_contiguous()
                 or not self.encoder.codec_of(sec).encodes_spans(tensor.device)):
@@ -281,14 +282,16 @@ class GiftReducer:
             at += p.numel
         return sec.pieces[0].bucket_offset
 
-    def _encode_batch(self, tensor: torch.Tensor, batch: Sequence[Tuple[int, Section, int]], outbox: "Outbox",
-                      stats: StepStats) -> None:
-        """The sections of ``batch`` (index, section, start: plain spans of ``tensor`` in one codec)
-        encoded in one call, each joined into its place in ``outbox``."""
+    def _encode_batch(self, tensor: torch.Tensor, batch: Sequence[tuple], outbox: "Outbox", stats: StepStats) -> None:
+        """The sections of ``batch`` (index, section, start, stochastic rounding key or None: plain
+        spans of ``tensor`` in one codec) encoded in one call, each joined into its place in
+        ``outbox``."""
         t0, enc = self.now(), self.encoder
         codec = enc.codec_of(batch[0][1])
-        parts = codec.encode_spans(tensor, [(start, sec.numel) for _, sec, start in batch])
-        for (index, sec, _), wire in zip(batch, parts):
+        keys = [key for *_, key in batch]
+        parts = codec.encode_spans(tensor, [(start, sec.numel) for _, sec, start, _ in batch],
+                                   keys=None if keys[0] is None else keys)
+        for (index, sec, _, _), wire in zip(batch, parts):
             outbox.put_parts(index, wire)
             enc.count_sent(sec, sum(t.numel() for t in wire), sec.numel, 1, stats)
         stats.codec_s += self.now() - t0

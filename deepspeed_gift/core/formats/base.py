@@ -644,13 +644,22 @@ class Codec:
 
     # -- randomness --------------------------------------------------------------
 
-    def _random_key(self, device: torch.device, generator: Optional[CounterRng]) -> Tensor:
-        """The next encode's stochastic rounding key, from ``generator`` or the codec's own."""
+    def _key_source(self, generator: Optional[CounterRng]) -> CounterRng:
         rng = self._rng if generator is None else generator
         if not isinstance(rng, CounterRng):
             raise TypeError(f"generator must be a deepspeed_gift CounterRng (counter-based: the same bits on every "
                             f"device and kernel mode), got {type(rng).__name__}")
-        return rng.key_on(device)
+        return rng
+
+    def _random_key(self, device: torch.device, generator: Optional[CounterRng]) -> Tensor:
+        """The next encode's stochastic rounding key, from ``generator`` or the codec's own."""
+        return self._key_source(generator).key_on(device)
+
+    def next_key(self, generator: Optional[CounterRng] = None) -> Optional[Tuple[int, int]]:
+        """The key the next encode would take (from ``generator`` or the codec's own), drawn now
+        as its two 32-bit words, for a span of :meth:`encode_spans`; None when rounding to nearest
+        (an encode takes none)."""
+        return self._key_source(generator).next_key() if self.rounding == Rounding.STOCHASTIC else None
 
     # -- public API --------------------------------------------------------------
 
@@ -888,16 +897,18 @@ class Codec:
 
     def encodes_spans(self, device) -> bool:
         """Whether :meth:`encode_spans` serves this codec on ``device``: compiled block scales
-        (fp32), rounded to nearest; else the caller encodes each span on its own."""
+        (fp32; integers' nibbles an even block); else the caller encodes each span on its own."""
         return False
 
-    def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]]) -> List[List[Tensor]]:
+    def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]],
+                     keys: Optional[Sequence[Tuple[int, int]]] = None) -> List[List[Tensor]]:
         """The wire bytes of each span ``(start, numel)`` of the flat ``x`` (as it lies: fp32 or
         the bucket's bf16) encoded on its own, as the uint8 parts that make it in order (header,
         scales, data), from one compiled call for all the spans (:func:`.kernels.spans_block_encode`);
-        the caller joins each into its place in a send buffer (one ``cat``). The same bytes as
-        ``encode_to_bytes(x[start:start + numel])`` span by span (``tests/test_kernels.py``).
-        Only where :meth:`encodes_spans`."""
+        the caller joins each into its place in a send buffer (one ``cat``). Stochastic rounding
+        takes a key per span (:meth:`next_key`, drawn where the span's own encode would have
+        drawn it). The same bytes as ``encode_to_bytes(x[start:start + numel])`` span by span,
+        under the same keys (``tests/test_kernels.py``). Only where :meth:`encodes_spans`."""
         raise NotImplementedError(f"{self.name}: no encode of several spans in one call; see encodes_spans")
 
     def encode_to_bytes(self, x: Tensor, *, generator: Optional[CounterRng] = None) -> Tensor:
@@ -1036,40 +1047,50 @@ class _ScaledCodec(Codec):
         return work
 
     def encodes_spans(self, device) -> bool:
-        return (self.block_size > 0 and self.rounding == Rounding.NEAREST and self.compiled_on(device)
-                and self._fused_block_codes() is not None)
+        return self.block_size > 0 and self.compiled_on(device) and self._fused_block_codes() is not None
 
     # The spans' block tables kept on the device (a bucket's plan sends the same spans every step:
     # no host-to-device copy then), at most this many bytes of them per codec.
     SPAN_TABLE_BYTES: ClassVar[int] = 1 << 25
 
-    def _span_table(self, spans: Tuple[Tuple[int, int], ...], device) -> Tuple[Tensor, Tensor]:
-        """Every block of ``spans``: where it starts in the flat source and how many of its
-        elements are its span's (int64 each), on ``device``."""
+    def _span_table(self, spans: Tuple[Tuple[int, int], ...], device) -> Tuple[Tensor, Tensor, Tensor]:
+        """Every block of ``spans``: where it starts in the flat source, how many of its elements
+        are its span's, and where it starts in its span (int64 each), on ``device``."""
         key = (spans, str(device))
         got = self._span_tables.get(key)
         if got is None:
             starts = torch.cat([torch.arange(a, a + n, self.block_size, dtype=torch.int64) for a, n in spans])
             ends = torch.cat([torch.full((self.num_blocks(n),), a + n, dtype=torch.int64) for a, n in spans])
-            got = (host_to_device(starts, device), host_to_device((ends - starts).clamp_(max=self.block_size), device))
-            if self._span_table_bytes + 16 * starts.numel() > self.SPAN_TABLE_BYTES:
+            inner = torch.cat([torch.arange(0, n, self.block_size, dtype=torch.int64) for _, n in spans])
+            got = tuple(host_to_device(t, device) for t in (starts, (ends - starts).clamp_(max=self.block_size), inner))
+            if self._span_table_bytes + 24 * starts.numel() > self.SPAN_TABLE_BYTES:
                 self._span_tables.clear()  # earlier layouts'
                 self._span_table_bytes = 0
             self._span_tables[key] = got
-            self._span_table_bytes += 16 * starts.numel()
+            self._span_table_bytes += 24 * starts.numel()
         return got
 
-    def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]]) -> List[List[Tensor]]:
+    def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]],
+                     keys: Optional[Sequence[Tuple[int, int]]] = None) -> List[List[Tensor]]:
         if not self.encodes_spans(x.device) or x.dim() != 1:
             raise ValueError(f"{self!r} cannot encode spans of a {x.dim()}-D tensor on {x.device} in one call")
         spans = tuple((int(a), int(n)) for a, n in spans)
         if any(n <= 0 or a < 0 or a + n > x.numel() for a, n in spans):
             raise ValueError(f"spans {spans[:4]} do not lie inside a tensor of {x.numel()} elements, each non-empty")
+        stochastic = self.rounding == Rounding.STOCHASTIC
+        if stochastic != (keys is not None) or (keys is not None and len(keys) != len(spans)):
+            raise ValueError(f"{self.name} rounded {self.rounding}: encode_spans takes "
+                             f"{'a key per span (next_key)' if stochastic else 'no keys'}")
         codes_fn, codes_kw, packed = self._fused_block_codes()
-        starts, lens = self._span_table(spans, x.device)
+        starts, lens, inner = self._span_table(spans, x.device)
         run = fused_kernels.compiled(fused_kernels.spans_block_encode, block=self.block_size, codes_fn=codes_fn,
                                      codes_kw=codes_kw, packed=packed)
-        scales, codes = run(x, starts, lens)
+        if stochastic:  # each block its span's key: one small copy for the call
+            blocks = torch.tensor([self.num_blocks(n) for _, n in spans])
+            table = torch.tensor(list(keys), dtype=torch.int64).repeat_interleave(blocks, dim=0)
+            scales, codes = run(x, starts, lens, host_to_device(table, x.device), inner)
+        else:
+            scales, codes = run(x, starts, lens)
         scale_bytes, code_bytes = scales.view(torch.uint8), codes.view(torch.uint8).reshape(-1)
         row_bytes, parts, b0 = self.block_size // self.elements_per_byte, [], 0
         for _, numel in spans:
