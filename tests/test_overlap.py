@@ -465,6 +465,61 @@ def test_pieced_two_level_lossless_equals_deepspeed_bit_for_bit_at_two_ranks(sta
                                                                                for c, w in zip(cut, whole)]
 
 
+def _kernel_modes_body(rank, world, per_node):
+    import torch.distributed as dist
+
+    from deepspeed_gift.core import kernels
+    from deepspeed_gift.core.rng import CounterRng
+    from deepspeed_gift.exchange.comm import TorchComm, split_by_node
+    from deepspeed_gift.exchange.two_level import TwoLevelReducer
+
+    dist.init_process_group("gloo")
+    whiteners = _whiteners()
+    node_comm, slot_comm = split_by_node(TorchComm(), per_node)
+    calls, real = [], kernels.compiled
+
+    def spy(fn, **constants):
+        inner = real(fn, **constants)
+
+        def counted(*args):
+            calls.append(fn.__name__)
+            return inner(*args)
+        return counted
+
+    kernels.compiled = spy
+    out = {}
+    for whitened in (False, True):
+        slices, total = _bucket(whitened)
+        for mode in ("eager", "compiled"):
+            codec = formats.get_format("fp8_e4m3", rounding="stochastic", kernels=mode)
+            two = TwoLevelReducer(node_comm, GiftReducer(slot_comm, codec, generator=CounterRng(7 + rank),
+                                                         route="direct"),
+                                  per_node, pieces=4, piece_min_elements=200, overlap=True)
+            del calls[:]
+            got = []
+            for step in range(2):
+                grad = torch.randn(total, generator=torch.Generator().manual_seed(100 * step + rank))
+                two.reduce(grad, slices, whiteners if whitened else {}, divisor=world, step=step)
+                got.append(grad)
+            out[whitened, mode] = (got, calls.count("spans_block_encode"),
+                                   calls.count("ragged_block_encode") + calls.count("fp8_block_encode"))
+    return out
+
+
+def test_two_level_pieces_encode_their_plain_sections_in_one_call_with_eagers_bits():
+    # 4 ranks in nodes of 2, overlapped pieces, stochastic rounding, two steps: compiled, a piece's
+    # plain sections to the other nodes' slot are encoded in one call (on its own: only a shared
+    # parameter's; with layers whitened, a section that holds whitened rows too), and every
+    # rank's bucket equals the eager path's bit for bit
+    for per_rank in run_ranks(_kernel_modes_body, 4, 2):
+        (eager, _, _), (fused, spans, alone) = per_rank[False, "eager"], per_rank[False, "compiled"]
+        (w_eager, _, _), (w_fused, w_spans, w_alone) = per_rank[True, "eager"], per_rank[True, "compiled"]
+        assert spans > 0
+        assert w_alone > alone, (alone, w_alone)
+        assert all(torch.equal(a, b) for a, b in zip(eager, fused))
+        assert all(torch.equal(a, b) for a, b in zip(w_eager, w_fused))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_node_partial_is_the_ordered_fp32_sum_of_the_local_ranks_in_both_kernel_modes(dtype):
     # the node stage sums its local ranks' parts (the bucket's dtype; its own part, not sent, at its
