@@ -26,7 +26,7 @@ from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
 from .headers import (CONTROL_HEADER_BYTES, DISAGREE, FINGERPRINT_BYTES, HeaderChecks, agree_on_plan, expect_codec_header,
                       expect_control_header)
-from ..core.formats import DEFAULT_TILE_ELEMENTS, check_tile_elements
+from ..core.formats import DEFAULT_TILE_ELEMENTS, check_tile_elements, spans_batch_limit
 from ..core.rng import CounterRng
 from .plan import (MAX_CACHED_PLANS, ROUTES, BucketPlan, ParamSlice, Section, SectionSource, describe_plan,
                    gather_pieces, plan_difference, plan_fingerprint, plan_route, scatter_section, transform_pieces)
@@ -268,11 +268,11 @@ class GiftReducer:
     def _batched_span(self, tensor: torch.Tensor, sec: Section, whiteners, outbox) -> Optional[int]:
         """Where section ``sec`` starts in the bucket if it is a plain span of it that the batched
         encode serves: its pieces in gradient coordinates and one after another in ``tensor``
-        (1-D, contiguous), sent to one rank that is not this one, through ``outbox``, at most a
-        tile long, in a codec that encodes spans (compiled block scales); else None (the section
+        (1-D, contiguous), sent to one rank that is not this one, through ``outbox``, at most
+        ``spans_batch_limit`` long (a tile; 2^16 elements on a CPU), in a codec that encodes spans (compiled block scales); else None (the section
         is encoded on its own)."""
-        if (outbox is None or sec.shared or self.comm.rank in sec.dests or not 0 < sec.numel <= self.tile_elements
-                or tensor.dim() != 1 or not tensor.is_contiguous()
+        if (outbox is None or sec.shared or self.comm.rank in sec.dests
+                or not 0 < sec.numel <= spans_batch_limit(tensor.device, self.tile_elements) or tensor.dim() != 1 or not tensor.is_contiguous()
                 or not self.encoder.codec_of(sec).encodes_spans(tensor.device)):
             return None
         at = sec.pieces[0].bucket_offset

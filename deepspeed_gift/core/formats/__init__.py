@@ -70,7 +70,7 @@ header's format id) and its import here.
 from .base import *  # noqa: F401,F403  (the public names, see base.__all__)
 from .base import (DEFAULT_TILE_ELEMENTS, FORMAT_NAMES, HEADER_BYTES, ROUNDING_MODES, SCALE_KINDS, Codec,  # noqa: F401
                    Payload, Rounding, SampleRecorder, TensorSource, check_tile_elements, format_class, get_format,
-                   payload_rows, quantization_stats, sample_rows, warm_device_tables)
+                   payload_rows, quantization_stats, sample_rows, spans_batch_limit, warm_device_tables)
 from . import fp8, integer, nvfp4, passthrough  # noqa: F401,E402  (each registers its codecs)
 from .fp8 import Fp8E4M3Codec, Fp8E5M2Codec, _Fp8Codec  # noqa: F401,E402
 from .integer import Int4Codec, Int8Codec  # noqa: F401,E402

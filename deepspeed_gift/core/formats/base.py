@@ -217,6 +217,21 @@ def pads_inside(device) -> bool:
     return torch.device(device).type != "cpu"
 
 
+# The longest span a CPU encodes with others in one call (``Codec.encode_spans``): there the
+# batched kernel's loads, gathered through its block table, do not vectorize, so past about this
+# many elements its work costs more than the calls it saves (``benchmarks/codec_speed.py
+# --sections``, fp8/int8/int4 per section: 4113 elements 192-213 us each against 17-27 batched,
+# 65536 145-171 against 128-140, 262144 248-355 against 476-529).
+SPANS_CPU_ELEMENTS = 1 << 16
+
+
+def spans_batch_limit(device, tile: int) -> int:
+    """The longest span that joins a batched encode on ``device``: a tile on a GPU (an encode
+    call costs the host ~100 us there, a span's bytes microseconds of HBM, and Triton's gathered
+    loads of a block's consecutive elements coalesce), :data:`SPANS_CPU_ELEMENTS` on a CPU."""
+    return tile if torch.device(device).type != "cpu" else min(tile, SPANS_CPU_ELEMENTS)
+
+
 def _row_ranges(n_rows: int, step: int) -> Iterator[Tuple[int, int]]:
     """The encode's tiles as row ranges (r0, r1), ``step`` rows each."""
     for r0 in range(0, n_rows, step):
