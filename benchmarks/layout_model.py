@@ -195,7 +195,7 @@ class Stage:
     # sum (and, quantized, an encode per part it sends)
     node_encode_calls: int = 0
     sum_calls: int = 0
-    encode_calls: int = 0
+    encode_calls: float = 0  # in calls' worth of host time (a batched piece: its calls and joins)
     relay_calls: int = 0
     decode_calls: int = 0
 
@@ -295,7 +295,7 @@ def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool,
     owner's NIC); relayed, chunk j of every part goes to rank j, which sums and re-encodes it for
     the owner (a decode-and-sum and an encode per owner's chunk)."""
     k = (group - 1) / group
-    encode_calls = rates.calls(sent, reached, spans=True)
+    encode_calls = rates.calls(sent, reached, spans=not relay)  # a relay's first hop: a section at a time
     decode_calls = rates.calls(owned, 1)
     if not relay:
         return Stage(encode_s=rates.encode(sent), nic=(((group - 1) * owned * b, group - 1),),
@@ -505,7 +505,7 @@ def busy_seconds(stages: List[Stage], rates: Rates) -> Dict[str, float]:
             "host": sum(rates.host(host_calls(st)) for st in stages)}
 
 
-def host_calls(st: Stage) -> int:
+def host_calls(st: Stage) -> float:
     """Every codec call the host makes for a piece's GPU work."""
     return st.node_encode_calls + st.sum_calls + st.encode_calls + st.relay_calls + st.decode_calls
 

@@ -517,7 +517,8 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
            "node_pieces": args.node_pieces or (layout_model.NODE_PIECES_CARRIED if args.carry_buckets
                                                else layout_model.NODE_PIECES_BY_BUCKET),
            "node_piece_min_elements": args.node_piece_min_elements,
-           "carry_buckets": args.carry_buckets, "host_call_s": args.host_us * 1e-6}
+           "carry_buckets": args.carry_buckets, "host_call_s": args.host_us * 1e-6,
+           "section_join_s": args.join_us * 1e-6, "plain_sections": not all_layers}
     # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
     # masking not discounted)
     compute = (6 * shapes["matmul"] + 12 * args.layers * args.hidden * args.seq) * tokens \
@@ -587,12 +588,16 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
     w, g = net["world"], min(net["per_node"], net["world"])
     pieces = net.get("node_pieces", 1)
     host_call_s = net.get("host_call_s", 0.0)
+    # the calls' count: a rank's sections to its owners one encode a piece where they are plain
+    # (no layer whitened) and ``--join-us`` is given (``layout_model.Rates.calls``)
+    calls_of = dict(host_call_s=host_call_s, section_join_s=net.get("section_join_s", 0.0),
+                    whiten_rank=0 if net.get("plain_sections") else 1)
     links = [layout_model.bucket_link_bytes(o, w, g, b) for o in buckets]
     if path != "two_level" or pieces <= 1 or not all("two_level_by_layout" in x for x in links):
         scheme = "two_level_by_layout" if path == "two_level" and all("two_level_by_layout" in x for x in links) \
             else "by_layout"
         steps = collective_bytes("two_level" if scheme != "by_layout" else "alltoall", 1.0, w, g)["steps"]
-        unit = layout_model.Rates(1.0, 1.0)  # the calls do not depend on the rates
+        unit = layout_model.Rates(1.0, 1.0, **calls_of)  # the calls do not depend on the rates
         calls = sum(layout_model.host_calls(layout_model.bucket_stages(o, w, g, b, unit)[scheme])
                     for o in buckets) if host_call_s else 0
         links_s = sum(net["alpha_s"] * steps + x[scheme][0] * 8 / net["nic_bps"] / net["alltoall_eff"]
@@ -603,7 +608,7 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
     # 5dd1139 every one of them was charged the larger count, a 4-GPU node stage 15 steps at
     # the paper's shape)
     rates = layout_model.Rates(net["nic_bps"] / 8 * net["alltoall_eff"], net["nvlink_bps"] / 8 * net["ring_eff"],
-                               a2a_step_s=net["alpha_s"], host_call_s=host_call_s)
+                               a2a_step_s=net["alpha_s"], **calls_of)
     per_bucket = [[layout_model.bucket_stages(o, w, g, b, rates)["two_level_by_layout"]
                    for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
                   for owners in buckets]
@@ -680,6 +685,10 @@ def main(argv=None) -> dict:
                    help="host time per codec call of GIFT's exchange, microseconds (benchmarks/layout_model.py's "
                         "--host-us: an encode per section sent, a decode-and-sum per section received; 0: not "
                         "counted)")
+    p.add_argument("--join-us", type=float, default=0.0,
+                   help="with --host-us: a rank's plain sections (configs with no layer whitened) encoded by one "
+                        "call a piece and joined into the send buffer at this many microseconds each "
+                        "(benchmarks/layout_model.py's --join-us; 0: a call per section)")
     g = p.add_argument_group("target cluster (defaults: Llama-600M, 64 H100-class GPUs, 8 per node)")
     g.add_argument("--world", type=int, default=64)
     g.add_argument("--bucket", type=float, default=DEEPSPEED_BUCKET, help="reduce_bucket_size (DeepSpeed's default)")

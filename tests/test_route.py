@@ -215,6 +215,49 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
         assert not torch.equal(fused[0][0][0], fused[0][1][0])
 
 
+def test_plain_sections_of_two_codecs_are_two_calls_whatever_their_order():
+    """Each owner gets a main section and a high one (``others`` in int8 here), interleaved in
+    the plan: a rank encodes all its main sections in one call and all its high ones in
+    another, not a call each time the codec changes, with the eager path's bits (stochastic
+    rounding: the main sections under the reducer's generator, the high ones their codec's own)."""
+    from deepspeed_gift.core import kernels
+    from deepspeed_gift.core.rng import CounterRng
+
+    world, n = 4, 3000
+    slices = [ParamSlice(d, (2 * d + h) * n, n - 7 * h, 0, 2 * d + h, 0, HIGH if h else MAIN)
+              for d in range(world) for h in (0, 1)]
+    grads = torch.randn(world, 2 * world * n, generator=torch.Generator().manual_seed(6))
+
+    def run(mode):
+        def body(comm):
+            reducer = GiftReducer(comm, formats.get_format("fp8_e4m3", kernels=mode, rounding="stochastic"),
+                                  formats.get_format("int8", kernels=mode, rounding="stochastic", seed=9),
+                                  route="direct", generator=CounterRng(comm.rank))
+            bucket = grads[comm.rank].clone()
+            reducer.reduce(bucket, slices, {}, divisor=world)
+            return bucket
+        return run_local(world, body)
+
+    calls, real = [], kernels.compiled
+
+    def spy(fn, **constants):
+        inner = real(fn, **constants)
+
+        def counted(*args):
+            calls.append(fn.__name__)
+            return inner(*args)
+        return counted
+
+    kernels.compiled = spy
+    try:
+        fused = run("compiled")
+    finally:
+        kernels.compiled = real
+    assert calls.count("spans_block_encode") == 2 * world, calls
+    for rank, (a, b) in enumerate(zip(run("eager"), fused)):
+        assert torch.equal(a, b), rank
+
+
 BASE = dict(stage=2, steps=2, bucket=20000, dtype="bf16", count_recv=True)
 FP8 = {"format": "fp8_e4m3", "layers": "all", "geometry": {"rank": 8, "refresh_interval": 100},
        "telemetry": {"every": 0}}

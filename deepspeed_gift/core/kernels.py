@@ -385,27 +385,28 @@ def ragged_block_encode(x: Tensor, data: Tensor, key: Optional[Tensor] = None, e
     return scale, codes[rows]
 
 
-def spans_block_encode(x: Tensor, starts: Tensor, lens: Tensor, keys: Optional[Tensor] = None,
-                       offsets: Optional[Tensor] = None, *, block: int, codes_fn: Callable, codes_kw: tuple,
-                       packed: bool) -> Tuple[Tensor, Tensor]:
+def spans_block_encode(x: Tensor, span_of: Tensor, table: Tensor, stochastic: bool = False, *, block: int,
+                       codes_fn: Callable, codes_kw: tuple, packed: bool) -> Tuple[Tensor, Tensor]:
     """Several spans of one flat tensor, each quantized as an encode of its own, in one call:
-    ``x`` (the bucket, as it lies), ``starts`` and ``lens`` (int64, one per block of every span,
-    in order: where the block starts in ``x`` and how many of its ``block`` elements are the
-    span's, ``block`` but for a span's last). A block past its span's end is padded inside with
+    ``x`` (the bucket, as it lies), ``span_of`` (int64, per block of every span in order, its
+    span) and ``table`` (int64 (spans, 5): each span's start in ``x``, length, first block and
+    stochastic rounding key's two words). A block past its span's end is padded inside with
     zeros, as :func:`ragged_block_encode` pads a short block, so every span gets the bytes an
-    encode of it alone gives; stochastic rounding under ``keys`` (blocks, 2), each block its
-    span's encode key, and ``offsets`` (blocks,), where the block starts in its span, so each
-    element draws the bits its span's own encode draws (:func:`random_bits`). Returns the blocks'
-    fp32 scales and codes, (blocks, block) or (blocks, block / 2) bytes when ``packed``; the
-    caller cuts them into the spans' payloads. Why: a piece of a two-level or ZeRO-1 exchange
-    sends a section to each of up to W/G - 1 or W - 1 owners, and on a GPU every encode call costs
-    the host ~100 us (dynamo's guards, the payload's views): one call for them all is what the
-    layout model's host charge asks for."""
+    encode of it alone gives; ``stochastic``: each element draws, under its span's key, the bits
+    of its offset in its span (:func:`random_bits`), as the span's own encode draws them. Returns
+    the blocks' fp32 scales and codes, (blocks, block) or (blocks, block / 2) bytes when
+    ``packed``; the caller cuts them into the spans' payloads. Why: a piece of a two-level or
+    ZeRO-1 exchange sends a section to each of up to W/G - 1 or W - 1 owners, and on a GPU every
+    encode call costs the host ~100 us (dynamo's guards, the payload's views): one call for them
+    all is what the layout model's host charge asks for. The blocks' places are made here from the
+    spans' (no table per block on the host, none kept)."""
+    rows = table[span_of]
+    inner = (torch.arange(span_of.shape[0], device=x.device) - rows[:, 2]) * block  # the block's offset in its span
     j = torch.arange(block, device=x.device)
-    inside = j < lens[:, None]
-    values = x[torch.where(inside, starts[:, None] + j, 0)].float()
-    scale, codes = codes_fn(torch.where(inside, values, 0.0), keys, 0 if keys is None else offsets,
-                            **dict(codes_kw))
+    inside = j < (rows[:, 1] - inner)[:, None]
+    values = x[torch.where(inside, (rows[:, 0] + inner)[:, None] + j, 0)].float()
+    keys = rows[:, 3:5] if stochastic else None
+    scale, codes = codes_fn(torch.where(inside, values, 0.0), keys, inner if stochastic else 0, **dict(codes_kw))
     return scale, int4_bytes(codes) if packed else codes
 
 

@@ -199,7 +199,9 @@ class GiftReducer:
         made (key: the section's index) and are not kept in the result."""
         me, enc = self.comm.rank, self.encoder
         packed = [] if not only_shared else {}
-        batch: List[tuple] = []  # (index, section, start, key): plain spans sent, encoded in one call
+        # plain spans sent, per codec: [(index, section, start, key), ...] and their elements,
+        # encoded in one call a batch of at most a tile
+        batches: Dict[int, list] = {}
         for index, sec in enumerate(plan.sections):
             if only_shared and not sec.shared:
                 continue
@@ -217,11 +219,14 @@ class GiftReducer:
                 # a span of the bucket as it lies, sent to one rank: with the others of its codec,
                 # one encode for all (Codec.encode_spans; a call each cost the host ~100 us), its
                 # stochastic rounding key drawn here, where its own encode would have drawn it
-                if batch and (enc.codec_of(batch[0][1]) is not enc.codec_of(sec)
-                              or sum(b[1].numel for b in batch) + sec.numel > self.tile_elements):
-                    self._encode_batch(tensor, batch, outbox, stats)
-                    batch = []
-                batch.append((index, sec, start, enc.codec_of(sec).next_key(enc.generator_for(sec, step))))
+                codec = enc.codec_of(sec)
+                batch = batches.setdefault(id(codec), [[], 0])
+                if batch[1] + sec.numel > self.tile_elements:
+                    self._encode_batch(tensor, batch[0], outbox, stats)
+                    batch[:] = [[], 0]
+                # (a high section's encode takes its codec's own generator, as SectionEncoder.encode's)
+                batch[0].append((index, sec, start, codec.next_key(None if sec.high else enc.generator_for(sec, step))))
+                batch[1] += sec.numel
                 stats.elements += sec.numel
                 packed.append(Packed())
                 continue
@@ -261,8 +266,9 @@ class GiftReducer:
                 packed[index] = Packed(own=own, wire=wire)
             else:
                 packed.append(Packed(own=own, wire=wire))
-        if batch:
-            self._encode_batch(tensor, batch, outbox, stats)
+        for items, _ in batches.values():
+            if items:
+                self._encode_batch(tensor, items, outbox, stats)
         return packed
 
     def _batched_span(self, tensor: torch.Tensor, sec: Section, whiteners, outbox) -> Optional[int]:

@@ -522,8 +522,6 @@ class Codec:
         self.block_size, self.scale_kind = self._check_options(block_size, scale)
         self._rng = CounterRng(seed)  # stochastic rounding's keys when no generator is passed
         self._headers: Dict[Tuple[int, str], Tensor] = {}  # (numel, device) -> header bytes there
-        self._span_tables: Dict[tuple, Tuple[Tensor, Tensor]] = {}  # (spans, device) -> blocks' starts, lens
-        self._span_table_bytes = 0
 
     # -- options ---------------------------------------------------------------
 
@@ -1064,27 +1062,6 @@ class _ScaledCodec(Codec):
     def encodes_spans(self, device) -> bool:
         return self.block_size > 0 and self.compiled_on(device) and self._fused_block_codes() is not None
 
-    # The spans' block tables kept on the device (a bucket's plan sends the same spans every step:
-    # no host-to-device copy then), at most this many bytes of them per codec.
-    SPAN_TABLE_BYTES: ClassVar[int] = 1 << 25
-
-    def _span_table(self, spans: Tuple[Tuple[int, int], ...], device) -> Tuple[Tensor, Tensor, Tensor]:
-        """Every block of ``spans``: where it starts in the flat source, how many of its elements
-        are its span's, and where it starts in its span (int64 each), on ``device``."""
-        key = (spans, str(device))
-        got = self._span_tables.get(key)
-        if got is None:
-            starts = torch.cat([torch.arange(a, a + n, self.block_size, dtype=torch.int64) for a, n in spans])
-            ends = torch.cat([torch.full((self.num_blocks(n),), a + n, dtype=torch.int64) for a, n in spans])
-            inner = torch.cat([torch.arange(0, n, self.block_size, dtype=torch.int64) for _, n in spans])
-            got = tuple(host_to_device(t, device) for t in (starts, (ends - starts).clamp_(max=self.block_size), inner))
-            if self._span_table_bytes + 24 * starts.numel() > self.SPAN_TABLE_BYTES:
-                self._span_tables.clear()  # earlier layouts'
-                self._span_table_bytes = 0
-            self._span_tables[key] = got
-            self._span_table_bytes += 24 * starts.numel()
-        return got
-
     def encode_spans(self, x: Tensor, spans: Sequence[Tuple[int, int]],
                      keys: Optional[Sequence[Tuple[int, int]]] = None) -> List[List[Tensor]]:
         if not self.encodes_spans(x.device) or x.dim() != 1:
@@ -1097,15 +1074,19 @@ class _ScaledCodec(Codec):
             raise ValueError(f"{self.name} rounded {self.rounding}: encode_spans takes "
                              f"{'a key per span (next_key)' if stochastic else 'no keys'}")
         codes_fn, codes_kw, packed = self._fused_block_codes()
-        starts, lens, inner = self._span_table(spans, x.device)
+        # the spans' table, one small copy a call: start, length, first block, key (two words)
+        blocks = [self.num_blocks(n) for _, n in spans]
+        firsts = [0]
+        for count in blocks[:-1]:
+            firsts.append(firsts[-1] + count)
+        table = host_to_device(torch.tensor([(a, n, f, *(key or (0, 0))) for (a, n), f, key in
+                                             zip(spans, firsts, keys or [None] * len(spans))], dtype=torch.int64),
+                               x.device)
+        span_of = torch.repeat_interleave(torch.arange(len(spans), device=x.device), table[:, 1].add(
+            self.block_size - 1).div_(self.block_size, rounding_mode="floor"), output_size=firsts[-1] + blocks[-1])
         run = fused_kernels.compiled(fused_kernels.spans_block_encode, block=self.block_size, codes_fn=codes_fn,
                                      codes_kw=codes_kw, packed=packed)
-        if stochastic:  # each block its span's key: one small copy for the call
-            blocks = torch.tensor([self.num_blocks(n) for _, n in spans])
-            table = torch.tensor(list(keys), dtype=torch.int64).repeat_interleave(blocks, dim=0)
-            scales, codes = run(x, starts, lens, host_to_device(table, x.device), inner)
-        else:
-            scales, codes = run(x, starts, lens)
+        scales, codes = run(x, span_of, table, stochastic)
         scale_bytes, code_bytes = scales.view(torch.uint8), codes.view(torch.uint8).reshape(-1)
         row_bytes, parts, b0 = self.block_size // self.elements_per_byte, [], 0
         for _, numel in spans:
