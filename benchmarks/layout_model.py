@@ -196,7 +196,7 @@ class Stage:
     node_encode_calls: int = 0
     sum_calls: int = 0
     encode_calls: float = 0  # in calls' worth of host time (a batched piece: its calls and joins)
-    relay_calls: int = 0
+    relay_calls: float = 0
     decode_calls: int = 0
 
 
@@ -274,12 +274,12 @@ class Rates:
     def calls(self, n: float, sections: int, spans: bool = False) -> float:
         """Codec calls of ``sections`` sections of ``n`` elements in all: one a section, and one
         a tile past the first (none where nothing moves). ``spans``: sections that are plain spans
-        of the bucket, one call a tile for them all and (``section_join_s``) a join each, counted
-        in calls' worth of host time."""
+        of one buffer (``Codec.encode_spans``), one call a tile for them all and (where
+        ``section_join_s`` is given) a join each, counted in calls' worth of host time."""
         if n <= 0:
             return 0
         tiles = -(-int(n) // self.tile)
-        if spans and self.section_join_s and self.host_call_s and not self.whiten_rank:
+        if spans and self.section_join_s and self.host_call_s:
             return tiles + sections * self.section_join_s / self.host_call_s
         return max(sections, tiles)
 
@@ -295,7 +295,8 @@ def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool,
     owner's NIC); relayed, chunk j of every part goes to rank j, which sums and re-encodes it for
     the owner (a decode-and-sum and an encode per owner's chunk)."""
     k = (group - 1) / group
-    encode_calls = rates.calls(sent, reached, spans=not relay)  # a relay's first hop: a section at a time
+    # a rank's sections plain where no layer is whitened; a relay's first hop a section at a time
+    encode_calls = rates.calls(sent, reached, spans=not relay and not rates.whiten_rank)
     decode_calls = rates.calls(owned, 1)
     if not relay:
         return Stage(encode_s=rates.encode(sent), nic=(((group - 1) * owned * b, group - 1),),
@@ -304,7 +305,9 @@ def exchange_stage(group: int, sent: float, owned: float, b: float, relay: bool,
     return Stage(encode_s=rates.encode(sent), nic=((k * sent * b, group - 1), (k * owned * b, group - 1)),
                  relay_s=rates.decode(chunk, group - 1, inverse=False) + rates.encode(chunk, whiten=False),
                  decode_s=rates.decode(owned, 1), encode_calls=encode_calls,
-                 relay_calls=2 * rates.calls(chunk, reached), decode_calls=decode_calls)
+                 # per owner's chunk a decode-and-sum, then the sums (one buffer) encoded together
+                 relay_calls=rates.calls(chunk, reached) + rates.calls(chunk, reached, spans=True),
+                 decode_calls=decode_calls)
 
 
 def bucket_stages(owners: Dict[int, int], world: int, per_node: int, b: float, rates: Rates,
@@ -670,10 +673,11 @@ def main(argv=None) -> List[dict]:
                         "stage's sum; the GPU runs a call's kernels only once the host has issued them "
                         "(benchmarks/codec_speed.py at a small --numel times a call; 0: not counted)")
     c.add_argument("--join-us", type=float, default=0.0,
-                   help="with --host-us and --whiten-rank 0 (no layer whitened): a rank's sections to its owners "
-                        "are plain spans of the bucket, encoded by one call a tile for all of them and joined "
-                        "into their places, this many microseconds each (codec_speed.py --sections times it; "
-                        "0: a call per section, as before the batched encode)")
+                   help="with --host-us: the sections that are spans of one buffer encoded by one call a tile for "
+                        "all of them and joined into their places, this many microseconds each: a rank's sections "
+                        "to its owners where no layer is whitened (--whiten-rank 0; not a relay's first hop), a "
+                        "relay's sums for their owners (codec_speed.py --sections times it; 0: a call per "
+                        "section, as before the batched encode)")
     c.add_argument("--node-format", default=None, metavar="FORMAT/BLOCK",
                    help="gift.node_format (and node_block_size): two-level's node stage in this codec, e.g. int8/32 "
                         "(its bytes, and with --codec-traffic its counted work, from that file's rows of this codec, "
@@ -743,8 +747,8 @@ def main(argv=None) -> List[dict]:
         counted += "; " + node_work
     if args.host_us:
         counted += f"; {args.host_us:g} us of host time a codec call"
-        if args.join_us and not args.whiten_rank:
-            counted += f", plain sections one call a piece and {args.join_us:g} us each to join"
+        if args.join_us:
+            counted += f", spans one call a piece and {args.join_us:g} us each to join"
     print(f"\nGradient time against DeepSpeed's ({args.nic_gbit:g} Gbit/s NIC, {args.nvlink_gbyte:g} GB/s NVLink per "
           f"GPU, {args.alpha_us:g} us a ring step, {args.a2a_us:g} us an all-to-all; {counted}); two-level as whole "
           f"buckets with its stages one after another (serial) and as the pipeline of gift.node_pieces "

@@ -588,8 +588,9 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
     w, g = net["world"], min(net["per_node"], net["world"])
     pieces = net.get("node_pieces", 1)
     host_call_s = net.get("host_call_s", 0.0)
-    # the calls' count: a rank's sections to its owners one encode a piece where they are plain
-    # (no layer whitened) and ``--join-us`` is given (``layout_model.Rates.calls``)
+    # the calls' count where ``--join-us`` is given (``layout_model.Rates.calls``): a rank's
+    # sections to its owners one encode a piece where they are plain (no layer whitened), a
+    # relay's sums for their owners one encode
     calls_of = dict(host_call_s=host_call_s, section_join_s=net.get("section_join_s", 0.0),
                     whiten_rank=0 if net.get("plain_sections") else 1)
     links = [layout_model.bucket_link_bytes(o, w, g, b) for o in buckets]
@@ -686,9 +687,9 @@ def main(argv=None) -> dict:
                         "--host-us: an encode per section sent, a decode-and-sum per section received; 0: not "
                         "counted)")
     p.add_argument("--join-us", type=float, default=0.0,
-                   help="with --host-us: a rank's plain sections (configs with no layer whitened) encoded by one "
-                        "call a piece and joined into the send buffer at this many microseconds each "
-                        "(benchmarks/layout_model.py's --join-us; 0: a call per section)")
+                   help="with --host-us: a rank's plain sections (configs with no layer whitened) and a relay's "
+                        "sums encoded by one call a piece and joined into the send buffer at this many "
+                        "microseconds each (benchmarks/layout_model.py's --join-us; 0: a call per section)")
     g = p.add_argument_group("target cluster (defaults: Llama-600M, 64 H100-class GPUs, 8 per node)")
     g.add_argument("--world", type=int, default=64)
     g.add_argument("--bucket", type=float, default=DEEPSPEED_BUCKET, help="reduce_bucket_size (DeepSpeed's default)")

@@ -215,6 +215,52 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
         assert not torch.equal(fused[0][0][0], fused[0][1][0])
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_relays_sums_are_encoded_in_one_call_with_the_same_bits(rounding):
+    """The relay route, 4 ranks, a bucket of two owners' uneven sections, codecs compiled, two
+    steps: a relay's sums of its chunks, one buffer, are encoded for their owners in one call
+    (the relay's int8-per-32 hop), and every rank's result equals the eager path's bit for bit
+    (stochastic rounding: each sum under the key its own encode draws)."""
+    from deepspeed_gift.core import kernels
+
+    world, n = 4, 128 * 90
+    slices = [ParamSlice(1, 0, n // 2 - 13, 0, 1), ParamSlice(2, n // 2 - 13, n // 2 + 13, 0, 2)]
+    grads = torch.randn(2, world, n, generator=torch.Generator().manual_seed(8))
+
+    def run(mode):
+        def body(comm):
+            codec = formats.get_format("fp8_e4m3", kernels=mode, rounding=rounding, seed=11)
+            relay = formats.get_format("int8", block_size=32, kernels=mode, rounding=rounding, seed=12)
+            reducer = GiftReducer(comm, codec, route="relay", relay_codec=relay)
+            out = []
+            for step in range(2):
+                bucket = grads[step][comm.rank].clone()
+                reducer.reduce(bucket, slices, {}, divisor=world, step=step)
+                out.append(bucket)
+            return out
+        return run_local(world, body)
+
+    calls, real = [], kernels.compiled
+
+    def spy(fn, **constants):
+        inner = real(fn, **constants)
+
+        def counted(*args):
+            calls.append((fn.__name__, constants.get("block")))
+            return inner(*args)
+        return counted
+
+    kernels.compiled = spy
+    try:
+        fused = run("compiled")
+    finally:
+        kernels.compiled = real
+    # each rank relays sums for the owners (two, or one for an owner), one call a step
+    assert calls.count(("spans_block_encode", 32)) == 2 * world, calls
+    for rank, (a, b) in enumerate(zip(run("eager"), fused)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+
+
 def test_plain_sections_of_two_codecs_are_two_calls_whatever_their_order():
     """Each owner gets a main section and a high one (``others`` in int8 here), interleaved in
     the plan: a rank encodes all its main sections in one call and all its high ones in

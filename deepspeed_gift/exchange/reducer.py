@@ -339,12 +339,16 @@ class GiftReducer:
     def send_start(self, parts_by_dst: Dict[int, List[torch.Tensor]], expected: Sequence[int],
                    recv_sizes: Sequence[int], head: torch.Tensor, stats: StepStats) -> Pending:
         """One all-to-all of payload already encoded, begun: to every rank in ``parts_by_dst``
-        the control header and its parts (an :class:`Outbox` filled at once)."""
-        box = self.outbox({dst: [((dst, i), p.numel()) for i, p in enumerate(parts)]
+        the control header and its parts (an :class:`Outbox` filled at once; a part is a tensor,
+        or the list of the uint8 pieces that make it, joined into its place)."""
+        def size(part) -> int:  # a tensor, or the uint8 pieces that make it (Codec.encode_spans)
+            return part.numel() if isinstance(part, torch.Tensor) else sum(t.numel() for t in part)
+
+        box = self.outbox({dst: [((dst, i), size(p)) for i, p in enumerate(parts)]
                            for dst, parts in parts_by_dst.items()}, expected, head, stats)
         for dst, parts in parts_by_dst.items():
             for i, part in enumerate(parts):
-                box.put((dst, i), part)
+                box.put_parts((dst, i), [part] if isinstance(part, torch.Tensor) else part)
         return self.post_start(box, recv_sizes, stats)
 
     def split_messages(self, recv: torch.Tensor, size: int, head: torch.Tensor, meaning: str) -> torch.Tensor:
@@ -357,10 +361,12 @@ class GiftReducer:
         return messages
 
     def sum_sources(self, codec, messages: torch.Tensor, at: int, numel: int, *,
-                    start: Optional[torch.Tensor] = None, own: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    start: Optional[torch.Tensor] = None, own: Optional[torch.Tensor] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fp32 sum of the payloads of ``numel`` elements at byte ``at`` of every other rank's
         message (``messages``: see :meth:`split_messages`), in rank order: from ``start`` (added
-        to in place) if given, with ``own`` (my contribution) at my place in the order if given.
+        to in place) if given, with ``own`` (my contribution) at my place in the order if given;
+        into ``out`` (fp32, ``numel``) if given, where ``start`` is not.
 
         All the payloads are one batch (every sender's message has the same layout): their
         headers are checked by one comparison and they are decoded a tile at a time in one pass
@@ -371,13 +377,16 @@ class GiftReducer:
         payload bits of a nan."""
         me, world = self.comm.rank, self.comm.world_size
         if start is None and own is not None and me == 0:  # I come first: the sum starts from mine
-            start, own = own, None
+            start, own = (own, None) if out is None else (out.copy_(own), None)
         if world == 1:  # nobody else contributed (my own, if given, is the start: I am rank 0)
-            return start if start is not None else torch.zeros(numel, dtype=torch.float32, device=messages.device)
+            if start is not None:
+                return start
+            return out.zero_() if out is not None else torch.zeros(numel, dtype=torch.float32, device=messages.device)
         bufs = messages[:, at:at + codec.nbytes(numel)]
         expect_codec_header(self.checks, codec, bufs, numel, self._others)
         payload = codec.bytes_to_payload(bufs, (numel,), check_header=False)
-        total = start if start is not None else torch.empty(numel, dtype=torch.float32, device=messages.device)
+        total = start if start is not None else (
+            out if out is not None else torch.empty(numel, dtype=torch.float32, device=messages.device))
         # the senders are the others in rank order, mine at my place (me others come before it)
         return codec.decode_sum(payload, total, own=own, own_at=me, from_out=start is not None,
                                 tile_elements=self.tile_elements)

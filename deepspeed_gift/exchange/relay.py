@@ -10,6 +10,7 @@ import torch
 from ..core.geometry import full_fp32_matmuls
 from .encode import Packed
 from .headers import CONTROL_HEADER_BYTES, DISAGREE, expect_codec_header, expect_control_header
+from ..core.formats import spans_batch_limit
 from .plan import BucketPlan, Section, SectionSource, gather_pieces
 from .stats import StepStats
 
@@ -62,6 +63,14 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     incoming = r.split_messages(recv, plan.relay_sizes[me], head, DISAGREE)
     sums: Dict[int, torch.Tensor] = {}
     shared_totals: Dict[int, torch.Tensor] = {}
+    # my chunks' sums one after another in one buffer: the ones sent on are spans of it, encoded
+    # together where the codec can (Codec.encode_spans)
+    places, filled = {}, 0
+    for i, sec in enumerate(plan.sections):
+        if not sec.shared and plan.chunks[i][me][1]:
+            places[i] = filled
+            filled += plan.chunks[i][me][1]
+    flat = torch.empty(filled, dtype=torch.float32, device=device)
     at = CONTROL_HEADER_BYTES
     for i, sec in enumerate(plan.sections):  # every sender's payloads decoded as one batch, summed in rank order
         codec = r.encoder.codec_of(sec)
@@ -69,7 +78,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
             n = plan.chunks[i][me][1]
             if not n:
                 continue
-            sums[i] = r.sum_sources(codec, incoming, at, n, own=own_chunks[i])
+            sums[i] = r.sum_sources(codec, incoming, at, n, own=own_chunks[i], out=flat.narrow(0, places[i], n))
             at += codec.nbytes(n)
         elif me in sec.dests:  # every contribution decoded, mine too: copies agree bit for bit
             shared_totals[i] = r.sum_sources(codec, incoming, at, sec.numel, own=packed[i].own)
@@ -80,7 +89,8 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     del recv, incoming
     # the sums on to the owners, encoded once
     t0 = r.now()
-    forward: Dict[int, List[torch.Tensor]] = {}
+    forward: Dict[int, list] = {}
+    batches: Dict[int, list] = {}  # per codec: [(section, its place in forward[d], key)], their elements
     for i, sec in enumerate(plan.sections):
         d = sec.dests[0]
         if sec.shared or i not in sums or d == me:
@@ -88,6 +98,18 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
         feedback = r.error_feedback and not sec.high
         value = sums[i]
         codec = r.encoder.forward_codec_of(sec)
+        if not (feedback or sample) and codec.encodes_spans(device) and (
+                value.numel() <= spans_batch_limit(device, r.tile_elements)):
+            # a span of the sums' buffer: encoded with the others of its codec in one call, its
+            # stochastic rounding key drawn here, where its own encode would have drawn it
+            batch = batches.setdefault(id(codec), [[], 0, codec])
+            if batch[1] + value.numel() > r.tile_elements:
+                _forward_batch(r, plan, flat, places, batch, forward, stats)
+                batch[:2] = [[], 0]
+            forward.setdefault(d, []).append(None)
+            batch[0].append((i, d, len(forward[d]) - 1, codec.next_key(r.encoder.generator)))
+            batch[1] += value.numel()
+            continue
         if feedback and not sample:  # the relay's own residual added, encoded and kept: one pass where compiled
             wire = r.feedback.send_relayed(plan, i, value, codec, generator=r.encoder.generator,
                                            tile_elements=r.encoder.tile_elements)
@@ -99,6 +121,9 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                 r.feedback.keep_relayed_sent(plan, i, value, codec, wire)
         r.encoder.count_sent(sec, wire.numel(), sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
+    for batch in batches.values():
+        if batch[0]:
+            _forward_batch(r, plan, flat, places, batch, forward, stats)
     stats.codec_s += r.now() - t0
     pending = r.send_start(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
                            head, stats)
@@ -108,6 +133,20 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     totals = owner_totals(r, plan, recv, head, sums, shared_totals, device)
     stats.codec_s += r.now() - t0
     return totals
+
+
+def _forward_batch(r, plan: BucketPlan, flat: torch.Tensor, places: Dict[int, int], batch: list,
+                   forward: Dict[int, list], stats: StepStats) -> None:
+    """The sums of ``batch`` (its sections, their places in ``forward`` and keys; its elements;
+    its codec), spans of ``flat``, encoded in one call into the parts of their messages."""
+    items, _, codec = batch
+    me = r.comm.rank
+    spans = [(places[i], plan.chunks[i][me][1]) for i, _, _, _ in items]
+    keys = [key for *_, key in items]
+    parts = codec.encode_spans(flat, spans, keys=None if keys[0] is None else keys)
+    for (i, d, slot, _), wire, (_, n) in zip(items, parts, spans):
+        forward[d][slot] = wire
+        r.encoder.count_sent(plan.sections[i], sum(t.numel() for t in wire), n, 1, stats, codec=codec)
 
 
 def send_chunks(r, tensor: torch.Tensor, plan: BucketPlan, i: int, transforms, outbox, stats: StepStats,

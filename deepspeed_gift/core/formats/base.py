@@ -220,8 +220,8 @@ def pads_inside(device) -> bool:
 # The longest span a CPU encodes with others in one call (``Codec.encode_spans``): there the
 # batched kernel's loads, gathered through its block table, do not vectorize, so past about this
 # many elements its work costs more than the calls it saves (``benchmarks/codec_speed.py
-# --sections``, fp8/int8/int4 per section: 4113 elements 192-213 us each against 17-27 batched,
-# 65536 145-171 against 128-140, 262144 248-355 against 476-529).
+# --sections``, fp8/int8/int4 per section: 4113 elements 194-198 us each against 18-23 batched,
+# 65536 173-216 against 123-180, 262144 225-369 against 350-372).
 SPANS_CPU_ELEMENTS = 1 << 16
 
 
