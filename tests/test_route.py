@@ -403,6 +403,23 @@ def test_relay_and_rounds_with_stochastic_rounding_and_error_feedback_resume_exa
     assert full["losses"][-1] < full["losses"][0]
 
 
+@pytest.mark.parametrize("stage,route,counter", [(2, "relay", "relay_buckets"), (1, "by_layout", "rounds")],
+                         ids=["relay", "zero1 rounds"])
+def test_compiled_codecs_train_real_engines_to_the_eager_bits(stage, route, counter):
+    # DeepSpeed engines, 3 ranks, the README's Euclidean FP8 with stochastic rounding: compiled,
+    # a rank's plain sections (ZeRO-1's rounds) and a relay's sums (ZeRO-2's small buckets) are
+    # encoded a batch at a time (Codec.encode_spans); every step's loss and every replica equal
+    # the eager codecs' run bit for bit
+    gift = {"format": "fp8_e4m3", "rounding": "stochastic", "geometry": {"kind": "identity"}, "route": route,
+            "telemetry": {"every": 0}}
+    base = dict(stage=stage, steps=3, bucket=20000)
+    results = run_ranks(train_many, 3, [dict(base, gift=dict(gift, kernels=mode)) for mode in ("eager", "compiled")])
+    for eager, compiled in results:
+        assert len(compiled["records"]) == 3 and all(r[counter] > 0 for r in compiled["records"])
+        assert eager["losses"] == compiled["losses"]
+        assert eager["digests"] == compiled["digests"]
+
+
 def test_the_layout_model_lays_out_buckets_as_deepspeed_does():
     # benchmarks/layout_model.py builds buckets and partitions by DeepSpeed's rules; here its
     # layout of the tiny Llama is checked against what real engines hand GIFT, bucket by bucket
