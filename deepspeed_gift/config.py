@@ -310,10 +310,11 @@ class GiftConfig(_GiftModel):
     kernels a tile; the same bits), or ``by_device``: compiled on CUDA, eager on a CPU (where
     the first compile of each format costs 5-40 s a process). Stochastic rounding is fused too
     and draws the same bits in both modes (a counter, not a stateful generator); E8M0 scales'
-    encode, and an int4 section's last partial block where its block is odd, run eager. Compiled, the sections of a
-    piece that lie in one buffer as they are sent (a rank's plain sections to its owners, a
-    relay's sums) are encoded by one call for all, block-scaled formats (on a CPU those of at
-    most 2^16 elements): on a GPU a call costs the host about 100 us."""
+    encode, and an int4 section's last partial block where its block is odd, run eager.
+    Compiled, the sections of a piece that lie in one buffer as they are sent (a rank's plain
+    sections to its owners, a relay's sums) are encoded by one call for all in the block-scaled
+    formats (on a CPU those of at most 2^16 elements): on a GPU a call costs the host about
+    100 us."""
 
     hierarchy: Literal[tuple(h.value for h in Hierarchy)] = Hierarchy.BY_TOPOLOGY.value
     """How a bucket reaches its owners. ``flat``: one quantized all-to-all among all ranks.
