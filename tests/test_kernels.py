@@ -19,6 +19,7 @@ from deepspeed_gift.core import kernels
 from deepspeed_gift.core.formats import NvFp4Codec, get_format
 from deepspeed_gift.core.formats.fp8 import fp8_block_encode
 from deepspeed_gift.core.rng import CounterRng, counter_bits
+from tests.kernel_calls import compiled_calls
 
 N = 20000 + 37  # a short last block for every block size here
 SMALL_TILE = 4096  # several tiles, the last one short
@@ -207,7 +208,7 @@ SPAN_CASES = [("fp8_e4m3", {}), ("int8", {"block_size": 32}), ("int4", {}), ("fp
 
 
 @pytest.mark.parametrize("name,options", SPAN_CASES, ids=[f"{n}-{o}" for n, o in SPAN_CASES])
-def test_spans_encoded_in_one_call_give_each_span_its_own_bytes(name, options, monkeypatch):
+def test_spans_encoded_in_one_call_give_each_span_its_own_bytes(name, options):
     """``Codec.encode_spans``: spans of one tensor (as it lies, fp32 and bf16) of whole blocks,
     short ones, one element, apart and adjacent, encoded by one compiled call, each cut into its
     wire: every byte the compiled encode of that span alone gives (non-finite blocks included),
@@ -219,22 +220,13 @@ def test_spans_encoded_in_one_call_give_each_span_its_own_bytes(name, options, m
     stochastic = options.get("rounding") == "stochastic"
     x = _input()
     spans = [(0, 300), (300, 4133), (4433, 128), (6000, 1), (7001, 2000), (12000, 257), (12257, N - 12257)]
-    calls, real = [], kernels.compiled
-
-    def spy(fn, **constants):
-        inner = real(fn, **constants)
-
-        def counted(*args):
-            calls.append(fn.__name__)
-            return inner(*args)
-        return counted
-
+    calls = []
     for src in (x, x.bfloat16()):
         rng = CounterRng(3)
         keys = [fused.next_key(rng) for _ in spans] if stochastic else None
-        monkeypatch.setattr(kernels, "compiled", spy)
-        parts = fused.encode_spans(src, spans, keys=keys)
-        monkeypatch.setattr(kernels, "compiled", real)
+        with compiled_calls() as made:
+            parts = fused.encode_spans(src, spans, keys=keys)
+        calls += made
         rng, first = CounterRng(3), None
         for (a, n), ps in zip(spans, parts):
             wire = torch.cat(ps)
@@ -339,22 +331,16 @@ def test_counter_rng_state_round_trips():
         other.set_state(torch.ByteTensor(5056))  # a torch generator's state
 
 
-def test_compiled_mode_runs_the_compiled_kernels(monkeypatch):
+def test_compiled_mode_runs_the_compiled_kernels():
     """Not the eager fallback: every whole tile goes through a compiled kernel, and the short
     last block too, padded; ``by_device`` on this CPU and ``eager`` compile nothing."""
-    used = []
-    real = kernels.compiled
-
-    def recording(fn, **constants):
-        used.append(fn.__name__)
-        return real(fn, **constants)
-
-    monkeypatch.setattr(kernels, "compiled", recording)
     x = _input()[: 4 * SMALL_TILE + 100]
-    for mode in ("eager", "by_device"):
-        get_format("fp8_e4m3", kernels=mode).encode(x, tile_elements=SMALL_TILE)
+    with compiled_calls() as used:
+        for mode in ("eager", "by_device"):
+            get_format("fp8_e4m3", kernels=mode).encode(x, tile_elements=SMALL_TILE)
     assert used == []
-    get_format("fp8_e4m3", kernels="compiled").encode(x, tile_elements=SMALL_TILE)
+    with compiled_calls() as used:
+        get_format("fp8_e4m3", kernels="compiled").encode(x, tile_elements=SMALL_TILE)
     assert used == ["fp8_block_encode"] * 4 + ["ragged_block_encode"]  # four whole tiles, then the 100 left over
 
 
@@ -580,22 +566,12 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     eager = sent("eager")
     want = eager.encode(values)
     want_residual = store["eager"].encode(values - eager.decode(want))
-    calls = []
-    real = kernels.compiled
-
-    def spy(fn, **constants):
-        calls.append(fn.__name__)
-        return real(fn, **constants)
-
-    kernels.compiled = spy
-    try:
+    with compiled_calls() as calls:
         got = {m: store[m].encode_with_residual(x.clone(), old, sent(m), tile_elements=SMALL_TILE) for m in store}
         if name == "nvfp4":  # one tile too (a small tile's length: no compile of its own): its header,
             # global scale, scales and data in one copy
             one = store["compiled"].encode_with_residual(x[:SMALL_TILE].clone(), store["eager"].encode(
                 old_values[:SMALL_TILE]), sent("compiled"), tile_elements=SMALL_TILE)
-    finally:
-        kernels.compiled = real
     if name == "nvfp4":
         values = x[:SMALL_TILE].clone()
         store["eager"].decode_into(store["eager"].encode(old_values[:SMALL_TILE]), values, add=True)
@@ -614,13 +590,9 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     # same bytes as eager's
     tail = x[: n - 37].clone()
     a = store["eager"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]), sent("eager"))
-    calls.clear()
-    kernels.compiled = spy
-    try:
+    with compiled_calls() as calls:
         b = store["compiled"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]),
                                                    sent("compiled"))
-    finally:
-        kernels.compiled = real
     assert torch.equal(a[0].wire, b[0].wire) and torch.equal(a[1].wire, b[1].wire)
     if fused == "feedback_encode" and rounding == "nearest":
         assert "feedback_encode" in calls, calls

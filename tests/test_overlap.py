@@ -468,25 +468,14 @@ def test_pieced_two_level_lossless_equals_deepspeed_bit_for_bit_at_two_ranks(sta
 def _kernel_modes_body(rank, world, per_node):
     import torch.distributed as dist
 
-    from deepspeed_gift.core import kernels
     from deepspeed_gift.core.rng import CounterRng
     from deepspeed_gift.exchange.comm import TorchComm, split_by_node
     from deepspeed_gift.exchange.two_level import TwoLevelReducer
+    from tests.kernel_calls import compiled_calls
 
     dist.init_process_group("gloo")
     whiteners = _whiteners()
     node_comm, slot_comm = split_by_node(TorchComm(), per_node)
-    calls, real = [], kernels.compiled
-
-    def spy(fn, **constants):
-        inner = real(fn, **constants)
-
-        def counted(*args):
-            calls.append(fn.__name__)
-            return inner(*args)
-        return counted
-
-    kernels.compiled = spy
     out = {}
     for whitened in (False, True):
         slices, total = _bucket(whitened)
@@ -495,12 +484,12 @@ def _kernel_modes_body(rank, world, per_node):
             two = TwoLevelReducer(node_comm, GiftReducer(slot_comm, codec, generator=CounterRng(7 + rank),
                                                          route="direct"),
                                   per_node, pieces=4, piece_min_elements=200, overlap=True)
-            del calls[:]
             got = []
-            for step in range(2):
-                grad = torch.randn(total, generator=torch.Generator().manual_seed(100 * step + rank))
-                two.reduce(grad, slices, whiteners if whitened else {}, divisor=world, step=step)
-                got.append(grad)
+            with compiled_calls() as calls:
+                for step in range(2):
+                    grad = torch.randn(total, generator=torch.Generator().manual_seed(100 * step + rank))
+                    two.reduce(grad, slices, whiteners if whitened else {}, divisor=world, step=step)
+                    got.append(grad)
             out[whitened, mode] = (got, calls.count("spans_block_encode"),
                                    calls.count("ragged_block_encode") + calls.count("fp8_block_encode"))
     return out

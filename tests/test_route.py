@@ -13,6 +13,7 @@ from deepspeed_gift.exchange.plan import GEO, HIGH, MAIN, ParamSlice
 from deepspeed_gift.exchange.reducer import GiftReducer
 from launch.spawn import run_ranks
 from tests.harness import train_many
+from tests.kernel_calls import compiled_calls
 from tests.spread import assert_within_native_spread, native_perturbed
 
 N = 40_000
@@ -122,7 +123,6 @@ def test_error_feedback_reduces_the_same_bits_with_compiled_and_eager_kernels(ro
     step (``Int8Codec.encode_with_residual``; the relay's second hop too), and every rank's results
     equal the eager path's bit for bit, step after step (the residuals carry each step's error
     into the next, so a stored byte that differed would show)."""
-    from deepspeed_gift.core import kernels
 
     world, steps, n = 4, 3, 128 * 320  # sections of whole blocks (the fused kernel's), and one that is not
     slices = ([ParamSlice(0, 0, n, 0, 0)] if route == "relay" else
@@ -142,18 +142,8 @@ def test_error_feedback_reduces_the_same_bits_with_compiled_and_eager_kernels(ro
             return torch.stack(out)
         return run_local(world, body)
 
-    calls = []
-    real = kernels.compiled
-
-    def spy(fn, **constants):
-        calls.append((fn.__name__, constants.get("block")))
-        return real(fn, **constants)
-
-    kernels.compiled = spy
-    try:
+    with compiled_calls(block=True) as calls:
         fused = run("compiled")
-    finally:
-        kernels.compiled = real
     # direct: the sends; relayed: the relay's int8-per-32 hop (the chunks a rank sends to the
     # relays keep their three steps: a residual per section, payloads per run of chunks)
     assert ("feedback_encode", 32 if route == "relay" else 128) in calls, sorted(set(calls))
@@ -170,7 +160,6 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
     encoded by one call for all (``Codec.encode_spans``), none by an encode of its own, and
     every rank's result equals the eager path's bit for bit (stochastic rounding: each section
     under the key its own encode draws, step after step), and telemetry counts the same bytes."""
-    from deepspeed_gift.core import kernels
 
     world, n = 4, 128 * 160
     sizes = [n // 4 - 37, n // 4 + 61, n // 4 - 5, n // 4 - 19]
@@ -188,22 +177,8 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
             return out
         return run_local(world, body)
 
-    calls = []
-    real = kernels.compiled
-
-    def spy(fn, **constants):
-        inner = real(fn, **constants)
-
-        def counted(*args):
-            calls.append(fn.__name__)
-            return inner(*args)
-        return counted
-
-    kernels.compiled = spy
-    try:
+    with compiled_calls() as calls:
         fused = run("compiled")
-    finally:
-        kernels.compiled = real
     # per rank and step one encode of its three sections; the owner's sums are decode_sum's
     assert calls.count("spans_block_encode") == 2 * world, calls
     assert not {"ragged_block_encode", "fp8_block_encode", "int_block_encode"} & set(calls), calls
@@ -221,7 +196,6 @@ def test_a_relays_sums_are_encoded_in_one_call_with_the_same_bits(rounding):
     steps: a relay's sums of its chunks, one buffer, are encoded for their owners in one call
     (the relay's int8-per-32 hop), and every rank's result equals the eager path's bit for bit
     (stochastic rounding: each sum under the key its own encode draws)."""
-    from deepspeed_gift.core import kernels
 
     world, n = 4, 128 * 90
     slices = [ParamSlice(1, 0, n // 2 - 13, 0, 1), ParamSlice(2, n // 2 - 13, n // 2 + 13, 0, 2)]
@@ -240,21 +214,8 @@ def test_a_relays_sums_are_encoded_in_one_call_with_the_same_bits(rounding):
             return out
         return run_local(world, body)
 
-    calls, real = [], kernels.compiled
-
-    def spy(fn, **constants):
-        inner = real(fn, **constants)
-
-        def counted(*args):
-            calls.append((fn.__name__, constants.get("block")))
-            return inner(*args)
-        return counted
-
-    kernels.compiled = spy
-    try:
+    with compiled_calls(block=True) as calls:
         fused = run("compiled")
-    finally:
-        kernels.compiled = real
     # each rank relays sums for the owners (two, or one for an owner), one call a step
     assert calls.count(("spans_block_encode", 32)) == 2 * world, calls
     for rank, (a, b) in enumerate(zip(run("eager"), fused)):
@@ -266,7 +227,6 @@ def test_plain_sections_of_two_codecs_are_two_calls_whatever_their_order():
     the plan: a rank encodes all its main sections in one call and all its high ones in
     another, not a call each time the codec changes, with the eager path's bits (stochastic
     rounding: the main sections under the reducer's generator, the high ones their codec's own)."""
-    from deepspeed_gift.core import kernels
     from deepspeed_gift.core.rng import CounterRng
 
     world, n = 4, 3000
@@ -284,21 +244,8 @@ def test_plain_sections_of_two_codecs_are_two_calls_whatever_their_order():
             return bucket
         return run_local(world, body)
 
-    calls, real = [], kernels.compiled
-
-    def spy(fn, **constants):
-        inner = real(fn, **constants)
-
-        def counted(*args):
-            calls.append(fn.__name__)
-            return inner(*args)
-        return counted
-
-    kernels.compiled = spy
-    try:
+    with compiled_calls() as calls:
         fused = run("compiled")
-    finally:
-        kernels.compiled = real
     assert calls.count("spans_block_encode") == 2 * world, calls
     for rank, (a, b) in enumerate(zip(run("eager"), fused)):
         assert torch.equal(a, b), rank
