@@ -194,18 +194,23 @@ def test_a_ranks_plain_sections_are_encoded_in_one_call_with_the_same_bits(fmt, 
 def test_a_relays_sums_are_encoded_in_one_call_with_the_same_bits(rounding):
     """The relay route, 4 ranks, a bucket of two owners' uneven sections, codecs compiled, two
     steps: a relay's sums of its chunks, one buffer, are encoded for their owners in one call
-    (the relay's int8-per-32 hop), and every rank's result equals the eager path's bit for bit
-    (stochastic rounding: each sum under the key its own encode draws)."""
+    (the relay's int8-per-32 hop; a high section's in its own codec, another call), and every
+    rank's result equals the eager path's bit for bit (stochastic rounding: each sum under the
+    key its own encode draws, a high one's from its codec's own generator)."""
+
+    from deepspeed_gift.core.rng import CounterRng
 
     world, n = 4, 128 * 90
-    slices = [ParamSlice(1, 0, n // 2 - 13, 0, 1), ParamSlice(2, n // 2 - 13, n // 2 + 13, 0, 2)]
+    slices = [ParamSlice(1, 0, n // 2 - 13, 0, 1), ParamSlice(2, n // 2 - 13, n // 2 - 200, 0, 2),
+              ParamSlice(2, n - 213, 213, 0, 3, 0, HIGH)]  # and a high one, in its codec
     grads = torch.randn(2, world, n, generator=torch.Generator().manual_seed(8))
 
     def run(mode):
         def body(comm):
             codec = formats.get_format("fp8_e4m3", kernels=mode, rounding=rounding, seed=11)
+            high = formats.get_format("int8", kernels=mode, rounding=rounding, seed=13)
             relay = formats.get_format("int8", block_size=32, kernels=mode, rounding=rounding, seed=12)
-            reducer = GiftReducer(comm, codec, route="relay", relay_codec=relay)
+            reducer = GiftReducer(comm, codec, high, route="relay", relay_codec=relay, generator=CounterRng(comm.rank))
             out = []
             for step in range(2):
                 bucket = grads[step][comm.rank].clone()
@@ -216,8 +221,10 @@ def test_a_relays_sums_are_encoded_in_one_call_with_the_same_bits(rounding):
 
     with compiled_calls(block=True) as calls:
         fused = run("compiled")
-    # each rank relays sums for the owners (two, or one for an owner), one call a step
+    # each rank relays sums for the owners (two, or one for an owner), one call a step; the high
+    # section's chunks (two blocks: two relays, one of them its owner) another
     assert calls.count(("spans_block_encode", 32)) == 2 * world, calls
+    assert calls.count(("spans_block_encode", 128)) == 2, calls
     for rank, (a, b) in enumerate(zip(run("eager"), fused)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
 

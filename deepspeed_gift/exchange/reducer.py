@@ -376,6 +376,8 @@ class GiftReducer:
         stay one per sender). Bits equal decoding each sender alone and adding, except the
         payload bits of a nan."""
         me, world = self.comm.rank, self.comm.world_size
+        if start is not None and out is not None:
+            raise ValueError("sum_sources: a sum from start is made in start, not in out; give one of them")
         if start is None and own is not None and me == 0:  # I come first: the sum starts from mine
             start, own = (own, None) if out is None else (out.copy_(own), None)
         if world == 1:  # nobody else contributed (my own, if given, is the start: I am rank 0)

@@ -86,7 +86,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     stats.codec_s += r.now() - t0
     # the chunks received are summed: let them go before the forwards arrive (b N (W-1)/W bytes
     # that would otherwise sit beside the owner's totals)
-    del recv, incoming
+    del recv, incoming, own_chunks  # (my chunks are in their sums now)
     # the sums on to the owners, encoded once
     t0 = r.now()
     forward: Dict[int, list] = {}
@@ -107,7 +107,8 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                 _forward_batch(r, plan, flat, places, batch, forward, stats)
                 batch[:2] = [[], 0]
             forward.setdefault(d, []).append(None)
-            batch[0].append((i, d, len(forward[d]) - 1, codec.next_key(r.encoder.generator)))
+            # (a high section's encode takes its codec's own generator, as SectionEncoder.encode's)
+            batch[0].append((i, d, len(forward[d]) - 1, codec.next_key(None if sec.high else r.encoder.generator)))
             batch[1] += value.numel()
             continue
         if feedback and not sample:  # the relay's own residual added, encoded and kept: one pass where compiled
@@ -127,6 +128,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     stats.codec_s += r.now() - t0
     pending = r.send_start(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
                            head, stats)
+    del forward  # copied into the send buffer
     yield 0  # the sums under way, the last
     recv = r.wait(pending, stats)
     t0 = r.now()

@@ -229,7 +229,8 @@ def spans_batch_limit(device, tile: int) -> int:
     """The longest span that joins a batched encode on ``device``: a tile on a GPU (an encode
     call costs the host ~100 us there, a span's bytes microseconds of HBM, and Triton's gathered
     loads of a block's consecutive elements coalesce), :data:`SPANS_CPU_ELEMENTS` on a CPU."""
-    return tile if torch.device(device).type != "cpu" else min(tile, SPANS_CPU_ELEMENTS)
+    # (and below 2^32: a span's random bits are drawn by offsets that one hash round serves)
+    return min(tile, 1 << 32) if torch.device(device).type != "cpu" else min(tile, SPANS_CPU_ELEMENTS)
 
 
 def _row_ranges(n_rows: int, step: int) -> Iterator[Tuple[int, int]]:
