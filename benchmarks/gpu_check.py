@@ -110,10 +110,38 @@ def check_parity(device, numel: int, mode: str = "by_device") -> list:
             for kernels, key in ((mode, "stochastic_equal"), ("eager", "stochastic_eager_equal")):
                 codec = formats.get_format(name, rounding="stochastic", seed=7, kernels=kernels)
                 row[key] = torch.equal(sr_ref, codec.encode_to_bytes(x).cpu())
+        row["spans_equal"] = _spans_equal(name, x_cpu, device, mode)
         row["feedback_differ"] = _feedback_differ(name, device, mode)
         row["feedback_equal"] = not any(row["feedback_differ"].values())
         rows.append(row)
     return rows
+
+
+def _spans_equal(name: str, x_cpu: torch.Tensor, device, mode: str):
+    """Spans of one tensor (a short block each, one of a single element) encoded by one device
+    call (``Codec.encode_spans``, Triton's gathered loads on CUDA), rounded to nearest and
+    stochastically, against the CPU eager encode of each span alone: True, False, or "-" where
+    the codec does not batch spans on this device."""
+    from deepspeed_gift.core.rng import CounterRng
+
+    n = x_cpu.numel()
+    spans = [(0, 300), (300, 1), (301, n // 2 - 301), (n // 2 + 5, n - n // 2 - 5)]
+    same = None
+    for rounding in ("nearest", "stochastic"):
+        codec = formats.get_format(name, kernels=mode, rounding=rounding, seed=7)
+        if not codec.encodes_spans(device):
+            return "-"
+        ref = formats.get_format(name, kernels="eager", rounding=rounding, seed=7)
+        keys = None
+        if rounding == "stochastic":  # each span's key, drawn in order as their own encodes draw them
+            rng = CounterRng(9)
+            keys = [codec.next_key(rng) for _ in spans]
+        parts = codec.encode_spans(x_cpu.to(device).bfloat16(), spans, keys=keys)
+        rng = CounterRng(9)
+        for (a, k), wire in zip(spans, parts):
+            want = ref.encode_to_bytes(x_cpu.bfloat16()[a:a + k], generator=rng)
+            same = (same is not False) and torch.equal(torch.cat(wire).cpu(), want)
+    return same
 
 
 def _feedback_differ(name: str, device, mode: str, numel: int = 128 * 33) -> dict:
@@ -482,10 +510,11 @@ def print_tables(out: dict) -> None:
     print(f"device {out['name']} ({out['device']}), torch {out['torch']}")
     if "parity" in out:
         _table("<format | bytes | <same bytes | <eager same bytes | <same count | <same decode | <batch decode | "
-               "<stochastic = CPU | <stochastic eager = CPU | <error feedback = CPU",
+               "<stochastic = CPU | <stochastic eager = CPU | <spans in one call = CPU | <error feedback = CPU",
                [[r["format"], r["nbytes"], r["bytes_equal"], r["eager_bytes_equal"], r["count_equal"],
                  r["decode_equal"], r["batch_decode_equal"], r.get("stochastic_equal", "-"),
-                 r.get("stochastic_eager_equal", "-"), r["feedback_equal"]] for r in out["parity"]])
+                 r.get("stochastic_eager_equal", "-"), r.get("spans_equal", "-"), r["feedback_equal"]]
+                for r in out["parity"]])
         for r in out["parity"]:
             wrong = {k: v for k, v in {**r["batch_decode_differ"], **r["feedback_differ"]}.items() if v}
             if wrong:
