@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -109,3 +109,38 @@ class SectionEncoder:
         else:
             stats.bytes_main += copies * nbytes
             stats.bytes_scales += copies * (codec or self.codec_of(sec)).scale_nbytes(numel)
+
+
+class SpanBatches:
+    """Sections that are spans of one flat buffer ``x`` (as it lies), gathered per codec and
+    encoded a batch at a time by one call (``Codec.encode_spans``), each batch of at most
+    ``limit`` elements; ``deliver(item, numel, codec, wire)`` takes each section's wire (its
+    uint8 pieces, joined where it goes). A section's stochastic rounding key is drawn by the
+    caller where the section's own encode would have drawn it, and given with it. Serves the
+    reducer's plain sections and a relay's sums alike."""
+
+    def __init__(self, x: torch.Tensor, limit: int, deliver: Callable) -> None:
+        self.x, self.limit, self.deliver = x, limit, deliver
+        self._open: Dict[int, list] = {}  # id(codec) -> [codec, [(start, numel, key, item)], elements]
+
+    def add(self, codec, start: int, numel: int, key: Optional[Tuple[int, int]], item) -> None:
+        batch = self._open.get(id(codec))
+        if batch is not None and batch[2] + numel > self.limit:
+            self._encode(id(codec))
+            batch = None
+        if batch is None:
+            batch = self._open[id(codec)] = [codec, [], 0]
+        batch[1].append((start, numel, key, item))
+        batch[2] += numel
+
+    def finish(self) -> None:
+        for k in list(self._open):
+            self._encode(k)
+
+    def _encode(self, k: int) -> None:
+        codec, entries, _ = self._open.pop(k)
+        keys = [key for _, _, key, _ in entries]
+        parts = codec.encode_spans(self.x, [(start, numel) for start, numel, _, _ in entries],
+                                   keys=None if keys[0] is None else keys)
+        for (_, numel, _, item), wire in zip(entries, parts):
+            self.deliver(item, numel, codec, wire)

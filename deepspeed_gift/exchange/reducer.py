@@ -21,7 +21,7 @@ import torch
 
 from ..core.geometry import Transform, full_fp32_matmuls
 from .comm import Pending
-from .encode import Packed, SectionEncoder
+from .encode import Packed, SectionEncoder, SpanBatches
 from .feedback import ErrorFeedback
 from .fidelity import exact_sample_reduction
 from .headers import (CONTROL_HEADER_BYTES, DISAGREE, FINGERPRINT_BYTES, HeaderChecks, agree_on_plan, expect_codec_header,
@@ -199,9 +199,12 @@ class GiftReducer:
         made (key: the section's index) and are not kept in the result."""
         me, enc = self.comm.rank, self.encoder
         packed = [] if not only_shared else {}
-        # plain spans sent, per codec: [(index, section, start, key), ...] and their elements,
-        # encoded in one call a batch of at most a tile
-        batches: Dict[int, list] = {}
+        def deliver(item, numel, codec, wire):
+            index, sec = item
+            outbox.put_parts(index, wire)
+            enc.count_sent(sec, sum(t.numel() for t in wire), numel, 1, stats)
+
+        spans = SpanBatches(tensor, self.tile_elements, deliver)  # plain spans sent, a call a batch
         for index, sec in enumerate(plan.sections):
             if only_shared and not sec.shared:
                 continue
@@ -220,14 +223,11 @@ class GiftReducer:
                 # one encode for all (Codec.encode_spans; a call each cost the host ~100 us), its
                 # stochastic rounding key drawn here, where its own encode would have drawn it
                 codec = enc.codec_of(sec)
-                batch = batches.setdefault(id(codec), [[], 0])
-                if batch[1] + sec.numel > self.tile_elements:
-                    self._encode_batch(tensor, batch[0], outbox, stats)
-                    batch[:] = [[], 0]
                 # (a high section's encode takes its codec's own generator, as SectionEncoder.encode's)
-                batch[0].append((index, sec, start, codec.next_key(None if sec.high else enc.generator_for(sec, step))))
-                batch[1] += sec.numel
+                key = codec.next_key(None if sec.high else enc.generator_for(sec, step))
+                spans.add(codec, start, sec.numel, key, (index, sec))
                 stats.elements += sec.numel
+                stats.codec_s += self.now() - t0
                 packed.append(Packed())
                 continue
             if own_section or feedback:
@@ -266,9 +266,9 @@ class GiftReducer:
                 packed[index] = Packed(own=own, wire=wire)
             else:
                 packed.append(Packed(own=own, wire=wire))
-        for items, _ in batches.values():
-            if items:
-                self._encode_batch(tensor, items, outbox, stats)
+        t0 = self.now()
+        spans.finish()
+        stats.codec_s += self.now() - t0
         return packed
 
     def _batched_span(self, tensor: torch.Tensor, sec: Section, whiteners, outbox) -> Optional[int]:
@@ -287,20 +287,6 @@ class GiftReducer:
                 return None
             at += p.numel
         return sec.pieces[0].bucket_offset
-
-    def _encode_batch(self, tensor: torch.Tensor, batch: Sequence[tuple], outbox: "Outbox", stats: StepStats) -> None:
-        """The sections of ``batch`` (index, section, start, stochastic rounding key or None: plain
-        spans of ``tensor`` in one codec) encoded in one call, each joined into its place in
-        ``outbox``."""
-        t0, enc = self.now(), self.encoder
-        codec = enc.codec_of(batch[0][1])
-        keys = [key for *_, key in batch]
-        parts = codec.encode_spans(tensor, [(start, sec.numel) for _, sec, start, _ in batch],
-                                   keys=None if keys[0] is None else keys)
-        for (index, sec, _, _), wire in zip(batch, parts):
-            outbox.put_parts(index, wire)
-            enc.count_sent(sec, sum(t.numel() for t in wire), sec.numel, 1, stats)
-        stats.codec_s += self.now() - t0
 
     def outbox(self, layout: Dict[int, List[Tuple[object, int]]], expected: Sequence[int], head: torch.Tensor,
                stats: StepStats) -> "Outbox":

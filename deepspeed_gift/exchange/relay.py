@@ -8,7 +8,7 @@ from typing import Dict, Generator, List, Optional, Tuple
 import torch
 
 from ..core.geometry import full_fp32_matmuls
-from .encode import Packed
+from .encode import Packed, SpanBatches
 from .headers import CONTROL_HEADER_BYTES, DISAGREE, expect_codec_header, expect_control_header
 from ..core.formats import spans_batch_limit
 from .plan import BucketPlan, Section, SectionSource, gather_pieces
@@ -90,7 +90,13 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     # the sums on to the owners, encoded once
     t0 = r.now()
     forward: Dict[int, list] = {}
-    batches: Dict[int, list] = {}  # per codec: [(section, its place in forward[d], key)], their elements
+
+    def deliver(item, numel, codec, wire):
+        i, d, slot = item
+        forward[d][slot] = wire
+        r.encoder.count_sent(plan.sections[i], sum(t.numel() for t in wire), numel, 1, stats, codec=codec)
+
+    spans = SpanBatches(flat, r.tile_elements, deliver)  # sums that are spans of ``flat``: a call a batch
     for i, sec in enumerate(plan.sections):
         d = sec.dests[0]
         if sec.shared or i not in sums or d == me:
@@ -101,15 +107,11 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
         if not (feedback or sample) and codec.encodes_spans(device) and (
                 value.numel() <= spans_batch_limit(device, r.tile_elements)):
             # a span of the sums' buffer: encoded with the others of its codec in one call, its
-            # stochastic rounding key drawn here, where its own encode would have drawn it
-            batch = batches.setdefault(id(codec), [[], 0, codec])
-            if batch[1] + value.numel() > r.tile_elements:
-                _forward_batch(r, plan, flat, places, batch, forward, stats)
-                batch[:2] = [[], 0]
+            # stochastic rounding key drawn here, where its own encode would have drawn it (a
+            # high section's from its codec's own generator, as SectionEncoder.encode's)
             forward.setdefault(d, []).append(None)
-            # (a high section's encode takes its codec's own generator, as SectionEncoder.encode's)
-            batch[0].append((i, d, len(forward[d]) - 1, codec.next_key(None if sec.high else r.encoder.generator)))
-            batch[1] += value.numel()
+            spans.add(codec, places[i], value.numel(), codec.next_key(None if sec.high else r.encoder.generator),
+                      (i, d, len(forward[d]) - 1))
             continue
         if feedback and not sample:  # the relay's own residual added, encoded and kept: one pass where compiled
             wire = r.feedback.send_relayed(plan, i, value, codec, generator=r.encoder.generator,
@@ -122,9 +124,7 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
                 r.feedback.keep_relayed_sent(plan, i, value, codec, wire)
         r.encoder.count_sent(sec, wire.numel(), sums[i].numel(), 1, stats, codec=codec)
         forward.setdefault(d, []).append(wire)
-    for batch in batches.values():
-        if batch[0]:
-            _forward_batch(r, plan, flat, places, batch, forward, stats)
+    spans.finish()
     stats.codec_s += r.now() - t0
     pending = r.send_start(forward, plan.forward_sizes[me], [plan.forward_sizes[j][me] for j in range(world)],
                            head, stats)
@@ -135,20 +135,6 @@ def relay_totals(r, tensor: torch.Tensor, plan: BucketPlan, transforms, stats: S
     totals = owner_totals(r, plan, recv, head, sums, shared_totals, device)
     stats.codec_s += r.now() - t0
     return totals
-
-
-def _forward_batch(r, plan: BucketPlan, flat: torch.Tensor, places: Dict[int, int], batch: list,
-                   forward: Dict[int, list], stats: StepStats) -> None:
-    """The sums of ``batch`` (its sections, their places in ``forward`` and keys; its elements;
-    its codec), spans of ``flat``, encoded in one call into the parts of their messages."""
-    items, _, codec = batch
-    me = r.comm.rank
-    spans = [(places[i], plan.chunks[i][me][1]) for i, _, _, _ in items]
-    keys = [key for *_, key in items]
-    parts = codec.encode_spans(flat, spans, keys=None if keys[0] is None else keys)
-    for (i, d, slot, _), wire, (_, n) in zip(items, parts, spans):
-        forward[d][slot] = wire
-        r.encoder.count_sent(plan.sections[i], sum(t.numel() for t in wire), n, 1, stats, codec=codec)
 
 
 def send_chunks(r, tensor: torch.Tensor, plan: BucketPlan, i: int, transforms, outbox, stats: StepStats,
