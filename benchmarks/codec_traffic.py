@@ -190,6 +190,7 @@ def _fresh_inductor():
     real = fused_kernels.compiled
     real_columns = formats.nvfp4._blocks_as_columns
     real_pads = formats.base.pads_inside
+    real_finer = formats.integer.finer_blocks_fused
 
     def compiled_uncounted(fn, **constants):
         graph = real(fn, **constants)
@@ -215,6 +216,7 @@ def _fresh_inductor():
     fused_kernels.compiled = compiled_uncounted
     formats.nvfp4._blocks_as_columns = lambda x: x.t()  # a GPU's layout: a view, no transposed copy
     formats.base.pads_inside = formats.nvfp4.pads_inside = lambda device: True  # a GPU's short block
+    formats.integer.finer_blocks_fused = lambda device: True  # a GPU's feedback step of finer blocks
     try:
         with inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
             metrics.reset()
@@ -224,6 +226,7 @@ def _fresh_inductor():
         fused_kernels.compiled = real
         formats.nvfp4._blocks_as_columns = real_columns
         formats.base.pads_inside = formats.nvfp4.pads_inside = real_pads
+        formats.integer.finer_blocks_fused = real_finer
         torch._logging.set_logs(inductor_metrics=False)
 
 

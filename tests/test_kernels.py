@@ -16,7 +16,7 @@ import torch
 
 from deepspeed_gift.config import get_gift_config
 from deepspeed_gift.core import kernels
-from deepspeed_gift.core.formats import NvFp4Codec, get_format
+from deepspeed_gift.core.formats import NvFp4Codec, get_format, integer
 from deepspeed_gift.core.formats.fp8 import fp8_block_encode
 from deepspeed_gift.core.rng import CounterRng, counter_bits
 from tests.kernel_calls import compiled_calls
@@ -533,6 +533,7 @@ FEEDBACK_CASES = [
     ("fp8_e4m3", {}, "stochastic"),
     ("int4", {}, "stochastic"),  # nibbles
     ("int8", {"block_size": 32}, "nearest"),  # the relay's second hop: four blocks a residual block
+    ("int4", {"block_size": 32}, "stochastic"),  # ... stochastic, in nibbles
     ("fp8_e5m2", {"block_size": 0}, "stochastic"),  # one scale per tensor: a first pass for the amax
     ("int4", {"block_size": 0}, "nearest"),  # ... and nibbles
     # a global scale's first pass, then two kernels a tile (one candidate scale: the same path
@@ -542,10 +543,11 @@ FEEDBACK_CASES = [
 
 
 @pytest.mark.parametrize("name,options,rounding", FEEDBACK_CASES, ids=[f"{n}-{o}-{r}" for n, o, r in FEEDBACK_CASES])
-def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, rounding):
+def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, rounding, monkeypatch):
     """Error feedback's whole step for a payload a rank sends in one compiled kernel a tile
     (last residual added, encoded, the new residual; with one scale per tensor after a first
-    pass over the tiles for the sum's amax) gives the bytes of its three eager steps:
+    pass over the tiles for the sum's amax; sent blocks finer than the residual's, every
+    reduction over the residual's rows, as a GPU takes it) gives the bytes of its three eager steps:
     the residual's decode added, the encode, the int8 encode of the difference. Several tiles;
     stochastic rounding draws the same bits (one key, the elements' offsets). A section that is
     not whole blocks takes the three steps, the same bytes."""
@@ -555,6 +557,7 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
     n = 2 * SMALL_TILE
     x = torch.nan_to_num(_input(n), nan=1.0, posinf=2.0, neginf=-3.0)
     old_values = torch.randn(n, generator=torch.Generator().manual_seed(1)) * x.abs().clamp(max=1e30) * 0.01
+    monkeypatch.setattr(integer, "finer_blocks_fused", lambda device: True)  # a GPU's path on this CPU
     store = {m: get_format("int8", block_size=128, kernels=m) for m in ("eager", "compiled")}
     old = store["eager"].encode(old_values)
     def sent(mode):  # a fresh codec: stochastic rounding's first key
@@ -579,8 +582,9 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
         assert torch.equal(one[0].wire, p1.wire)
         assert torch.equal(one[1].wire, store["eager"].encode(values - sent("eager").decode(p1)).wire)
     # the fused kernels served the compiled mode (one scale per tensor: its first pass, then one kernel a tile)
-    fused = {"nvfp4": "nvfp4_feedback_tile"}.get(name, "feedback_tensor_encode" if options.get("block_size") == 0
-                                                 else "feedback_encode")
+    # (sent blocks finer than the residual's: every reduction over the residual's rows, one kernel)
+    fused = {"nvfp4": "nvfp4_feedback_tile"}.get(name, {0: "feedback_tensor_encode", 32: "feedback_sub_encode"}.get(
+        options.get("block_size"), "feedback_encode"))
     assert fused in calls, calls
     for m, (p, q) in got.items():
         assert torch.equal(p.wire, want.wire), m
@@ -594,8 +598,14 @@ def test_compiled_feedback_step_equals_the_three_eager_steps(name, options, roun
         b = store["compiled"].encode_with_residual(tail.clone(), store["eager"].encode(old_values[: n - 37]),
                                                    sent("compiled"))
     assert torch.equal(a[0].wire, b[0].wire) and torch.equal(a[1].wire, b[1].wire)
-    if fused == "feedback_encode" and rounding == "nearest":
-        assert "feedback_encode" in calls, calls
+    if fused in ("feedback_encode", "feedback_sub_encode") and rounding == "nearest":
+        assert fused in calls, calls
+    if fused == "feedback_sub_encode" and rounding == "nearest":  # a CPU's path: the sent blocks' rows
+        monkeypatch.undo()
+        with compiled_calls() as calls:
+            c = store["compiled"].encode_with_residual(x.clone(), old, sent("compiled"), tile_elements=SMALL_TILE)
+        assert "feedback_encode" in calls and "feedback_sub_encode" not in calls, calls
+        assert torch.equal(c[0].wire, want.wire) and torch.equal(c[1].wire, want_residual.wire)
 
 
 def test_feedback_send_keeps_a_nonfinite_block_of_the_residual_as_zeros():

@@ -812,13 +812,20 @@ class Codec:
         scales, NVFP4, the passthroughs)."""
         return None
 
-    def _fused_tensor_codes(self) -> Optional[Tuple[Callable, tuple, bool, float]]:
-        """This codec's compiled quantizer of a tile under one scale per tensor (a family function
-        taking ``(x (n,), divisor, key, e0)`` and returning the codes, whose float value times the
-        scale is the decode), its constants as ``(name, value)`` pairs, whether the codes are
-        stored as nibbles, and the format's largest magnitude (the scale is amax over it); or
-        None: it has none (block scales, NVFP4, the passthroughs)."""
+    def _fused_scaled_codes(self) -> Optional[Tuple[Callable, tuple, bool, float]]:
+        """This codec's compiled quantizer under fp32 scales made outside it (a family function
+        taking ``(x, divisor, key, e0)``, the divisor broadcast against ``x``, and returning the
+        codes, whose float value times the scale is the decode), its constants as ``(name,
+        value)`` pairs, whether the codes are stored as nibbles, and the format's largest
+        magnitude (a scale is :func:`fp32_scales` of an amax over it); or None: it has none
+        (E8M0 scales, NVFP4, the passthroughs). A per-tensor scale's encode takes it, and error
+        feedback's step where the sent blocks are finer than the residual's."""
         return None
+
+    def _fused_tensor_codes(self) -> Optional[Tuple[Callable, tuple, bool, float]]:
+        """:meth:`_fused_scaled_codes` for a codec with one scale per tensor; None with block
+        scales."""
+        return None if self.block_size else self._fused_scaled_codes()
 
     def _fused_fed_codes(self) -> Optional[Tuple[Callable, tuple, float]]:
         """This codec's compiled tile encode of error feedback's sum, for a format whose global

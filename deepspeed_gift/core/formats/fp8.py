@@ -137,8 +137,8 @@ class _Fp8Codec(_ScaledCodec):
         grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if stochastic else ()
         return fp8_block_codes, (("fmax", self.fmax), ("dtype", self.data_dtype)) + grid, False
 
-    def _fused_tensor_codes(self):
-        if self.scale_kind != "fp32" or self.block_size:
+    def _fused_scaled_codes(self):
+        if self.scale_kind != "fp32":
             return None
         stochastic = self.rounding == Rounding.STOCHASTIC
         grid = (("mant_bits", self.mant_bits), ("min_normal", self.min_normal)) if stochastic else ()

@@ -97,6 +97,47 @@ def feedback_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: 
     return scale, finite_or_zero(res_scale)
 
 
+def feedback_sub_encode(values: Tensor, res_data: Tensor, res_scales: Tensor, data: Tensor, res_out: Tensor,
+                        key: Optional[Tensor] = None, e0: int = 0, *, codes_fn, codes_kw: tuple, packed: bool,
+                        block: int, top: float, qmax: int) -> Tuple[Tensor, Tensor]:
+    """:func:`feedback_encode` where the sent format's blocks are finer than the residual's
+    (``block`` divides the residual's width ``res_out.shape[-1]``, e.g. the relay's int8/32 under
+    an int8/128 residual): every reduction over the residual's rows, so that the step stays one
+    kernel. Each sent block's amax is taken over its row with the row's other elements as zero
+    (|0| changes no block's amax; nan still propagates), its fp32 scale is
+    :func:`.kernels.fp32_scales` over ``top`` and each element is divided by its block's, so the
+    scales and codes are those of the sent format's own block kernel (``codes_fn``: its
+    quantizer under a given divisor, :meth:`Codec._fused_scaled_codes`). Where the sent blocks
+    were rows of their own, inductor cut the step at the two reductions' different rows and
+    stored the sum in fp32 between them (12.7 B an element against 7.2). ``data``: the bytes of
+    (rows, width) elements, nibbles when ``packed``. Returns (the sent blocks' scales in order,
+    the new residual's scales: 0 where a block held inf/nan)."""
+    width = res_out.shape[-1]
+    torch._check(values.shape[0] == res_out.shape[0] * width)  # whole blocks of both
+    fed = _fed(values, res_data, res_scales, width).view(-1, width)
+    part = torch.arange(width, device=fed.device) // block
+    scales = [fp32_scales(rows_amax(torch.where(part == j, fed, 0.0)), top) for j in range(width // block)]
+    scale = scales[-1][:, None]
+    for j in range(len(scales) - 2, -1, -1):
+        scale = torch.where(part == j, scales[j][:, None], scale)
+    codes = codes_fn(fed, safe_divisor(scale), key, e0, **dict(codes_kw))
+    data.copy_(_pack_int4(codes) if packed else codes.view(torch.uint8))
+    res_scale, res_codes = int_block_codes(fed - codes.to(torch.float32) * scale, qmax=qmax)
+    res_out.copy_(res_codes.view(torch.uint8))
+    return torch.stack(scales, dim=1).view(-1), finite_or_zero(res_scale)
+
+
+def finer_blocks_fused(device) -> bool:
+    """Where error feedback's step for sent blocks finer than the residual's is one kernel over
+    the residual's rows (:func:`feedback_sub_encode`; a GPU, where the step's cost is its bytes:
+    7.5 B an element against 12.7, ``benchmarks/codec_traffic.py --cases "relay int8/32"``),
+    rather than :func:`feedback_encode` over the sent blocks' rows, which inductor cuts in two
+    with the sum stored between (a CPU, where the masked reductions' arithmetic costs more than
+    the bytes: 48.9 against 40.5 ms for int8/32 and 83 against 72 for fp8_e4m3/32 at 2^22
+    elements, 2026-12-07). The bytes are the same either way."""
+    return torch.device(device).type != "cpu"
+
+
 def feedback_tensor_scale(values: Tensor, res_data: Tensor, res_scales: Tensor, best: Optional[Tensor], *,
                           width: int, qmax: float, block: int = 0) -> Tensor:
     """Error feedback's first pass for a format with one scale per tensor, one tile: the scale
@@ -138,6 +179,7 @@ def feedback_tensor_encode(values: Tensor, res_data: Tensor, res_scales: Tensor,
 # raised for every kernel, benchmarks/codec_traffic.py stalled for minutes in one compile.
 feedback_encode.compile_options = {"realize_opcount_threshold": 100_000, "realize_reads_threshold": 64}
 feedback_tensor_encode.compile_options = feedback_encode.compile_options
+feedback_sub_encode.compile_options = feedback_encode.compile_options
 feedback_difference_encode.compile_options = feedback_encode.compile_options
 
 
@@ -269,11 +311,20 @@ class _IntCodec(_ScaledCodec):
             return p, self.encode_difference(values, sent, p, tile_elements=tile_elements)
         block, width, epb = sent.block_size, self.block_size, sent.elements_per_byte
         p, q, key = self._feedback_payloads(values, sent, generator)
-        run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
-                                     block=block, qmax=self.qmax)
+        # sent blocks finer than the residual's: each reduction over the residual's rows, one kernel
+        finer = (sent._fused_scaled_codes() if block < width and width % block == 0 and finer_blocks_fused(device)
+                 else None)
+        if finer is not None:
+            row = width
+            run = fused_kernels.compiled(feedback_sub_encode, codes_fn=finer[0], codes_kw=finer[1], packed=finer[2],
+                                         block=block, top=finer[3], qmax=self.qmax)
+        else:
+            row = block
+            run = fused_kernels.compiled(feedback_encode, codes_fn=encoder[0], codes_kw=encoder[1], packed=encoder[2],
+                                         block=block, qmax=self.qmax)
         for e0, e1 in self._unit_tiles(done, unit, device, tile_elements):
             scale, res_scale = run(values[e0:e1], residual.data[e0:e1], residual.scales[e0 // width : e1 // width],
-                                   p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, block // epb),
+                                   p.data[e0 // epb : e1 // epb].view(torch.uint8).view(-1, row // epb),
                                    q.data[e0:e1].view(torch.uint8).view(-1, width), key, e0)
             sent._put_scales(p, e0 // block, scale)
             self._put_scales(q, e0 // width, res_scale)
@@ -409,9 +460,7 @@ class _IntCodec(_ScaledCodec):
             return None
         return int_block_codes, (("qmax", self.qmax),), self.elements_per_byte == 2
 
-    def _fused_tensor_codes(self):
-        if self.block_size:
-            return None
+    def _fused_scaled_codes(self):
         return int_tensor_codes, (), self.elements_per_byte == 2, float(self.qmax)
 
     def _fused_decode(self):
