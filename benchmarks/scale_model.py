@@ -19,8 +19,13 @@ rate) / efficiency``, with the bytes of one rank's tensor S (:func:`collective_b
     two-level            GIFT's ``hierarchy: two_level``: an exchange inside the node in the
                          bucket's dtype (NVLink, (G-1)/G of the bf16 bucket), then the quantized
                          all-to-all of the node's partial sums among the W/G same-slot GPUs of
-                         the nodes: NIC (W/G - 1)/(W/G) S / G, the two stages one after the other
-                         (the accounting the namespace cluster measures with 2 ranks per host)
+                         the nodes: NIC (W/G - 1)/(W/G) S / G, in whole buckets the two stages one
+                         after the other (the accounting the namespace cluster measures with 2
+                         ranks per host); in pieces (``--node-pieces``, gift's default) the layout
+                         model's pipeline, whose GPU stream runs the gradients' codec and the node
+                         stage's sum beside the links (``--codec-in-pipeline`` with
+                         ``--codec-traffic``; their time is then in the gradient column, not in
+                         T_codec)
 
     T_grad   bucket by bucket over the model's real layout (HF's Llama on the meta device,
              DeepSpeed's buckets of ``--bucket`` elements and contiguous partitions:
@@ -518,7 +523,8 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
                                                else layout_model.NODE_PIECES_BY_BUCKET),
            "node_piece_min_elements": args.node_piece_min_elements,
            "carry_buckets": args.carry_buckets, "host_call_s": args.host_us * 1e-6,
-           "section_join_s": args.join_us * 1e-6, "plain_sections": not all_layers}
+           "section_join_s": args.join_us * 1e-6, "plain_sections": not all_layers,
+           "codec_work": pipeline_codec_work(args, fmt) if path == "two_level" else {}}
     # 6 flops per weight per token, + attention scores and values (12 L d seq per token, causal
     # masking not discounted)
     compute = (6 * shapes["matmul"] + 12 * args.layers * args.hidden * args.seq) * tokens \
@@ -540,7 +546,10 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
         else:
             coded = n / g
             sent = n / g * (w // g - 1) / (w // g)
-        codec = (ratios[fmt]["encode"] + ratios[fmt]["decode"]) * copy_s * coded
+        # the gradients' codec: a term of its own, unless two-level's pipeline runs it on the
+        # GPU's stream beside the links (``--codec-in-pipeline``, :func:`pipeline_codec_work`)
+        if not (net["codec_work"] and pipelined(net)):
+            codec = (ratios[fmt]["encode"] + ratios[fmt]["decode"]) * copy_s * coded
         if geometry:
             forwards = max(1, tokens // (args.micro_batch * args.seq))
             counted = min(tokens, args.stats_tokens * forwards) if subsampled else tokens
@@ -575,6 +584,31 @@ def step_model(path: str, fmt: str, all_layers: bool, geometry: bool, subsampled
             "grad_comm": t_grad, "param_comm": t_param, "exposed_comm": comm}
 
 
+def pipelined(net: dict) -> bool:
+    """Whether two-level's exchange is modelled as its pipeline of pieces (``node_pieces`` > 1)."""
+    return net.get("node_pieces", 1) > 1
+
+
+def pipeline_codec_work(args, fmt: str) -> dict:
+    """The GPU work of two-level's pipeline (``--codec-in-pipeline``, with ``--codec-traffic``),
+    as ``layout_model.Rates`` takes it: the codec's counted bytes and kernels of ``fmt``'s
+    compiled rows (each piece's encode, the owner's decode-and-sum as a line in its senders, a
+    relay's sums and their encode) and the node stage's fp32 sum of the node's parts, each on the
+    GPU's stream of :func:`layout_model.scheme_seconds`, in order with the links, as the layout
+    model runs them. Empty (the codec a term of the step of its own, as before): without
+    ``--codec-traffic`` or with ``--no-codec-in-pipeline``. Whitening is left to the geometry's
+    term, which counts it already (its flops free here: ``whiten_rank`` stays what the host's
+    calls need, whether a rank's sections are plain)."""
+    if not (args.codec_in_pipeline and args.codec_traffic):
+        return {}
+    view = argparse.Namespace(nic_gbit=1.0, nvlink_gbyte=1.0, alpha_us=0.0, a2a_us=0.0, hbm_tbs=args.hbm_tbs,
+                              hbm_eff=args.hbm_eff, launch_us=args.launch_us, whiten_rank=0,
+                              fp32_tflops=args.fp32_tflops, fp32_eff=args.fp32_eff, kernels="compiled")
+    r = layout_model.traffic_rates(args.codec_traffic, view, TRAFFIC_CASES[fmt])
+    work = {k: getattr(r, k) for k in ("hbm_bps", "launch_s", "encode_bpe", "encode_kernels", "decode_a", "decode_b")}
+    return dict(work, fp32_flops=math.inf)
+
+
 def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: dict) -> float:
     """Seconds of GIFT's exchange of the step's buckets of the real layout (``by_layout``, flat or
     two-level): the layout model's busiest NIC and NVLink bytes at the calibrated efficiencies,
@@ -594,7 +628,7 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
     calls_of = dict(host_call_s=host_call_s, section_join_s=net.get("section_join_s", 0.0),
                     whiten_rank=0 if net.get("plain_sections") else 1)
     links = [layout_model.bucket_link_bytes(o, w, g, b) for o in buckets]
-    if path != "two_level" or pieces <= 1 or not all("two_level_by_layout" in x for x in links):
+    if path != "two_level" or not pipelined(net) or not all("two_level_by_layout" in x for x in links):
         scheme = "two_level_by_layout" if path == "two_level" and all("two_level_by_layout" in x for x in links) \
             else "by_layout"
         steps = collective_bytes("two_level" if scheme != "by_layout" else "alltoall", 1.0, w, g)["steps"]
@@ -609,7 +643,7 @@ def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: d
     # 5dd1139 every one of them was charged the larger count, a 4-GPU node stage 15 steps at
     # the paper's shape)
     rates = layout_model.Rates(net["nic_bps"] / 8 * net["alltoall_eff"], net["nvlink_bps"] / 8 * net["ring_eff"],
-                               a2a_step_s=net["alpha_s"], **calls_of)
+                               a2a_step_s=net["alpha_s"], **calls_of, **net.get("codec_work", {}))
     per_bucket = [[layout_model.bucket_stages(o, w, g, b, rates)["two_level_by_layout"]
                    for o in layout_model.cut_pieces(list(owners.items()), pieces, net["node_piece_min_elements"])]
                   for owners in buckets]
@@ -718,6 +752,10 @@ def main(argv=None) -> dict:
     g.add_argument("--carry-buckets", action=argparse.BooleanOptionalAction,
                    default=GiftConfig.model_fields["carry_buckets"].default,
                    help="gift.carry_buckets (under overlap_comm): two-level's pipeline carried from bucket to bucket")
+    g.add_argument("--codec-in-pipeline", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --codec-traffic: two-level's pipeline runs the gradients' codec and the node "
+                        "stage's sum on the GPU's stream beside the links, as the layout model does (off: the "
+                        "codec a term of the step of its own, the node stage's sum not counted)")
     g.add_argument("--ring-eff", type=float, help="link efficiency of ring collectives (default: the calibrated "
                                                   "one with --calibration, else 1)")
     g.add_argument("--alltoall-eff", type=float, help="link efficiency of all-to-all (default: the calibrated "

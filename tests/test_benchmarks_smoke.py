@@ -1,6 +1,7 @@
 """Tiny versions of the benchmarks: they run, print their table and write JSON."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -155,6 +156,30 @@ def test_scale_models_pipeline_charges_each_collective_its_own_latency_steps():
     nic = sum(s for _, s in stage.nic)
     got = scale_model.gift_grad_seconds("two_level", [owners], 1.03125, net)
     assert abs(got - (stage.node_steps + 2 * nic + stage.forward_steps) * alpha) < 1e-12
+
+
+def test_scale_model_runs_the_codec_on_the_pipelines_gpu_stream():
+    """``--codec-in-pipeline``: two-level's pipeline takes the gradients' codec and the node
+    stage's sum as the layout model's GPU stream (``pipeline_codec_work``'s rates). With links
+    that take no time, the exchange's time is that stream's work alone, piece after piece: the
+    node sums, the encodes, a relay's sums and encodes, the owners' decodes; without the work
+    (the codec a term of its own) the links' nothing."""
+    from benchmarks import layout_model
+
+    w, g = 64, 4
+    work = {"hbm_bps": 1e12, "launch_s": 5e-6, "encode_bpe": 5.1, "encode_kernels": 2, "decode_a": 4.0,
+            "decode_b": 1.0, "fp32_flops": math.inf}
+    net = {"world": w, "per_node": g, "nic_bps": 1e30, "nvlink_bps": 1e30, "alpha_s": 0.0, "ring_eff": 1.0,
+           "alltoall_eff": 1.0, "node_pieces": 2, "node_piece_min_elements": 1, "carry_buckets": True}
+    owners = {d: 1 << 20 for d in range(w)}
+    rates = layout_model.Rates(1e30, 1e30, **work)
+    stages = [layout_model.bucket_stages(o, w, g, 1.03125, rates)["two_level_by_layout"]
+              for o in layout_model.cut_pieces(list(owners.items()), 2, 1)]
+    gpu = sum(st.sum_s + st.encode_s + st.relay_s + st.decode_s for st in stages)
+    assert gpu > 0 and all(st.sum_s > 0 and st.encode_s > 0 and st.decode_s > 0 for st in stages)
+    got = scale_model.gift_grad_seconds("two_level", [owners], 1.03125, dict(net, codec_work=work))
+    assert abs(got - gpu) < 1e-9 * gpu
+    assert scale_model.gift_grad_seconds("two_level", [owners], 1.03125, net) < 1e-9 * gpu
 
 
 def test_scale_model_prints_the_paper_setting(tmp_path):
