@@ -148,7 +148,9 @@ def _feedback_differ(name: str, device, mode: str, numel: int = 128 * 33) -> dic
     """Error feedback's step for a payload a rank sends (``Int8Codec.encode_with_residual``: one
     compiled kernel a tile on CUDA for the block-scaled fp8 and integer formats) on ``device``
     against the CPU's eager payload and new residual: the bytes that differ, per rounding and
-    part (all 0: the same bytes)."""
+    part (all 0: the same bytes). The block formats again with blocks of 32, finer than the
+    residual's 128 (the relay's int8/32 hop): on CUDA one kernel over the residual's rows
+    (``integer.feedback_sub_encode``), which a CPU does not take."""
     from deepspeed_gift.exchange import feedback
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, numel)
@@ -156,16 +158,19 @@ def _feedback_differ(name: str, device, mode: str, numel: int = 128 * 33) -> dic
     old = store_cpu.encode(torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 1e-3)
     old_dev = store.bytes_to_payload(old.wire.to(device), (numel,), check_header=False)
     differ = {}
-    for rounding in ("nearest", "stochastic"):
-        try:
-            sent_cpu = formats.get_format(name, rounding=rounding, seed=7, kernels="eager")
-        except ValueError:  # fp32 is exact: it takes no rounding
-            continue
-        sent = formats.get_format(name, rounding=rounding, seed=7, kernels=mode)
-        want = store_cpu.encode_with_residual(x.clone(), old, sent_cpu)
-        got = store.encode_with_residual(x.to(device), old_dev, sent)
-        for part, a, b in zip(("payload", "residual"), want, got):
-            differ[f"{rounding} {part}"] = int((a.wire != b.wire.cpu()).sum())
+    finer = [{"block_size": 32}] if name in ("fp8_e4m3", "fp8_e5m2", "int8", "int4") else []
+    for options in [{}] + finer:
+        label = "" if not options else " /32"
+        for rounding in ("nearest", "stochastic"):
+            try:
+                sent_cpu = formats.get_format(name, rounding=rounding, seed=7, kernels="eager", **options)
+            except ValueError:  # fp32 is exact: it takes no rounding
+                continue
+            sent = formats.get_format(name, rounding=rounding, seed=7, kernels=mode, **options)
+            want = store_cpu.encode_with_residual(x.clone(), old, sent_cpu)
+            got = store.encode_with_residual(x.to(device), old_dev, sent)
+            for part, a, b in zip(("payload", "residual"), want, got):
+                differ[f"{rounding} {part}{label}"] = int((a.wire != b.wire.cpu()).sum())
     return differ
 
 
