@@ -601,12 +601,19 @@ def pipeline_codec_work(args, fmt: str) -> dict:
     calls need, whether a rank's sections are plain)."""
     if not (args.codec_in_pipeline and args.codec_traffic):
         return {}
-    view = argparse.Namespace(nic_gbit=1.0, nvlink_gbyte=1.0, alpha_us=0.0, a2a_us=0.0, hbm_tbs=args.hbm_tbs,
-                              hbm_eff=args.hbm_eff, launch_us=args.launch_us, whiten_rank=0,
-                              fp32_tflops=args.fp32_tflops, fp32_eff=args.fp32_eff, kernels="compiled")
-    r = layout_model.traffic_rates(args.codec_traffic, view, TRAFFIC_CASES[fmt])
+    return dict(_counted_work(args.codec_traffic, TRAFFIC_CASES[fmt], args.hbm_tbs, args.hbm_eff, args.launch_us))
+
+
+@functools.lru_cache(maxsize=None)
+def _counted_work(path: str, case: str, hbm_tbs: float, hbm_eff: float, launch_us: float) -> Tuple[tuple, ...]:
+    """:func:`pipeline_codec_work`'s rates, the traffic file read once (the model is evaluated
+    per config, rate and bisection step)."""
+    view = argparse.Namespace(nic_gbit=1.0, nvlink_gbyte=1.0, alpha_us=0.0, a2a_us=0.0, hbm_tbs=hbm_tbs,
+                              hbm_eff=hbm_eff, launch_us=launch_us, whiten_rank=0, fp32_tflops=1.0, fp32_eff=1.0,
+                              kernels="compiled")
+    r = layout_model.traffic_rates(path, view, case)
     work = {k: getattr(r, k) for k in ("hbm_bps", "launch_s", "encode_bpe", "encode_kernels", "decode_a", "decode_b")}
-    return dict(work, fp32_flops=math.inf)
+    return tuple(dict(work, fp32_flops=math.inf).items())
 
 
 def gift_grad_seconds(path: str, buckets: List[Dict[int, int]], b: float, net: dict) -> float:
